@@ -1,0 +1,16 @@
+"""graphir: a small ggml-like tensor-graph IR for LLM inference, in pure Python.
+
+Pipeline (data flows one way): models build Graphs -> passes rewrite them ->
+a backend lowers them to a Program -> the runtime runs and replays it.
+"""
+
+from graphir.builder import g
+from graphir.errors import BackendError, GraphError, GraphirError, InputError, LoadError
+from graphir.ir import Graph, Node
+from graphir.jit import jit
+from graphir.verify import verify
+
+__version__ = "0.1.0"
+
+__all__ = ["g", "Graph", "Node", "jit", "verify", "GraphirError", "GraphError", "LoadError", "BackendError",
+           "InputError"]

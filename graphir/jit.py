@@ -1,0 +1,85 @@
+"""`@graphir.jit`: trace a Python function of graph ops once per input signature, then run it.
+
+    @graphir.jit
+    def f(x, w):
+        return g.mul(g.rms_norm(x, eps=1e-6), w)
+
+    f(x_array, w_array)        # traces, lowers on the backend, runs
+    f.graph(x_array, w_array)  # the traced Graph, for dumps and passes
+
+Each argument becomes an Input named after the parameter. The traced graph is keyed by the
+arguments' shapes and dtypes, so a new shape traces again and an old one reuses its Program.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+
+from graphir.errors import InputError
+from graphir.ir import Graph, Node
+
+NUMPY_TO_DTYPE = {np.dtype("float32"): "f32", np.dtype("float16"): "f16", np.dtype("int32"): "i32"}
+
+
+class Jitted:
+    def __init__(self, fn: Callable[..., Any], backend: str, passes: str | None):
+        self.fn = fn
+        self.backend = backend
+        self.passes = passes
+        self.arg_names = list(inspect.signature(fn).parameters)
+        self.programs: dict[tuple, Any] = {}
+        self.graphs: dict[tuple, Graph] = {}
+        functools.update_wrapper(self, fn)
+
+    def _key(self, args: tuple) -> tuple:
+        if len(args) != len(self.arg_names):
+            raise InputError(f"{self.fn.__name__} takes {len(self.arg_names)} arrays, got {len(args)}")
+        key = []
+        for name, a in zip(self.arg_names, args):
+            a = np.asarray(a)
+            if a.dtype not in NUMPY_TO_DTYPE:
+                raise InputError(f"{self.fn.__name__}: argument {name!r} has dtype {a.dtype}; use float32, float16 or int32")
+            key.append((a.shape, NUMPY_TO_DTYPE[a.dtype]))
+        return tuple(key)
+
+    def graph(self, *args: np.ndarray) -> Graph:
+        key = self._key(args)
+        if key not in self.graphs:
+            from graphir.builder import g
+
+            nodes = [g.input(name, shape, dt) for name, (shape, dt) in zip(self.arg_names, key)]
+            result = self.fn(*nodes)
+            if isinstance(result, Node):
+                outputs = {"out": result}
+            elif isinstance(result, dict):
+                outputs = dict(result)
+            else:
+                outputs = {f"out{i}": r for i, r in enumerate(result)}
+            graph = Graph(outputs)
+            if self.passes:
+                from graphir.passes import run_pipeline
+
+                graph = run_pipeline(graph, self.passes)
+            self.graphs[key] = graph
+        return self.graphs[key]
+
+    def __call__(self, *args: np.ndarray) -> Any:
+        key = self._key(args)
+        graph = self.graph(*args)
+        if key not in self.programs:
+            from graphir.backends.registry import get_backend
+
+            self.programs[key] = get_backend(self.backend).lower(graph)
+        out = self.programs[key](dict(zip(self.arg_names, args)), {})
+        return out["out"] if list(out) == ["out"] else out
+
+
+def jit(fn: Callable[..., Any] | None = None, *, backend: str = "reference", passes: str | None = None):
+    """Decorator; use bare (`@jit`) or with options (`@jit(backend="cpu", passes="default")`)."""
+    if fn is None:
+        return lambda f: Jitted(f, backend, passes)
+    return Jitted(fn, backend, passes)

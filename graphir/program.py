@@ -1,0 +1,46 @@
+"""What every backend's Program shares: checking runtime inputs and making State buffers."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from graphir.dtypes import numpy_dtype
+from graphir.errors import InputError
+from graphir.ir import Graph
+
+
+def check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every Input present with its declared shape and dtype; returns contiguous arrays."""
+    out = {}
+    for node in graph.inputs:
+        if node.name not in inputs:
+            raise InputError(f"missing input {node.name!r} ({list(node.shape)} {node.dtype})")
+        arr = np.asarray(inputs[node.name])
+        want = numpy_dtype(node.dtype)
+        if arr.shape != node.shape:
+            raise InputError(f"input {node.name!r}: shape {list(arr.shape)}, graph expects {list(node.shape)}")
+        if arr.dtype != want:
+            if arr.dtype.kind != want.kind or (want.kind == "i" and not np.can_cast(arr.dtype, want, "same_kind")):
+                raise InputError(f"input {node.name!r}: dtype {arr.dtype}, graph expects {node.dtype}")
+            arr = arr.astype(want)
+        out[node.name] = np.ascontiguousarray(arr)
+    extra = set(inputs) - {n.name for n in graph.inputs}
+    if extra:
+        raise InputError(f"unexpected inputs {sorted(extra)}; the graph takes {[n.name for n in graph.inputs]}")
+    return out
+
+
+def new_state(graph: Graph) -> dict[str, np.ndarray]:
+    """Zeroed State buffers for a graph (KV caches, conv and recurrent states)."""
+    return {n.name: np.zeros(n.shape, numpy_dtype(n.dtype)) for n in graph.states}
+
+
+def check_state(graph: Graph, state: Mapping[str, np.ndarray]) -> None:
+    for n in graph.states:
+        buf = state.get(n.name)
+        if buf is None:
+            raise InputError(f"missing state buffer {n.name!r} ({list(n.shape)} {n.dtype})")
+        if buf.shape != n.shape or buf.dtype != numpy_dtype(n.dtype):
+            raise InputError(f"state {n.name!r}: {list(buf.shape)} {buf.dtype}, graph expects {list(n.shape)} {n.dtype}")

@@ -1,0 +1,54 @@
+"""The weight store: Param data lives here, never in the graph.
+
+A Weight keeps its *storage* array exactly as the file had it:
+  f32 -> float32, f16 -> float16, bf16 -> uint16 (raw bits), i32 -> int32,
+  quantized types -> uint8 of shape [..., bytes_per_row] (ggml blocks, row-major).
+`shape` is always the logical shape in numpy order (outermost first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from graphir.errors import LoadError
+
+
+@dataclass(frozen=True)
+class Weight:
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class Weights(Mapping[str, Weight]):
+    """A read-only name -> Weight mapping with a source label for error messages."""
+
+    def __init__(self, items: Mapping[str, Weight] | None = None, source: str = "<memory>"):
+        self._items: dict[str, Weight] = dict(items or {})
+        self.source = source
+
+    def __getitem__(self, name: str) -> Weight:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise LoadError(f"{self.source}: missing tensor {name!r}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, name: str, weight: Weight) -> None:
+        self._items[name] = weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self._items.values())
