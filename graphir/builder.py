@@ -19,7 +19,7 @@ from graphir.ops import OPS, REQUIRED, OpDef
 
 def _label(opname: str, name: str | None, src: tuple[Node, ...]) -> str:
     nm = f" {name!r}" if name else ""
-    args = ", ".join(f"{s.describe()}" for s in src)
+    args = ", ".join(s.describe() if isinstance(s, Node) else type(s).__name__ for s in src)
     return f"{opname}{nm}({args})"
 
 
@@ -117,6 +117,8 @@ class Builder:
         return _leaf("state", name, shape, dtype)
 
     def const(self, value: Any, dtype: str = "f32", name: str | None = None) -> Node:
+        if dtype not in ("f32", "i32"):
+            raise GraphError(f"const {name!r}: dtype must be f32 or i32, got {dtype!r}")
         arr = np.asarray(value, dtype={"f32": np.float32, "i32": np.int32}[dtype])
         return Node("const", dtype, arr.shape, (), Params({"value": tuple(arr.reshape(-1).tolist())}), name)
 

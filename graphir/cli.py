@@ -1,8 +1,267 @@
-"""The `graphir` command line: composes model building, passes, backends and dumps."""
+"""The `graphir` command line: composes model building, passes, backends and dumps.
+
+    graphir passes                                   list registered passes
+    graphir dump example --layers 0 -o g.html        look at a graph (text, dot, json, html)
+    graphir dump example --passes default --diff     what a pipeline changes
+    graphir run example -p "Hi" -n 8                 run the built-in example graph
+    graphir run smollm2-135m -p "Once upon a time"   generate text with a model
+
+Modules that other stages provide (graphir.api, graphir.passes) are imported lazily, so
+`dump` and `run example` work before any model or pass exists. Every GraphirError ends the
+command with `error: <message>` on stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import click
+import numpy as np
+
+from graphir import __version__
+from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
+from graphir.errors import GraphirError
+from graphir.ir import Graph
+
+DEFAULT_MODEL = "smollm2-135m"
+_EXTENSIONS = {".txt": "text", ".dot": "dot", ".gv": "dot", ".json": "json", ".html": "html", ".htm": "html"}
 
 
-@click.group()
+class CliError(click.ClickException):
+    """A user-facing failure: printed as `error: <message>`, exit code 1."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class GraphirGroup(click.Group):
+    """Turns any GraphirError raised by a command into a one-line error instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GraphirError as e:
+            raise CliError(str(e)) from None
+
+
+@click.group(cls=GraphirGroup)
+@click.version_option(__version__, prog_name="graphir")
 def main() -> None:
     """graphir: see and change what a language model computes."""
+
+
+# ---------------------------------------------------------------- passes
+def _pass_registry() -> dict[str, Any]:
+    return dict(getattr(_import_or_none("graphir.passes"), "PASSES", None) or {})
+
+
+@main.command("passes")
+def passes_cmd() -> None:
+    """List the registered graph passes with a one-line description each."""
+    registry = _pass_registry()
+    if not registry:
+        click.echo("no passes registered yet")
+        return
+    width = max(len(name) for name in registry)
+    for name, p in registry.items():
+        click.echo(f"{name:<{width}}  {getattr(p, 'description', '')}")
+
+
+# ---------------------------------------------------------------- dump
+def _layers_option(ctx: click.Context, param: click.Parameter, value: str | None) -> set[int] | None:
+    try:
+        return parse_layers(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def load_graph(spec: str, phase: str) -> Graph:
+    """`example`, a `.json` graph file, or a model spec resolved by graphir.api."""
+    if spec == "example":
+        from graphir.examples import build_example
+
+        return build_example(phase)
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise CliError(f"{spec}: no such graph file")
+        try:
+            return load_json(path.read_text(encoding="utf-8"))
+        except GraphirError as e:
+            raise CliError(f"{spec}: {e}") from None
+    return _api(spec).load(spec).graph(phase)
+
+
+def _api(spec: str) -> Any:
+    try:
+        api = importlib.import_module("graphir.api")  # lazily: loading models pulls in the model stack
+    except ImportError as e:
+        raise CliError(f"cannot resolve model spec {spec!r}: graphir.api is not available ({e}); "
+                       f"use 'example' or a .json graph file") from None
+    return api
+
+
+def _run_pipeline(graph: Graph, pipeline: str) -> Graph:
+    run_pipeline = getattr(_import_or_none("graphir.passes"), "run_pipeline", None)
+    if run_pipeline is None:
+        raise CliError("--passes needs graphir.passes.run_pipeline, which is not available yet")
+    return run_pipeline(graph, pipeline)
+
+
+def _import_or_none(name: str) -> Any:
+    """The module, or None if it does not exist yet; a module that exists but fails to import still raises."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        return None
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    Path(output).write_text(text, encoding="utf-8")
+    click.echo(f"wrote {output} ({len(text.encode())} bytes)", err=True)
+
+
+@main.command("dump")
+@click.argument("spec")
+@click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
+              help="which graph of a model to build")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="output format; default from -o's extension, else text")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write here instead of stdout")
+@click.option("--layers", default=None, callback=_layers_option,
+              help="show only these layers (blk.N), fold the rest: 0..1, 3, 0,2,5 or all")
+@click.option("--passes", "pipeline", default=None, help="run this pass pipeline first (see `graphir passes`)")
+@click.option("--diff", is_flag=True, help="print what --passes changed (op counts, then lines) instead")
+def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers: set[int] | None,
+             pipeline: str | None, diff: bool) -> None:
+    """Print a graph. SPEC: `example`, a graph .json file, or a model spec (e.g. smollm2-135m)."""
+    if diff and not pipeline:
+        raise click.UsageError("--diff needs --passes P: the pipeline whose changes to show")
+    if diff and fmt not in (None, "text"):
+        raise click.UsageError("--diff prints text; drop --format")
+    if fmt is None:
+        fmt = _EXTENSIONS.get(Path(output).suffix.lower(), "text") if output and not diff else "text"
+    if fmt == "json" and layers is not None:
+        raise click.UsageError("--layers folds text, dot and html views; JSON always holds the whole graph")
+    graph = load_graph(spec, phase)
+    if pipeline:
+        after = _run_pipeline(graph, pipeline)
+        if diff:
+            _emit(diff_graphs(graph, after), output)
+            return
+        graph = after
+    _emit(dump(graph, fmt, layers), output)
+
+
+# ---------------------------------------------------------------- run
+def _default_backend() -> str:
+    """cpu once it can lower graphs, else the numpy reference."""
+    from graphir.backends.registry import get_backend
+
+    try:
+        return "cpu" if hasattr(get_backend("cpu"), "lower") else "reference"
+    except GraphirError:
+        return "reference"
+
+
+@main.command("run")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("-p", "--prompt", default="The capital of France is", show_default=True)
+@click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=0), default=32, show_default=True)
+# Greedy by default, so a command line in the README prints the same text every time.
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 is greedy (top-k/top-p then do nothing); llama.cpp's default is 0.8")
+@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95, show_default=True, help="1 disables")
+@click.option("--seed", type=int, default=None, help="sampling seed (default: fresh each run)")
+@click.option("--backend", default=None, help="reference, cpu, ... (default: cpu if available, else reference)")
+def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+            backend: str | None) -> None:
+    """Generate text: stream it to stdout, progress and timings to stderr.
+
+    MODEL `example` runs the built-in 2-layer example graph instead: random weights,
+    prompt bytes as token ids, greedy decoding, and a summary of the logits.
+    """
+    if model == "example":
+        _run_example(prompt, n, seed or 0, backend or "reference")
+        return
+    api = _api(model)
+    backend = backend or _default_backend()
+    click.echo(f"loading {model} on {backend} ...", err=True)
+    t0 = time.perf_counter()
+    lm = api.load(model, backend=backend)
+    load_s = time.perf_counter() - t0
+    ids = lm.tokenizer.encode(prompt)
+    click.echo(f"prompt: {len(ids)} tokens", err=True)
+    add_token, flush = _text_stream(lm.tokenizer)
+    click.echo(prompt, nl=False)
+    t1 = time.perf_counter()
+    first_s: float | None = None
+    count = 0
+    for token in lm.generate(ids, max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed):
+        if first_s is None:
+            first_s = time.perf_counter() - t1
+        count += 1
+        click.echo(add_token(int(token)), nl=False)  # click.echo flushes, so text streams
+    click.echo(flush())
+    total_s = time.perf_counter() - t1
+    stats = dict(getattr(lm, "stats", None) or {})
+    click.echo(_timings(stats, load_s, first_s, count, total_s), err=True)
+
+
+def _text_stream(tokenizer: Any) -> tuple[Callable[[int], str], Callable[[], str]]:
+    """(add one id -> text, flush -> rest) from the tokenizer's streaming decoder.
+
+    Two spellings are accepted: `stream_decoder()` with `.add`, and `stream()` with `.push`.
+    """
+    if hasattr(tokenizer, "stream_decoder"):
+        decoder = tokenizer.stream_decoder()
+        return decoder.add, decoder.flush
+    if hasattr(tokenizer, "stream"):
+        decoder = tokenizer.stream()
+        return decoder.push, decoder.flush
+    raise CliError(f"tokenizer {type(tokenizer).__name__} has no streaming decoder (stream_decoder() or stream())")
+
+
+def _rate(tokens: Any, seconds: Any) -> str:
+    if not tokens or not seconds:
+        return "-"
+    return f"{tokens} tok, {tokens / seconds:.1f} tok/s"
+
+
+def _timings(stats: dict[str, Any], load_s: float, first_s: float | None, count: int, total_s: float) -> str:
+    """One stderr line; model.stats wins where present, else our own wall-clock measurements."""
+    decode_tokens = stats.get("decode_tokens", max(count - 1, 0))
+    decode_s = stats.get("decode_s", total_s - (first_s or 0.0))
+    parts = [f"load {stats.get('load_s', load_s):.2f} s",
+             "first token " + (f"{first_s:.3f} s" if first_s is not None else "-"),
+             "prefill " + _rate(stats.get("prefill_tokens"), stats.get("prefill_s")),
+             "decode " + _rate(decode_tokens, decode_s)]
+    return " | ".join(parts)
+
+
+def _run_example(prompt: str, n: int, seed: int, backend: str) -> None:
+    from graphir.examples import ExampleConfig, run_example
+
+    ids = list(prompt.encode("utf-8"))
+    config = ExampleConfig()
+    click.echo(f"example: {config.n_layers}-layer decoder, random weights (seed {seed}), {backend} backend; "
+               f"prompt = {len(ids)} byte tokens", err=True)
+    run = run_example(ids, max_new_tokens=n, seed=seed, backend=backend, config=config)
+    logits = run.prefill_logits
+    click.echo(f"logits {list(logits.shape)} f32: min {logits.min():.4f} max {logits.max():.4f} "
+               f"mean {logits.mean():.4f} std {logits.std():.4f}")
+    click.echo("last row, first 8: " + np.array2string(logits[-1, :8], precision=4, separator=", "))
+    click.echo(f"generated ids (greedy): {' '.join(map(str, run.generated)) or '(none)'}")
+    t = run.timings
+    click.echo(f"prefill {len(ids)} tok in {t['prefill_s']:.3f} s | "
+               f"decode {_rate(max(n - 1, 0), t['decode_s'])} (replaying one Program)", err=True)

@@ -85,6 +85,9 @@ class Node:
             raise AttributeError(f"Node is immutable; build a new node instead of setting {key!r}")
         object.__setattr__(self, key, value)
 
+    def __delattr__(self, key: str) -> None:
+        raise AttributeError(f"Node is immutable; cannot delete {key!r}")
+
     @property
     def numel(self) -> int:
         n = 1

@@ -33,6 +33,7 @@ class Jitted:
         self.arg_names = list(inspect.signature(fn).parameters)
         self.programs: dict[tuple, Any] = {}
         self.graphs: dict[tuple, Graph] = {}
+        self.kinds: dict[tuple, str] = {}  # what fn returned: "node", "dict" or "tuple"
         functools.update_wrapper(self, fn)
 
     def _key(self, args: tuple) -> tuple:
@@ -54,11 +55,12 @@ class Jitted:
             nodes = [g.input(name, shape, dt) for name, (shape, dt) in zip(self.arg_names, key)]
             result = self.fn(*nodes)
             if isinstance(result, Node):
-                outputs = {"out": result}
+                outputs, self.kinds[key] = {"out": result}, "node"
             elif isinstance(result, dict):
-                outputs = dict(result)
+                outputs, self.kinds[key] = dict(result), "dict"
             else:
                 outputs = {f"out{i}": r for i, r in enumerate(result)}
+                self.kinds[key] = "tuple"
             graph = Graph(outputs)
             if self.passes:
                 from graphir.passes import run_pipeline
@@ -75,7 +77,12 @@ class Jitted:
 
             self.programs[key] = get_backend(self.backend).lower(graph)
         out = self.programs[key](dict(zip(self.arg_names, args)), {})
-        return out["out"] if list(out) == ["out"] else out
+        kind = self.kinds[key]
+        if kind == "node":
+            return out["out"]
+        if kind == "tuple":  # a function returning (a, b) gives back a tuple, not a dict of "outN"
+            return tuple(out[f"out{i}"] for i in range(len(out)))
+        return out
 
 
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "reference", passes: str | None = None):

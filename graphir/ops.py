@@ -119,11 +119,13 @@ def _unary_infer(ts: list[Type], p: dict) -> Type:
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # e^-x = inf for very negative x gives the right limit, 0
+        return x / (1.0 + np.exp(-x))
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -132,7 +134,8 @@ def _softplus(x: np.ndarray) -> np.ndarray:
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+    # math.sqrt gives a Python float: an np.float64 factor would promote f32 inputs to f64
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 op("neg", 1, "-x")((_unary_infer, lambda x: -x))
@@ -319,7 +322,7 @@ def _flash_attn_ref(q, k, v, pos, kv_len, scale: float, window: int) -> np.ndarr
     vv = np.repeat(v[:length].astype(np.float32), group, axis=1)
     s = np.einsum("qhd,khd->hqk", q.astype(np.float32), kk) * np.float32(scale)
     s = np.where(allowed[None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # initial: kv_len may be 0
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     denom = e.sum(axis=-1, keepdims=True)
@@ -341,7 +344,7 @@ def _view_infer(ts: list[Type], p: dict) -> Type:
     need(all(s >= 0 for s in strides) and offset >= 0, "view strides and offset must be >= 0")
     need(DTYPES[dx].block == 1, f"views of quantized tensors ({dx}) are not supported")
     last = offset + sum((n - 1) * s for n, s in zip(shape, strides)) if numel(shape) else offset
-    need(last < max(numel(sx), 1) or numel(shape) == 0,
+    need(numel(shape) == 0 or last < numel(sx),
          f"view reaches element {last} but the source {list(sx)} has {numel(sx)} elements")
     return tuple(shape), dx
 
@@ -511,3 +514,4 @@ op("gated_delta_net", 6,
    "gated delta rule over tokens t: S *= exp(g_t); S += k_t (beta_t (v_t - k_t^T S))^T; o_t = (scale q_t)^T S; "
    "state [v_heads, d_k, d_v]; returns (o, new_state)",
    {"scale": (float, REQUIRED)}, multi=True)((_gdn_infer, _gdn_ref))
+import graphir.ops_fused  # noqa: E402,F401

@@ -3,8 +3,8 @@
 Rules: known ops; arity; params match the schema; shapes and dtypes equal what the op's
 rule infers (so views are in bounds); no cycles; leaves with one name have one type;
 in-place writes go only into State; and every other reader of a value that is written
-in place is an ancestor of the write, so "read the old KV rows, then overwrite them"
-has exactly one legal order.
+in place (directly, or through a view, which aliases it) is an ancestor of the write, so
+"read the old KV rows, then overwrite them" has exactly one legal order.
 """
 
 from __future__ import annotations
@@ -88,25 +88,45 @@ def _check_node(n: Node, ids: dict[int, int]) -> None:
 
 
 def _check_write_order(graph: Graph, ids: dict[int, int]) -> None:
+    writes = [n for n in graph.nodes() if OPS[n.op].writes]
+    if not writes:
+        return
     users = graph.users()
-    nodes = graph.nodes()
-    ancestors: dict[int, set[int]] = {}
-    for n in nodes:
-        acc: set[int] = set()
-        for s in n.src:
-            acc.add(id(s))
-            acc |= ancestors[id(s)]
-        ancestors[id(n)] = acc
-    for n in nodes:
-        if not OPS[n.op].writes:
-            continue
+    for n in writes:
         dst = n.src[0]
-        writers = [u for u in users[id(dst)] if OPS[u.op].writes and u.src[0] is dst]
+        writers = {id(u): u for u in users[id(dst)] if OPS[u.op].writes and u.src[0] is dst}
         if len(writers) > 1:
             raise GraphError(f"{where(ids, n)}: {len(writers)} writes consume the same value of "
                              f"{dst.describe()}; chain them so their order is defined")
-        for reader in users[id(dst)]:
-            if reader is n or id(reader) in ancestors[id(n)]:
+        before = _ancestors(n)
+        for reader in _readers(users, dst):
+            if reader is n or id(reader) in before:
                 continue
             raise GraphError(f"{where(ids, reader)} reads {dst.describe()} but is not ordered before the in-place "
                              f"write {where(ids, n)}; read the write's result instead, or make the write depend on it")
+
+
+def _ancestors(n: Node) -> set[int]:
+    """ids of every node n depends on (computed per write: a whole-graph table is quadratic on deep graphs)."""
+    seen: set[int] = set()
+    stack = list(n.src)
+    while stack:
+        s = stack.pop()
+        if id(s) not in seen:
+            seen.add(id(s))
+            stack.extend(s.src)
+    return seen
+
+
+def _readers(users: dict[int, list[Node]], dst: Node) -> list[Node]:
+    """Nodes that read dst's storage: its users and, since view ops alias their source, the users of those views."""
+    out: dict[int, Node] = {}
+    stack = [dst]
+    while stack:
+        v = stack.pop()
+        for u in users[id(v)]:
+            if id(u) not in out:
+                out[id(u)] = u
+                if OPS[u.op].view and u.src[0] is v:
+                    stack.append(u)
+    return list(out.values())

@@ -33,6 +33,9 @@ class Weights(Mapping[str, Weight]):
     def __init__(self, items: Mapping[str, Weight] | None = None, source: str = "<memory>"):
         self._items: dict[str, Weight] = dict(items or {})
         self.source = source
+        # Arrays a backend derives from these weights (dequantized copies, stacked projections),
+        # built once and shared by every Program lowered against this store.
+        self.derived: dict[tuple, object] = {}
 
     def __getitem__(self, name: str) -> Weight:
         try:

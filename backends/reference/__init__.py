@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from graphir.dtypes import numpy_dtype
 from graphir.errors import BackendError, GraphError
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
@@ -60,9 +61,25 @@ class ReferenceProgram:
             return np.asarray(n.params["value"], dtype=np.float32 if n.dtype == "f32" else np.int32).reshape(n.shape)
         args = [env[id(s)] for s in n.src]
         try:
-            return OPS[n.op].ref(*args, **n.params.as_dict())
+            value = OPS[n.op].ref(*args, **n.params.as_dict())
         except GraphError as e:
             raise BackendError(f"node %{ids[id(n)]} {n.describe()}: {e}") from None
+        multi = n.types is not None
+        for v, (shape, dtype) in zip(value if multi else (value,), n.types if multi else ((n.shape, n.dtype),),
+                                     strict=True):
+            _check_value(n, ids, np.asarray(v), tuple(shape), dtype)
+        return value
+
+
+def _check_value(n: Node, ids: dict[int, int], v: np.ndarray, shape: tuple[int, ...], dtype: str) -> None:
+    """The oracle checks itself: a reference must return the type the op's rule promised.
+
+    Values derived from f16/bf16 Params may be float32 (Params are dequantized), never float64.
+    """
+    want = numpy_dtype(dtype)
+    if v.shape != shape or not (v.dtype == want or (want.kind == "f" and v.dtype == np.float32)):
+        raise BackendError(f"node %{ids[id(n)]} {n.describe()}: reference returned {list(v.shape)} {v.dtype}, "
+                           f"the op's rule gives {list(shape)} {dtype}")
 
 
 def lower(graph: Graph, weights: Weights | None = None, **options: Any) -> ReferenceProgram:

@@ -1,0 +1,193 @@
+"""The `graphir` command line, through click's CliRunner (no subprocesses, so it stays fast)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from graphir import Graph, LoadError, g
+from graphir.cli import main
+from graphir.dump import dump_text, load_json
+from graphir.examples import build_example
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_help_lists_commands() -> None:
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for cmd in ("dump", "run", "passes"):
+        assert cmd in r.stdout
+    assert "--layers" in invoke("dump", "--help").stdout
+    assert "--top-p" in invoke("run", "--help").stdout
+
+
+def test_passes_lists_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = invoke("passes")
+    assert r.exit_code == 0 and r.stdout.strip()  # whatever is registered now, or the "none yet" line
+    fake = types.SimpleNamespace(PASSES={
+        "fuse_rms_norm_mul": types.SimpleNamespace(description="rms_norm then mul by a weight -> one op"),
+        "dce": types.SimpleNamespace(description="drop nodes no output or update reads"),
+    })
+    monkeypatch.setitem(sys.modules, "graphir.passes", fake)
+    lines = invoke("passes").stdout.splitlines()
+    assert lines == ["fuse_rms_norm_mul  rms_norm then mul by a weight -> one op",
+                     "dce                drop nodes no output or update reads"]
+    monkeypatch.setitem(sys.modules, "graphir.passes", None)  # not importable at all
+    assert invoke("passes").stdout == "no passes registered yet\n"
+
+
+@pytest.mark.parametrize("fmt, marker", [("text", '"blk.0.attn_norm"'), ("dot", "digraph graphir {"),
+                                         ("json", '"nodes": ['), ("html", "<!DOCTYPE html>")])
+def test_dump_formats_to_stdout(fmt: str, marker: str) -> None:
+    r = invoke("dump", "example", "--format", fmt)
+    assert r.exit_code == 0, r.output
+    assert marker in r.stdout
+
+
+@pytest.mark.parametrize("ext, marker", [(".txt", "%0 = param"), (".dot", "digraph"), (".json", '"outputs"'),
+                                         (".html", 'id="graph-json"')])
+def test_dump_to_file_infers_format(tmp_path: Path, ext: str, marker: str) -> None:
+    out = tmp_path / f"graph{ext}"
+    r = invoke("dump", "example", "-o", str(out))
+    assert r.exit_code == 0
+    assert r.stdout == "" and f"wrote {out}" in r.stderr
+    assert marker in out.read_text()
+
+
+def test_dump_json_file_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "decode.json"
+    assert invoke("dump", "example", "--phase", "decode", "--format", "json", "-o", str(path)).exit_code == 0
+    assert load_json(path.read_text()) == build_example("decode")
+    r = invoke("dump", str(path))
+    assert r.stdout == dump_text(build_example("decode"))
+
+
+def test_dump_layers_and_phase() -> None:
+    r = invoke("dump", "example", "--layers", "1", "--phase", "decode")
+    assert r.exit_code == 0
+    assert "# folded 34 nodes of layer 0; showing layers 1" in r.stdout
+    assert "[1] i32" in r.stdout
+    bad = invoke("dump", "example", "--layers", "one")
+    assert bad.exit_code == 2 and "bad layer spec" in bad.stderr
+    assert invoke("dump", "example", "--layers", "0", "--format", "json").exit_code == 2
+
+
+def test_dump_passes_and_diff(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = invoke("dump", "example", "--diff")
+    assert r.exit_code == 2 and "--diff needs --passes" in r.stderr
+
+    def run_pipeline(graph: Graph, spec: str) -> Graph:
+        assert spec == "silu-out"
+        return Graph({k: g.silu(v) for k, v in graph.outputs.items()}, graph.updates, graph.meta)
+
+    monkeypatch.setitem(sys.modules, "graphir.passes", types.SimpleNamespace(run_pipeline=run_pipeline, PASSES={}))
+    r = invoke("dump", "example", "--passes", "silu-out", "--diff")
+    assert r.exit_code == 0
+    assert r.stdout.startswith("# before: 79 nodes, after: 80 nodes\n+1 silu\n")
+    assert "+%79 = silu(%78) [7, 256] f32" in r.stdout
+    r = invoke("dump", "example", "--passes", "silu-out")
+    assert '%79 = silu(%78)' in r.stdout and 'output "logits" = %79' in r.stdout
+
+
+def test_dump_passes_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "graphir.passes", None)
+    r = invoke("dump", "example", "--passes", "default")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --passes needs graphir.passes.run_pipeline")
+
+
+def test_run_example() -> None:
+    r = invoke("run", "example", "-p", "Hello", "-n", "3")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("logits [5, 256] f32: min ")
+    assert "generated ids (greedy): " in r.stdout
+    assert len(r.stdout.split("generated ids (greedy): ")[1].split()) == 3
+    assert "prefill 5 tok" in r.stderr and "reference backend" in r.stderr
+
+
+def test_bad_specs_exit_1_with_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = invoke("dump", str(tmp_path / "missing.json"))
+    assert r.exit_code == 1 and r.stderr == f"error: {tmp_path / 'missing.json'}: no such graph file\n"
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"nodes": [{"id": 0}]}))
+    r = invoke("dump", str(broken))
+    assert r.exit_code == 1 and "not a graphir graph record" in r.stderr and "Traceback" not in r.output
+    monkeypatch.setitem(sys.modules, "graphir.api", None)
+    r = invoke("dump", "no-such-model")
+    assert r.exit_code == 1 and "graphir.api is not available" in r.stderr
+    assert invoke("run", "no-such-model").exit_code == 1
+
+
+def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def load(spec: str, backend: str | None = None):
+        raise LoadError(f"{spec}.gguf: truncated at tensor 'blk.3.attn_q.weight'")
+
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
+    for args in (("dump", "tiny"), ("run", "tiny", "--backend", "reference")):
+        r = invoke(*args)
+        assert r.exit_code == 1
+        assert r.stderr.endswith("error: tiny.gguf: truncated at tensor 'blk.3.attn_q.weight'\n")
+    r = invoke("run", "example", "--backend", "no-such-backend")
+    assert r.exit_code == 1 and "error: unknown backend 'no-such-backend'" in r.stderr
+
+
+class FakeDecoder:
+    def add(self, token: int) -> str:
+        return f"<{token}>"
+
+    def flush(self) -> str:
+        return "!"
+
+
+class FakeModel:
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.tokenizer = types.SimpleNamespace(encode=lambda s: list(range(len(s))), stream_decoder=FakeDecoder)
+        self.stats = {"load_s": 1.5, "prefill_s": 0.5, "prefill_tokens": 5, "decode_s": 2.0, "decode_tokens": 8}
+        self.calls: list[tuple] = []
+
+    def generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed):
+        self.calls.append((list(ids), max_new_tokens, temperature, top_k, top_p, seed))
+        yield from range(100, 100 + max_new_tokens)
+
+
+def test_run_model_streams_text_and_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    models: list[FakeModel] = []
+
+    def load(spec: str, backend: str | None = None) -> FakeModel:
+        assert spec == "smollm2-135m"  # the default MODEL
+        models.append(FakeModel(backend))
+        return models[-1]
+
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
+    r = invoke("run", "-p", "Hello", "-n", "3", "--temperature", "0", "--top-k", "5", "--top-p", "0.9",
+               "--seed", "7", "--backend", "reference")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "Hello<100><101><102>!\n"
+    assert models[0].backend == "reference"
+    assert models[0].calls == [([0, 1, 2, 3, 4], 3, 0.0, 5, 0.9, 7)]
+    check = ["loading smollm2-135m on reference", "prompt: 5 tokens", "load 1.50 s", "first token ",
+             "prefill 5 tok, 10.0 tok/s", "decode 8 tok, 4.0 tok/s"]
+    pos = 0
+    for want in check:
+        pos = r.stderr.index(want, pos)
+
+
+def test_run_accepts_a_stream_push_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizers spelled `stream().push(id)` stream the same way as `stream_decoder().add(id)`."""
+    model = FakeModel("reference")
+    push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
+    model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
+    model.stats = {}
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=lambda spec, backend=None: model))
+    r = invoke("run", "tiny", "-p", "x", "-n", "2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "xde\n"  # ids 100, 101
+    assert "prefill -" in r.stderr and "decode 1 tok" in r.stderr  # no stats: our own clock for decode
