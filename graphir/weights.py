@@ -43,6 +43,12 @@ class Weights(Mapping[str, Weight]):
         except KeyError:
             raise LoadError(f"{self.source}: missing tensor {name!r}") from None
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def get(self, name: str, default: Weight | None = None) -> Weight | None:  # type: ignore[override]
+        return self._items.get(name, default)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)
 

@@ -100,7 +100,8 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         n = self.u64(f"{what} length")
-        self.need(n, f"{what} ({n} bytes)")
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated: {what} length {n} at offset {self.pos - 8} exceeds file size {self.size}")
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:

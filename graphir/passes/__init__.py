@@ -1,0 +1,172 @@
+"""Passes: registered Graph -> Graph functions, composed by pipeline strings.
+
+    run_pipeline(graph, "dce,cse,fuse-add-rms-norm-mul")
+    run_pipeline(graph, "replay-lint{strict=0},default")
+
+A pass is a function or a frozen dataclass registered with `@register_pass(name, description)`;
+a dataclass's fields are its options, written `name{field=value,...}` (xDSL style).
+`default` is the pipeline `graphir run` uses. Every pass returns a new Graph with the same
+output names, updates and meta. See graphir/flags.py for GRAPHIR_VERIFY_PASSES,
+GRAPHIR_DUMP_PASSES and GRAPHIR_NO_FUSION.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from graphir import flags
+from graphir.errors import GraphError
+from graphir.ir import Graph
+from graphir.passes.report import CoverageReport, recording
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    description: str
+    impl: Callable[..., Any]  # a Graph -> Graph function, or a dataclass whose instances are one
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Option name -> default (empty for plain functions)."""
+        if not dataclasses.is_dataclass(self.impl):
+            return {}
+        return {f.name: f.default for f in dataclasses.fields(self.impl)}
+
+    def configured(self, **options: Any) -> Callable[[Graph], Graph]:
+        if not dataclasses.is_dataclass(self.impl):
+            if options:
+                raise GraphError(f"pass {self.name!r} takes no options, got {sorted(options)}")
+            return self.impl
+        unknown = set(options) - set(self.options)
+        if unknown:
+            raise GraphError(f"pass {self.name!r}: unknown options {sorted(unknown)}; it takes {sorted(self.options)}")
+        return self.impl(**options)
+
+    def __call__(self, graph: Graph, **options: Any) -> Graph:
+        return self.configured(**options)(graph)
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str, description: str) -> Callable:
+    def deco(impl: Callable) -> Callable:
+        if name in PASSES or name == "default":
+            raise GraphError(f"pass {name!r} is registered twice")
+        PASSES[name] = Pass(name, description, impl)
+        return impl
+
+    return deco
+
+
+# The pipeline `graphir run` uses: lint, clean, then the fusions in dependency order.
+CLEANUP = ["dce", "cse"]
+FUSIONS = [
+    "stack-projections",  # before swiglu-split and the rope fusions: those then match on the views
+    "fold-reshape-view",  # stacked Q/K/V views are reshaped into heads: make that one strided view
+    "swiglu-split",
+    "fuse-add-rms-norm-mul",
+    "fuse-qk-norm-rope",  # before fuse-rope-set-rows: Qwen3's K then fuses its norm, not its cache write
+    "fuse-rope-set-rows",
+]
+
+
+def default_pipeline() -> list[str]:
+    fusions = [] if flags.enabled("GRAPHIR_NO_FUSION") else FUSIONS
+    return ["replay-lint", *CLEANUP, *fusions, *CLEANUP]
+
+
+_ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """`"a,b{x=1,y=foo}"` -> [("a", {}), ("b", {"x": 1, "y": "foo"})]; `default` expands in place."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    pos = 0
+    while spec[pos:].strip():
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise GraphError(f"pipeline {spec!r}: cannot parse at {spec[pos:]!r}; write name,name{{opt=value}}")
+        pos = m.end()
+        name, opts = m[1], _parse_options(spec, m[2] or "")
+        if name == "default":
+            if opts:
+                raise GraphError(f"pipeline {spec!r}: default takes no options; spell its passes out instead")
+            out += [(n, {}) for n in default_pipeline()]
+        elif name not in PASSES:
+            raise GraphError(f"pipeline {spec!r}: unknown pass {name!r}; known: default, {', '.join(sorted(PASSES))}")
+        else:
+            out.append((name, _typed_options(PASSES[name], opts)))
+    return out
+
+
+def _parse_options(spec: str, text: str) -> dict[str, str]:
+    opts = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise GraphError(f"pipeline {spec!r}: option {part!r} needs a value (key=value)")
+        opts[key.strip()] = value.strip()
+    return opts
+
+
+def _typed_options(p: Pass, opts: dict[str, str]) -> dict[str, Any]:
+    defaults = p.options
+    out: dict[str, Any] = {}
+    for key, text in opts.items():
+        if key not in defaults:
+            raise GraphError(f"pass {p.name!r}: unknown option {key!r}; it takes {sorted(defaults) or 'none'}")
+        kind = type(defaults[key])
+        try:
+            out[key] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+        except ValueError:
+            raise GraphError(f"pass {p.name!r}: option {key}={text!r} is not a {kind.__name__}") from None
+    return out
+
+
+def run_pipeline(graph: Graph, pipeline: str, verify_each: bool | None = None,
+                 report: CoverageReport | None = None) -> Graph:
+    """Run the passes of `pipeline` in order; verify after each if asked (or GRAPHIR_VERIFY_PASSES=1)."""
+    from graphir.verify import verify
+
+    verify_each = flags.enabled("GRAPHIR_VERIFY_PASSES") if verify_each is None else verify_each
+    seen: dict[str, int] = {}
+    for name, opts in parse_pipeline(pipeline):
+        seen[name] = seen.get(name, 0) + 1
+        pc = None if report is None else report[name if seen[name] == 1 else f"{name}#{seen[name]}"]
+        before = len(graph)
+        with recording(pc):
+            graph = PASSES[name](graph, **opts)
+        if pc is not None:
+            pc.nodes_before, pc.nodes_after = before, len(graph)
+        if verify_each:
+            try:
+                verify(graph)
+            except GraphError as e:
+                raise GraphError(f"after pass {name!r}: {e}") from None
+        if flags.enabled("GRAPHIR_DUMP_PASSES"):
+            from graphir.dump import dump_text
+
+            print(f"# after pass {name}\n{dump_text(graph)}", end="")
+    return graph
+
+
+def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
+    """Run `pipeline` on `graph` and report, per pass, the sites matched and rejected (`.text()` renders).
+
+    A pass that runs twice reports its second run as "name#2"."""
+    report = CoverageReport()
+    run_pipeline(graph, pipeline, report=report)
+    return report
+
+
+# Importing the pass modules registers them.
+from graphir.passes import cleanup, fuse_norm, fuse_rope, replay_lint, stack, swiglu, views  # noqa: E402,F401
+
+__all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
+           "default_pipeline"]

@@ -1,0 +1,27 @@
+"""Debug flags, all read from environment variables at the moment they are used.
+
+| variable                | effect                                                                  |
+|-------------------------|-------------------------------------------------------------------------|
+| GRAPHIR_VERIFY_PASSES=1 | `run_pipeline` runs the verifier after every pass and names the culprit |
+| GRAPHIR_DUMP_PASSES=1   | `run_pipeline` prints a text dump (graphir.dump) after every pass       |
+| GRAPHIR_NO_FUSION=1     | the `default` pipeline skips every fusion and keeps lint + cleanup only |
+
+A flag is on when its variable is set to anything but "" or "0".
+"""
+
+from __future__ import annotations
+
+import os
+
+FLAGS: dict[str, str] = {
+    "GRAPHIR_VERIFY_PASSES": "verify the graph after every pass",
+    "GRAPHIR_DUMP_PASSES": "print a text dump after every pass",
+    "GRAPHIR_NO_FUSION": "the default pipeline skips fusions",
+}
+
+
+def enabled(name: str) -> bool:
+    """Whether flag `name` (one of FLAGS) is on now."""
+    if name not in FLAGS:
+        raise KeyError(f"unknown flag {name!r}; known: {', '.join(FLAGS)}")
+    return os.environ.get(name, "0") not in ("", "0")

@@ -1,0 +1,62 @@
+"""fuse-add-rms-norm-mul: the residual add, the next block's rms_norm and its weight in one op."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphir.builder import make
+from graphir.ir import Graph, Node, toposort
+from graphir.passes import register_pass
+from graphir.passes.rewrite import Rewriter, rewrite
+
+
+@dataclass
+class AddNormMul:
+    add: Node
+    norm: Node
+    mul: Node
+    weight: Node
+
+
+def _match(add: Node, rw: Rewriter) -> AddNormMul | None:
+    if add.op != "add":
+        return None
+    norms = [u for u in rw.users(add) if u.op == "rms_norm"]
+    if not norms:
+        return None
+    if len(norms) > 1:
+        rw.reject(add, f"{len(norms)} rms_norms read it; only one can be fused")
+        return None
+    norm = norms[0]
+    mul = rw.sole_user(norm)
+    if mul is None:
+        rw.reject(add, f"its rms_norm {norm.name or ''} has another user (or is an output); the raw norm is needed")
+        return None
+    if mul.op != "mul":
+        rw.reject(add, f"its rms_norm feeds {mul.op}, not mul")
+        return None
+    weight = mul.src[1] if mul.src[0] is norm else mul.src[0]
+    if weight is norm or mul.shape != norm.shape:
+        rw.reject(add, "the mul after its rms_norm is not norm * weight with norm's shape")
+        return None
+    if not weight.is_leaf and any(n is add for n in toposort([weight])):
+        rw.reject(add, "the norm weight is computed from the add itself")
+        return None
+    return AddNormMul(add, norm, mul, weight)
+
+
+def _fuse(m: AddNormMul, rw: Rewriter) -> Node:
+    # The add is replaced by result 1 (every other reader still needs the residual);
+    # the mul, later in topological order, by result 0.
+    a, b, w = rw.new(m.add.src[0]), rw.new(m.add.src[1]), rw.new(m.weight)
+    fused = make("add_rms_norm_mul", a, b, w, name=m.norm.name, eps=m.norm.params["eps"])
+    rw.replace(m.mul, make("item", fused, index=0, name=m.mul.name))
+    rw.matched(m.mul, "add_rms_norm_mul")
+    return make("item", fused, index=1, name=m.add.name)
+
+
+# One kernel reads the residual stream once and writes both the normalized input and the residual.
+@register_pass("fuse-add-rms-norm-mul", "mul(rms_norm(add(a, b)), w) -> add_rms_norm_mul(a, b, w) with two results: "
+                                        "the normalized value and the residual a + b for the add's other users")
+def fuse_add_rms_norm_mul(graph: Graph) -> Graph:
+    return rewrite(graph, [(_match, _fuse)])

@@ -1,0 +1,90 @@
+"""The pattern-rewrite walker every rewriting pass is built on.
+
+A rule is a pair `(pattern, rewrite)`:
+  pattern(node, rw) -> match or None   reads the *old* graph, where `rw.users` is known;
+  rewrite(match, rw) -> Node or None   builds the replacement from `rw.new(old)` nodes.
+The walker visits old nodes in topological order; the first rule whose rewrite returns a
+Node replaces that node, and every later user is rebuilt on the replacement (names kept).
+A rewrite that also replaces nodes *after* this one (a fused op's second result standing
+in for its residual, the other projections of a stack) says so with `rw.replace(old, new)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from graphir.errors import GraphError
+from graphir.ir import Graph, Node, toposort
+from graphir.passes.report import record_match, record_reject
+
+Pattern = Callable[[Node, "Rewriter"], Any]
+Rewrite = Callable[[Any, "Rewriter"], "Node | None"]
+Rule = tuple[Pattern, Rewrite]
+
+
+class Rewriter:
+    def __init__(self, graph: Graph, rules: list[Rule]):
+        self.graph = graph
+        self.rules = rules
+        self._users = graph.users()
+        self.order = graph.ids()  # id(old) -> topological position
+        self._memo: dict[int, Node] = {}  # id(old) -> its replacement
+        self._visited: set[int] = set()
+
+    def users(self, old: Node) -> list[Node]:
+        """The old graph's readers of `old` (a node reading it twice appears twice)."""
+        return self._users[id(old)]
+
+    def sole_user(self, old: Node) -> Node | None:
+        """The only reader of `old`, or None; a root (output or update) counts as a reader."""
+        us = self.users(old)
+        is_root = any(r is old for r in self.graph.roots)
+        return us[0] if len(us) == 1 and not is_root else None
+
+    def new(self, old: Node) -> Node:
+        """The rebuilt counterpart of an old node, building it (and its sources) on demand."""
+        if id(old) not in self._memo:
+            for n in toposort([old]):
+                if id(n) not in self._visited:
+                    self._visit(n)
+        return self._memo[id(old)]
+
+    def rebuild(self, old: Node) -> Node:
+        """`old` with its sources swapped for their rebuilt versions (itself if none changed)."""
+        src = tuple(self.new(s) for s in old.src)
+        return old if all(a is b for a, b in zip(src, old.src, strict=True)) else old.replace(src=src)
+
+    def replace(self, old: Node, new: Node) -> None:
+        """Make `new` stand in for a node the walker has not reached yet."""
+        if id(old) in self._visited:
+            raise GraphError(f"rewrite: {old.describe()} was already rebuilt; a rule may only replace later nodes")
+        self._visited.add(id(old))
+        self._memo[id(old)] = new
+
+    matched = staticmethod(record_match)
+    reject = staticmethod(record_reject)
+
+    def _visit(self, n: Node) -> None:
+        self._visited.add(id(n))
+        for pattern, rewrite_fn in self.rules:
+            m = pattern(n, self)
+            if m is None:
+                continue
+            r = rewrite_fn(m, self)
+            if r is not None:
+                self._memo[id(n)] = r
+                return
+        self._memo[id(n)] = self.rebuild(n)
+
+    def run(self) -> Graph:
+        for n in self.graph.nodes():
+            if id(n) not in self._visited:
+                self._visit(n)
+        g = self.graph
+        return Graph({k: self.new(v) for k, v in g.outputs.items()}, [self.new(u) for u in g.updates], g.meta)
+
+
+def rewrite(graph: Graph, rules: list[Rule]) -> Graph:
+    """Apply `rules` once over the graph (one walk, old topological order); see the module doc."""
+    return Rewriter(graph, rules).run()

@@ -1,0 +1,382 @@
+"""Tokenizers from a GGUF file's metadata or an HF tokenizer.json, on top of the `tokenizers` library.
+
+GGUF keeps the vocabulary as `tokenizer.ggml.*` arrays; we rebuild the same pipeline HF uses:
+  gpt2  (byte-level BPE): pre-tokenizer chosen by `tokenizer.ggml.pre`, BPE from tokens + merges,
+        ByteLevel decoder.
+  llama (SentencePiece BPE): "▁" for spaces, merges ranked by piece score, byte fallback for
+        <0xXX> pieces; as transformers' GGUF converter does.
+Control tokens (token_type 3) become special added tokens so "<|im_start|>" is one id.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from graphir.errors import InputError, LoadError
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer regexes of the models' own tokenizer.json files (llama.cpp spells (?i:...) out by hand).
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    # use_regex=True applies GPT-2's regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
+
+
+def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False), _byte_level(use_regex=False)]
+    )
+
+
+# `tokenizer.ggml.pre` -> pre-tokenizer factory (factories: a PreTokenizer can't be shared safely across Tokenizers).
+BPE_PRE_TOKENIZERS = {
+    "default": lambda: _byte_level(use_regex=True),
+    "gpt2": lambda: _byte_level(use_regex=True),
+    # SmolLM: every digit on its own, then GPT-2's regex (HF's SmolLM2 tokenizer.json does the same).
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _byte_level(use_regex=True)]
+    ),
+    "qwen2": lambda: _split_then_bytes(QWEN2_REGEX),
+    "deepseek-r1-qwen": lambda: _split_then_bytes(QWEN2_REGEX),
+    "llama-bpe": lambda: _split_then_bytes(LLAMA3_REGEX),
+    "llama3": lambda: _split_then_bytes(LLAMA3_REGEX),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# str.translate table: each byte-level char -> the latin-1 char of its byte. Chars below 256 that
+# are not in the alphabet map to U+0100, which latin-1 cannot encode, so they take the fallback.
+_TO_LATIN1 = {ord(c): b for b, c in _bytes_to_unicode().items()}
+_TO_LATIN1.update({b: 0x100 for b in range(256) if b not in _TO_LATIN1})
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    # As tokenizers' ByteLevel decoder: map each char back to its byte; a token with any char
+    # outside the alphabet (an added token such as "日本") is taken as its UTF-8 instead.
+    try:
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode("utf-8")
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the BOS/EOS facts and chat template generation needs."""
+
+    def __init__(
+        self,
+        tk: tokenizers.Tokenizer,
+        *,
+        vocab_size: int,
+        bos_id: int | None,
+        eos_ids: Iterable[int],
+        add_bos: bool,
+        chat_template: str | None,
+        byte_level: bool,
+        source: str,
+    ):
+        self._tk = tk
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id
+        self.eos_ids: set[int] = set(eos_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.source = source
+        self._byte_level = byte_level
+        self._bytes_table: list[bytes] | None = None
+
+    @property
+    def _token_bytes(self) -> list[bytes] | None:
+        """Exact bytes per id of a byte-level vocabulary (built on first use, ~50 ms for 49k tokens):
+        they let streaming decode byte by byte."""
+        if self._byte_level and self._bytes_table is None:
+            self._bytes_table = [_byte_level_bytes(self._tk.id_to_token(i) or "") for i in range(self.vocab_size)]
+        return self._bytes_table
+
+    # ---- construction ----
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], source: str = "GGUF metadata") -> Tokenizer:
+        """Build from a GGUF file's metadata (GGUFFile(path).metadata)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise LoadError(f"{source}: tokenizer.ggml.tokens is missing or not a list of strings")
+        types = list(metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)))
+        if len(types) != len(tokens):
+            raise LoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        if kind == "gpt2":
+            tk = _gguf_bpe(metadata, tokens, source)
+        elif kind == "llama":
+            tk = _gguf_spm(metadata, tokens, types, source)
+        else:
+            raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
+        # Control tokens are matched in text and are special; user-defined ones are matched but not special.
+        pairs = list(zip(tokens, types, strict=True))
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty == TOKEN_CONTROL])
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == TOKEN_USER_DEFINED])
+        bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
+        eos = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in ("eos", "eot", "eom")]
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        template = metadata.get("tokenizer.chat_template")
+        return cls(
+            tk,
+            vocab_size=len(tokens),
+            bos_id=bos,
+            eos_ids=[e for e in eos if e is not None],
+            add_bos=add_bos,
+            chat_template=template if isinstance(template, str) else None,
+            byte_level=kind == "gpt2",
+            source=source,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load an HF tokenizer.json; tokenizer_config.json, generation_config.json, config.json and
+        chat_template.jinja beside it supply BOS/EOS, add_bos and the chat template when present."""
+        path = Path(path)
+        if not path.is_file():
+            raise LoadError(f"{path}: file not found")
+        try:
+            tk = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exception for bad JSON and bad models
+            raise LoadError(f"{path}: not a valid tokenizer.json: {e}") from None
+        tcfg, gcfg, mcfg = (
+            _optional_json(path.parent / name)
+            for name in ("tokenizer_config.json", "generation_config.json", "config.json")
+        )
+
+        def tok_id(v: Any) -> int | None:
+            content = v.get("content") if isinstance(v, dict) else v
+            return tk.token_to_id(content) if isinstance(content, str) else None
+
+        bos = tok_id(tcfg.get("bos_token"))
+        if bos is None:
+            bos = _int_or_none(mcfg.get("bos_token_id"))
+        eos = {tok_id(tcfg.get("eos_token"))}
+        for cfg in (gcfg, mcfg):  # generation_config's list is what generate() stops on
+            v = cfg.get("eos_token_id")
+            eos.update(v if isinstance(v, list) else [v])
+        eos_ids = [e for e in eos if isinstance(e, int) and not isinstance(e, bool)]
+        add_bos = tcfg.get("add_bos_token")
+        if not isinstance(add_bos, bool):  # else: does the post-processor put BOS first?
+            ids = tk.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and len(ids) > 1 and ids[0] == bos
+        template = tcfg.get("chat_template")
+        jinja = path.parent / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        decoder = json.loads(tk.to_str()).get("decoder") or {}
+        byte_level = decoder.get("type") == "ByteLevel"
+        return cls(
+            tk,
+            vocab_size=tk.get_vocab_size(with_added_tokens=True),
+            bos_id=bos,
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+            chat_template=template if isinstance(template, str) else None,
+            byte_level=byte_level,
+            source=str(path),
+        )
+
+    # ---- use ----
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token text such as "<|im_start|>" maps to its single id.
+        BOS is prepended when `add_bos`, or by default when the model's files ask for it."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise InputError(f"{self.source}: BOS requested but the tokenizer has no BOS token")
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens included, so encode(decode(ids)) round-trips."""
+        ids = [int(i) for i in ids]
+        self._check_ids(ids)
+        return self._tk.decode(ids, skip_special_tokens=False)
+
+    def token(self, i: int) -> str:
+        """The vocabulary string of one id (byte-level or ▁-encoded, as stored)."""
+        self._check_ids([i])
+        return self._tk.id_to_token(i) or ""
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"{self.source}: token id {bad[0]} out of range [0, {self.vocab_size})")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text pieces whose concatenation is decode(all ids).
+
+    A piece is only emitted once its UTF-8 is complete: an emoji split over tokens comes out whole.
+    Byte-level vocabularies are decoded byte-exactly with an incremental UTF-8 decoder; others by
+    re-decoding a small window and holding back text that ends in U+FFFD (an unfinished character).
+    """
+
+    MAX_HOLD = 8  # tokens held back at most before a U+FFFD is taken as real
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: text of ids[_prefix:_read] was already emitted
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became final ("" while a character is incomplete)."""
+        self.tok._check_ids([token_id])
+        if self.tok._token_bytes is not None:
+            return self._utf8.decode(self.tok._token_bytes[token_id])
+        self._ids.append(token_id)
+        done = self.tok.decode(self._ids[self._prefix : self._read])
+        text = self.tok.decode(self._ids[self._prefix :])
+        held = len(self._ids) - self._read
+        if len(text) > len(done) and (not text.endswith("\ufffd") or held >= self.MAX_HOLD):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(done) :]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held back at the end of the stream (incomplete bytes become U+FFFD)."""
+        if self.tok._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
+        done = self.tok.decode(self._ids[self._prefix : self._read])
+        text = self.tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(done) :]
+
+    def __call__(self, ids: Iterable[int]) -> Iterator[str]:
+        """Pieces for all of `ids`, then the flushed rest; empty pieces are skipped."""
+        for i in ids:
+            if piece := self.push(i):
+                yield piece
+        if piece := self.flush():
+            yield piece
+
+
+# ---- GGUF vocabularies ----
+
+
+def _gguf_bpe(metadata: dict[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in BPE_PRE_TOKENIZERS:
+        raise LoadError(
+            f"{source}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(BPE_PRE_TOKENIZERS)})"
+        )
+    raw_merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(raw_merges, list):
+        raise LoadError(f"{source}: a gpt2 tokenizer needs tokenizer.ggml.merges")
+    merges = []
+    for i, m in enumerate(raw_merges):
+        pair = m.split(" ") if isinstance(m, str) else ()
+        if len(pair) != 2:
+            raise LoadError(f"{source}: tokenizer.ggml.merges[{i}] = {m!r} is not two tokens separated by a space")
+        merges.append((pair[0], pair[1]))
+    vocab = {t: i for i, t in enumerate(tokens)}  # the last id wins for a duplicate string, as in llama.cpp
+    try:
+        tk = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:
+        raise LoadError(f"{source}: cannot build the BPE model: {e}") from None
+    tk.pre_tokenizer = BPE_PRE_TOKENIZERS[pre]()
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: list[int], source: str) -> tokenizers.Tokenizer:
+    scores = list(metadata.get("tokenizer.ggml.scores", []))
+    if len(scores) != len(tokens):
+        raise LoadError(f"{source}: a llama tokenizer needs one tokenizer.ggml.scores entry per token")
+    if str(metadata.get("general.architecture", "")).startswith("gemma"):
+        # Gemma files spell whitespace-only pieces with real spaces, and their scores do not follow
+        # the merge order, the file order does (as transformers' gemma_tokenizer handles them).
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-i for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # Every split of a piece into two known pieces is a merge, ranked by the merged piece's score,
+    # then longer left and right halves first (transformers' generate_merges; stable sorts).
+    merges = []
+    for piece, score in zip(tokens, scores, strict=True):
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend(((-float(score), -len(lr[0]), -len(lr[1])), lr) for lr in local)
+    merges.sort(key=lambda sm: sm[0])
+    unk = _token_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens), source)
+    bpe = models.BPE(
+        vocab,
+        [lr for _, lr in merges],
+        unk_token=tokens[unk] if unk is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tk = tokenizers.Tokenizer(bpe)
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    tk.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
+    )
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
+    return tk
+
+
+def _token_id(metadata: dict[str, Any], key: str, n: int, source: str) -> int | None:
+    v = metadata.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n:
+        raise LoadError(f"{source}: {key} = {v!r} is not a token id in [0, {n})")
+    return v
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise LoadError(f"{path}: invalid JSON: {e}") from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,222 @@
+"""The pass registry, pipeline strings and flags; and TARGETED_CASES, the graph each pass must fire on.
+
+Adding a pass without an entry in TARGETED_CASES fails this suite (test_every_pass_has_a_targeted_case);
+tests/test_passes.py runs every pass on every case, the example and the tiny models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from graphir import taint
+from graphir.builder import g
+from graphir.errors import GraphError
+from graphir.ir import Graph, Node
+from graphir.passes import PASSES, coverage, default_pipeline, parse_pipeline, register_pass, run_pipeline
+
+N, D = 5, 96  # awkward token count; D a multiple of 32 so q8_0 weights fit
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[str], Graph]  # weight dtype -> graph
+    effect: str  # an op that must appear after the pass, or "fewer-nodes", or "findings" (analysis passes)
+
+
+def _x(name: str = "x") -> Node:
+    return g.input(name, (N, D))
+
+
+def _w(name: str, n_out: int, wtype: str) -> Node:
+    return g.param(name, (n_out, D), wtype)
+
+
+def case_identities(wtype: str) -> Graph:
+    y = g.mul_mat(_w("w", 40, wtype), _x())  # [5, 40]
+    y = g.reshape(y, shape=(N, 40))
+    y = g.permute(y, axes=(0, 1))
+    y = g.cont(g.cast(g.scale(y, s=1.0), dtype="f32"))
+    y = g.view(y, shape=(N, 40), strides=(40, 1), offset=0)
+    kept = g.cont(g.rows(y, 1, 3), name="kept")  # a real copy of a view: stays
+    return Graph({"y": g.silu(y), "kept": kept}, meta={"case": "identities"})
+
+
+def case_duplicates(wtype: str) -> Graph:
+    x = _x()
+    a = g.mul_mat(_w("w", 40, wtype), x, name="a")
+    b = g.mul_mat(g.param("w", (40, D), wtype), g.input("x", (N, D)), name="b")  # same leaves, asked twice
+    c = g.add(g.silu(a), g.silu(b), name="c")
+    write = g.set_rows(g.state("cache", (8, 40)), c, g.input("rows", (N,), "i32"), name="cache_write")
+    return Graph({"c": c, "d": g.mul(g.silu(a), g.sigmoid(b))}, updates=[write], meta={"case": "duplicates"})
+
+
+def case_add_norm(wtype: str) -> Graph:
+    s = g.add(_x("a"), _x("b"), name="blk.0.ffn_inp")
+    h = g.mul(g.rms_norm(s, eps=1e-5, name="blk.0.ffn_norm"), g.param("blk.0.ffn_norm.weight", (D,)),
+              name="blk.0.ffn_norm_w")
+    out = g.add(s, g.mul_mat(_w("blk.0.ffn.weight", D, wtype), h), name="blk.0.out")
+    # blocked: the raw norm of `out` is also an output, so it must stay materialized
+    raw = g.rms_norm(out, eps=1e-5, name="blk.1.attn_norm")
+    h2 = g.mul(raw, g.param("blk.1.attn_norm.weight", (D,)))
+    return Graph({"out": out, "h2": h2, "raw": raw}, meta={"case": "add_norm"})
+
+
+def case_projections(wtype: str) -> Graph:
+    x = _x()
+    q = g.mul_mat(_w("attn_q.weight", 40, wtype), x, name="q")  # [5, 40]
+    k = g.mul_mat(_w("attn_k.weight", 24, wtype), x, name="k")  # [5, 24]
+    v = g.mul_mat(_w("attn_v.weight", 24, "f16"), x, name="v")  # another dtype: not stacked with q, k
+    x2 = g.silu(x)
+    gate = g.mul_mat(_w("ffn_gate.weight", 72, wtype), x2, name="gate")
+    up = g.mul_mat(_w("ffn_up.weight", 72, wtype), x2, name="up")
+    again = g.mul_mat(_w("ffn_gate.weight", 72, wtype), x2, name="gate_again")  # same weight: stacked once
+    return Graph({"q": q, "k": k, "v": v, "gate": gate, "up": g.add(up, again)}, meta={"case": "projections"})
+
+
+def case_views(wtype: str) -> Graph:
+    y = g.mul_mat(_w("w", 48, wtype), _x())  # [5, 48]
+    heads = g.reshape(g.cols(y, 8, 24), shape=(N, 3, 8))  # [5, 3, 8], strides [48, 8, 1]
+    t = g.permute(heads, axes=(1, 0, 2))  # [3, 5, 8]
+    odd = g.reshape(g.view(y, shape=(N, 6), strides=(48, 2), offset=1), shape=(30,))  # needs a copy: stays
+    return Graph({"t": g.cont(t), "odd": odd}, meta={"case": "views"})
+
+
+def case_swiglu(wtype: str) -> Graph:
+    x = _x()
+    a = g.mul_mat(_w("ffn_gate.weight", 40, wtype), x)
+    b = g.mul_mat(_w("ffn_up.weight", 40, wtype), x)
+    return Graph({"ab": g.mul(g.silu(a), b), "ba": g.mul(b, g.silu(a))}, meta={"case": "swiglu"})
+
+
+def _heads(name: str, wtype: str, x: Node) -> Node:
+    return g.reshape(g.mul_mat(_w(name, 24, wtype), x), shape=(N, 3, 8))  # [5, 3, 8]
+
+
+def case_rope_cache(wtype: str) -> Graph:
+    x, pos, rows = _x(), g.input("pos", (N,), "i32"), g.input("rows", (N,), "i32")
+    rope = {"n_dims": 8, "mode": "neox", "theta": 10000.0}
+    q = g.rope(_heads("attn_q.weight", wtype, x), pos, **rope)
+    k = g.rope(_heads("attn_k.weight", wtype, x), pos, name="k_rope", **rope)
+    k_all = g.set_rows(g.state("k_cache", (16, 3, 8), "f16"), k, rows, name="k_cache_write")
+    v_all = g.set_rows(g.state("v_cache", (16, 3, 8), "f16"), _heads("attn_v.weight", wtype, x), rows)
+    o = g.flash_attn(q, k_all, v_all, pos, g.input("kv_len", (1,), "i32"), scale=0.35)
+    # a flat cache: rope of the first 4 dims, reshaped to rows [n, 24] before the write
+    flat = g.rope(_heads("attn_k2.weight", wtype, x), pos, n_dims=4, mode="norm")
+    w2 = g.set_rows(g.state("flat_cache", (16, 24)), g.reshape(flat, shape=(N, 24)), rows)
+    return Graph({"o": o}, updates=[w2], meta={"case": "rope_cache"})
+
+
+def case_qk_norm(wtype: str) -> Graph:
+    x, pos = _x(), g.input("pos", (N,), "i32")
+    q = g.mul(g.rms_norm(_heads("attn_q.weight", wtype, x), eps=1e-6), g.param("attn_q_norm.weight", (8,)))
+    q = g.rope(q, pos, n_dims=8, mode="neox", theta=1e6, name="q_rope")
+    k = g.mul(g.rms_norm(_heads("attn_k.weight", wtype, x), eps=1e-6), g.param("attn_k_norm.weight", (8,)))
+    k_rope = g.rope(k, pos, n_dims=8, mode="neox", theta=1e6)  # k is also an output: not fused
+    return Graph({"q": q, "k": k, "k_rope": k_rope}, meta={"case": "qk_norm"})
+
+
+def case_baked_position(wtype: str) -> Graph:
+    """The bug replay-lint exists for: a KV offset computed from the step, baked into a view."""
+    pos = taint.step(3, "position")
+    cache = g.state("k_cache", (16, D))
+    past = g.rows(cache, start=pos - 1, count=2, name="k_past")  # [2, 96], offset (pos - 1) * 96
+    return Graph({"y": g.mul_mat(_w("w", 40, wtype), past)}, meta={"case": "baked_position"})
+
+
+TARGETED_CASES: dict[str, Case] = {
+    "dce": Case(case_identities, "fewer-nodes"),
+    "cse": Case(case_duplicates, "fewer-nodes"),
+    "fuse-add-rms-norm-mul": Case(case_add_norm, "add_rms_norm_mul"),
+    "stack-projections": Case(case_projections, "concat"),
+    "fold-reshape-view": Case(case_views, "fewer-nodes"),
+    "swiglu-split": Case(case_swiglu, "swiglu_split"),
+    "fuse-rope-set-rows": Case(case_rope_cache, "rope_set_rows"),
+    "fuse-qk-norm-rope": Case(case_qk_norm, "rms_norm_mul_rope"),
+    "replay-lint": Case(case_baked_position, "findings"),
+}
+
+
+def test_every_pass_has_a_targeted_case():
+    missing = sorted(set(PASSES) - set(TARGETED_CASES))
+    assert not missing, f"passes without a TARGETED_CASES entry in tests/test_pass_registry.py: {missing}"
+    assert not set(TARGETED_CASES) - set(PASSES), "TARGETED_CASES names a pass that is not registered"
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_pass_has_name_and_one_line_description(name):
+    p = PASSES[name]
+    assert p.name == name and p.description and "\n" not in p.description
+
+
+def test_unknown_pass_lists_known_ones():
+    with pytest.raises(GraphError, match=r"unknown pass 'fuse-everything'.*known: default, cse, dce"):
+        parse_pipeline("dce,fuse-everything")
+
+
+def test_pipeline_options_are_dataclass_fields():
+    assert parse_pipeline("dce, replay-lint{strict=0} ,cse") == [("dce", {}), ("replay-lint", {"strict": False}),
+                                                                 ("cse", {})]
+    assert PASSES["replay-lint"].options == {"strict": True}
+    with pytest.raises(GraphError, match=r"replay-lint.*unknown option 'loud'"):
+        parse_pipeline("replay-lint{loud=1}")
+    with pytest.raises(GraphError, match="needs a value"):
+        parse_pipeline("replay-lint{strict}")
+    with pytest.raises(GraphError, match="takes no options"):
+        PASSES["dce"](case_identities("f32"), level=2)
+    with pytest.raises(GraphError, match="cannot parse"):
+        parse_pipeline("dce;cse")
+
+
+def test_default_expands_and_no_fusion_flag(monkeypatch):
+    names = [n for n, _ in parse_pipeline("default")]
+    assert names == default_pipeline() and "fuse-add-rms-norm-mul" in names and names[-2:] == ["dce", "cse"]
+    monkeypatch.setenv("GRAPHIR_NO_FUSION", "1")
+    assert not [n for n, _ in parse_pipeline("default") if n.startswith(("fuse", "stack", "swiglu"))]
+
+
+def test_register_twice_fails():
+    with pytest.raises(GraphError, match="registered twice"):
+        register_pass("dce", "again")(lambda graph: graph)
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_pass_keeps_outputs_updates_and_meta(name):
+    graph = TARGETED_CASES["fuse-rope-set-rows"].build("f32")  # has outputs, an update and meta
+    out = PASSES[name](graph)
+    assert list(out.outputs) == list(graph.outputs) and len(out.updates) == len(graph.updates)
+    assert out.meta == graph.meta
+
+
+def test_verify_flag_names_the_pass(monkeypatch):
+    @register_pass("test-break-shape", "a broken pass, for this test only")
+    def broken(graph: Graph) -> Graph:
+        out = graph.outputs["y"]
+        return Graph({"y": out.replace(shape=(1, 1))})
+
+    try:
+        graph = case_identities("f32")
+        run_pipeline(graph, "test-break-shape")  # flag off: no verifier
+        monkeypatch.setenv("GRAPHIR_VERIFY_PASSES", "1")
+        with pytest.raises(GraphError, match="after pass 'test-break-shape'"):
+            run_pipeline(graph, "dce,test-break-shape")
+    finally:
+        del PASSES["test-break-shape"]
+
+
+def test_dump_flag_prints_after_each_pass(monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHIR_DUMP_PASSES", "1")
+    run_pipeline(case_swiglu("f32"), "swiglu-split,dce")
+    text = capsys.readouterr().out
+    assert "# after pass swiglu-split" in text and "# after pass dce" in text and "swiglu_split(" in text
+
+
+def test_coverage_report_counts_and_renders():
+    report = coverage(case_projections("f32"), "cse,stack-projections,cse")
+    assert set(report.passes) == {"cse", "stack-projections", "cse#2"}
+    pc = report["stack-projections"]
+    assert len(pc.matched) == 2 and pc.nodes_after > pc.nodes_before
+    assert any("v" in s and "f16" in why for s, why in pc.rejected), pc.rejected
+    assert "stack-projections: 2 matched, 1 rejected" in report.text()
