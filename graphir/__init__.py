@@ -4,6 +4,7 @@ Pipeline (data flows one way): models build Graphs -> passes rewrite them ->
 a backend lowers them to a Program -> the runtime runs and replays it.
 """
 
+from graphir.api import load
 from graphir.builder import g
 from graphir.errors import BackendError, GraphError, GraphirError, InputError, LoadError
 from graphir.ir import Graph, Node
@@ -12,5 +13,5 @@ from graphir.verify import verify
 
 __version__ = "0.1.0"
 
-__all__ = ["g", "Graph", "Node", "jit", "verify", "GraphirError", "GraphError", "LoadError", "BackendError",
+__all__ = ["load", "g", "Graph", "Node", "jit", "verify", "GraphirError", "GraphError", "LoadError", "BackendError",
            "InputError"]

@@ -214,7 +214,7 @@ def _mul_mat_infer(ts: list[Type], p: dict) -> Type:
 
 
 op("mul_mat", 2, "x @ w^T: w [..., n_out, n_in] (any dtype), x [..., n, n_in] -> [..., n, n_out] f32")(
-    (_mul_mat_infer, lambda w, x: np.matmul(x.astype(np.float32), np.swapaxes(w, -1, -2).astype(np.float32))))
+    (_mul_mat_infer, lambda w, x: np.matmul(x.astype(np.float32, copy=False), np.swapaxes(w, -1, -2).astype(np.float32, copy=False))))
 
 
 def _get_rows_infer(ts: list[Type], p: dict) -> Type:

@@ -33,7 +33,11 @@ class ReferenceProgram:
                 raise BackendError(f"param {node.name!r}: weight is {list(w.shape)}, graph expects {list(node.shape)}")
             if w.dtype != node.dtype:
                 raise BackendError(f"param {node.name!r}: weight is {w.dtype}, graph expects {node.dtype}")
-            self._params[node.name] = dequantize(w.data, w.dtype, w.shape)
+            # one f32 copy per weight store, shared by every Program (prefill buckets, decode)
+            key = ("f32", "param", node.name)
+            if key not in self.weights.derived:
+                self.weights.derived[key] = np.ascontiguousarray(dequantize(w.data, w.dtype, w.shape), np.float32)
+            self._params[node.name] = self.weights.derived[key]
         return self._params[node.name]
 
     def __call__(self, inputs: Mapping[str, np.ndarray], state: dict[str, np.ndarray] | None = None,

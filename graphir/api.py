@@ -1,0 +1,231 @@
+"""`graphir.load(spec)`: a model ready to score and generate, composed from the pipeline stages.
+
+    model = graphir.load("smollm2-135m")            # or a .gguf path, an HF directory, "random:qwen3-tiny"
+    ids = model.tokenizer.encode("The capital of France is")
+    text = model.tokenizer.decode(list(model.generate(ids, 16)))
+
+Prefill is cut into chunks of PREFILL_BUCKETS sizes (greedy, largest first), so a model only
+ever builds and lowers a few graphs: one per bucket plus the decode graph (n_tokens=1). Each
+chunk writes its KV rows at its own positions; rows at or past kv_len are never read, so a
+reset only rewinds the position.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphir.backends.registry import get_backend
+from graphir.cache import ProgramCache
+from graphir.errors import InputError, LoadError
+from graphir.generate import check_sampling, generate, make_sampler
+from graphir.ir import Graph
+from graphir.models import loader, presets
+from graphir.models.llama import LlamaConfig, build
+from graphir.program import new_state
+from graphir.weights import Weights
+
+PREFILL_BUCKETS = (512, 128, 32, 8, 1)
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class Model:
+    """A loaded model: config, tokenizer and weights, a KV cache, and Programs cached per graph."""
+
+    def __init__(self, config: LlamaConfig, weights: Weights, tokenizer: Any, *, backend: str = "reference",
+                 passes: str = "", eos_ids: Iterable[int] = (), source: str = "", load_s: float = 0.0):
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.passes = passes
+        self.eos_ids = set(eos_ids)
+        self.source = source
+        self.prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
+        self.programs = ProgramCache()
+        self.stats: dict[str, float] = {"load_s": load_s}
+        self._dtypes = {name: w.dtype for name, w in weights.items()}
+        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self._state: dict[str, np.ndarray] | None = None
+        self.n_past = 0  # KV rows written (the next token's position)
+        self._clear_run_stats()
+
+    # ---- graphs ----
+
+    def graph(self, phase: str = "prefill", n_tokens: int | None = None, last_only: bool = False) -> Graph:
+        """The forward graph this model runs (decode: n_tokens=1)."""
+        return build(self.config, phase, n_tokens, self._dtypes, last_only)
+
+    def _program(self, n: int, last_only: bool) -> Any:
+        key = (n, last_only and n > 1)
+        if key not in self._graphs:
+            self._graphs[key] = self.graph("decode" if n == 1 else "prefill", n, key[1])
+        return self.programs.get_program(self._graphs[key], self.weights, self.backend, self.passes)
+
+    # ---- running ----
+
+    def reset(self) -> None:
+        """Forget the KV cache (rewind to position 0)."""
+        self.n_past = 0
+
+    def feed(self, token_ids: Iterable[int], last_only: bool = False) -> np.ndarray:
+        """Append tokens at positions n_past.. (writing their KV rows); logits f32 [n, vocab] (or [1, vocab])."""
+        ids = self._check_ids(token_ids)
+        if self.n_past + len(ids) > self.config.ctx:
+            raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
+                             f"(load(..., ctx=N) to raise it)")
+        if self._state is None:
+            self._state = new_state(self.graph("decode"))
+        out, start = [], 0
+        for m in self.chunks(len(ids)):
+            pos = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+            inputs = {"tokens": ids[start:start + m], "pos": pos, "kv_idx": pos,
+                      "kv_len": np.array([self.n_past + m], np.int32)}
+            logits = self._program(m, last_only)(inputs, self._state)["logits"]
+            out.append(logits)
+            start, self.n_past = start + m, self.n_past + m
+        return out[-1] if last_only else np.concatenate(out, axis=0)
+
+    def chunks(self, n: int) -> list[int]:
+        """Greedy split of n tokens into prefill bucket sizes, largest first."""
+        sizes = []
+        for b in sorted(set(self.prefill_buckets) | {1}, reverse=True):
+            while n >= b:
+                sizes.append(b)
+                n -= b
+        return sizes
+
+    def logits(self, token_ids: Iterable[int]) -> np.ndarray:
+        """Logits f32 [n, vocab] of every position, from a fresh KV cache."""
+        ids = self._check_ids(token_ids)
+        self._check_fits(len(ids), 0)
+        self.reset()
+        self._clear_run_stats()
+        t0 = time.perf_counter()
+        out = self.feed(ids)
+        self._add_stats("prefill", len(ids), t0)
+        return out
+
+    def generate(self, prompt_ids: Iterable[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> Iterator[int]:
+        """Yield new token ids as they are produced, from a fresh KV cache. Inputs are checked here,
+        before the first token is asked for; an EOS id ends generation and is not yielded."""
+        ids = self._check_ids(prompt_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        self._check_fits(len(ids), int(max_new_tokens))
+        check_sampling(temperature, top_k, top_p)
+        sample = make_sampler(temperature, top_k, top_p, seed)
+        self.reset()
+        self._clear_run_stats()
+        return generate(self._timed_prefill, self._timed_decode, ids.tolist(), int(max_new_tokens), sample,
+                        self.eos_ids, stop_at_eos)
+
+    def _timed_prefill(self, ids: list[int]) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.feed(ids, last_only=True)[-1]
+        self._add_stats("prefill", len(ids), t0)
+        return logits
+
+    def _timed_decode(self, token: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.feed([token])[-1]
+        self._add_stats("decode", 1, t0)
+        return logits
+
+    # ---- checks and stats ----
+
+    def _check_ids(self, token_ids: Iterable[int]) -> np.ndarray:
+        ids = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InputError(f"token ids must be a non-empty 1-D sequence, got shape {list(ids.shape)}")
+        if ids.dtype.kind not in "iu":
+            raise InputError(f"token ids must be integers, got {ids.dtype}")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.config.n_vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(f"token id {int(ids[i])} at index {i} is out of range [0, {self.config.n_vocab}) "
+                             f"(the vocabulary of {self.source})")
+        return ids.astype(np.int32)
+
+    def _check_fits(self, n_prompt: int, n_new: int) -> None:
+        if n_prompt + n_new > self.config.ctx:
+            raise InputError(f"prompt of {n_prompt} tokens + max_new_tokens {n_new} exceeds the context of "
+                             f"{self.config.ctx} (load(..., ctx=N) to raise it)")
+
+    def _clear_run_stats(self) -> None:
+        self.stats.update(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0)
+
+    def _add_stats(self, kind: str, n: int, t0: float) -> None:
+        self.stats[f"{kind}_s"] += time.perf_counter() - t0
+        self.stats[f"{kind}_tokens"] += n
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<Model {c.arch} {self.source!r}: {c.n_layers} layers, d_model {c.d_model}, vocab {c.n_vocab}, "
+                f"ctx {c.ctx}, backend {self.backend}>")
+
+
+def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "reference", dtype: str | None = None,
+         ctx: int | None = None, passes: str = "") -> Model:
+    """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
+    "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
+    `dtype` None keeps the file's weight types; "f32" (or f16, bf16, q8_0, ...) converts them.
+    `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX)."""
+    t0 = time.perf_counter()
+    get_backend(backend)  # an unknown backend fails before any file is read
+    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
+        raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
+    config, weights, tokenizer, eos, source = _resolve(str(spec), dtype)
+    if dtype is not None and not str(spec).startswith("random:"):
+        weights = loader.convert_weights(weights, dtype)
+    if ctx is not None:
+        config = loader.with_ctx(config, ctx)
+    return Model(config, weights, tokenizer, backend=backend, passes=passes, eos_ids=eos, source=source,
+                 load_s=time.perf_counter() - t0)
+
+
+def _resolve(spec: str, dtype: str | None) -> tuple[LlamaConfig, Weights, Any, set[int], str]:
+    """(config, weights, tokenizer, eos ids, source label) for a spec string."""
+    from graphir.models.default_model import smollm2_path
+    from graphir.models.tokenizer import Tokenizer
+
+    if spec.startswith("random:"):
+        name = spec.removeprefix("random:")
+        if name not in presets.PRESETS:
+            raise LoadError(f"{spec}: unknown random preset (known: {', '.join(presets.PRESETS)})")
+        config, preset_dtype = presets.PRESETS[name]
+        direct = dtype in (None, "f32", "f16", "bf16")
+        weights = presets.random_weights(config, dtype or preset_dtype if direct else "f32")
+        if not direct:
+            weights = loader.convert_weights(weights, dtype)
+        tok = presets.ByteTokenizer()
+        if config.n_vocab < tok.vocab_size:
+            raise LoadError(f"{spec}: vocab {config.n_vocab} is smaller than the byte tokenizer's {tok.vocab_size}")
+        config = loader.with_ctx(config, min(config.context_length, loader.DEFAULT_MAX_CTX))
+        return config, weights, tok, tok.eos_ids, spec
+    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    if path.is_dir():
+        config, weights, hf = loader.load_hf(path)
+        tok_file = path / "tokenizer.json"
+        tok = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
+        eos = tok.eos_ids if tok else _ids(hf.get("eos_token_id"))
+        return config, weights, tok, eos, str(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LoadError(f"{path}: not a .gguf file or a model directory")
+        config, weights, f = loader.load_gguf(path)
+        tok = Tokenizer.from_gguf(f.metadata, source=f.label)
+        return config, weights, tok, tok.eos_ids, str(path)
+    raise LoadError(f"{spec}: no such file or directory, and not '{DEFAULT_MODEL}' or 'random:<preset>' "
+                    f"(presets: {', '.join(presets.PRESETS)})")
+
+
+def _ids(v: Any) -> set[int]:
+    vals = v if isinstance(v, list) else [v]
+    return {int(x) for x in vals if isinstance(x, int) and not isinstance(x, bool)}

@@ -1,0 +1,184 @@
+"""Bad input raises InputError/LoadError naming the tensor, file or rule, before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+from _model_helpers import write_gguf
+from graphir.models.loader import ours_to_hf
+from graphir.models.presets import PRESETS, random_weights
+from safetensors.numpy import load_file, save_file
+
+import graphir
+from graphir.errors import BackendError, InputError, LoadError
+from graphir.quant import dequantize
+
+TINY, _ = PRESETS["llama-tiny"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return graphir.load("random:llama-tiny", ctx=16)
+
+
+def tiny_arrays(config=TINY) -> dict[str, np.ndarray]:
+    return {n: dequantize(w.data, w.dtype, w.shape) for n, w in random_weights(config).items()}
+
+
+def hf_dir(tmp_path, config=TINY, arrays=None, **overrides):
+    """A tiny HF llama directory from the preset's weights (HF names)."""
+    arrays = tiny_arrays(config) if arrays is None else arrays
+    save_file({ours_to_hf(n): a for n, a in arrays.items()}, str(tmp_path / "model.safetensors"))
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=config.n_vocab,
+               hidden_size=config.d_model, intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
+               num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+               head_dim=config.head_dim, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def raises(exc, *fragments):
+    """pytest.raises whose message must contain every fragment (escaped)."""
+    return pytest.raises(exc, match="(?s)" + "".join(f"(?=.*{re.escape(f)})" for f in fragments))
+
+
+# ---- runtime input ----
+
+def test_token_id_out_of_range(model):
+    with raises(InputError, "token id 272", "index 2", "[0, 272)"):
+        model.logits([1, 2, 272])
+    with raises(InputError, "token id -1"):
+        model.generate([-1, 3], 2)
+    assert model.n_past == 0  # nothing ran
+
+
+def test_empty_or_non_integer_prompt(model):
+    with raises(InputError, "non-empty"):
+        model.logits([])
+    with raises(InputError, "integers"):
+        model.logits([1.5, 2.0])
+
+
+def test_prompt_plus_new_tokens_exceeding_ctx_fails_at_the_call(model):
+    with raises(InputError, "10 tokens", "max_new_tokens 7", "context of 16"):
+        model.generate(list(range(10)), 7)  # raised before the first next()
+    assert len(list(model.generate(list(range(10)), 6, stop_at_eos=False))) == 6
+    with raises(InputError, "context of 16"):
+        model.logits(list(range(17)))
+    model.reset()
+    model.feed(list(range(10)))
+    with raises(InputError, "7 tokens after 10", "context of 16"):
+        model.feed(list(range(7)))
+
+
+@pytest.mark.parametrize("kw, rule", [(dict(temperature=-0.5), "temperature"), (dict(top_p=2.0), "top_p"),
+                                      (dict(top_k=-3), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens")])
+def test_bad_generation_options(model, kw, rule):
+    args = {"max_new_tokens": 2, **kw}
+    with raises(InputError, rule):
+        model.generate([1, 2], **args)
+
+
+# ---- load specs ----
+
+def test_unknown_specs_backend_and_ctx(tmp_path):
+    with raises(LoadError, "random:nope", "qwen3-tiny"):
+        graphir.load("random:nope")
+    with raises(LoadError, "no such file"):
+        graphir.load(str(tmp_path / "missing.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"1234")
+    with raises(LoadError, "not a .gguf file"):
+        graphir.load(str(tmp_path / "weights.bin"))
+    with raises(BackendError, "unknown backend 'tpu'"):
+        graphir.load("random:llama-tiny", backend="tpu")
+    with raises(InputError, "ctx"):
+        graphir.load("random:llama-tiny", ctx=0)
+    with raises(LoadError, "dtype 'f64'"):
+        graphir.load(str(hf_dir(tmp_path)), dtype="f64")
+
+
+# ---- HF directories ----
+
+def test_hf_dir_loads(tmp_path):
+    m = graphir.load(str(hf_dir(tmp_path)))
+    assert m.config.rope_mode == "neox" and m.tokenizer is None
+    assert m.logits([1, 2, 3]).shape == (3, TINY.n_vocab)
+
+
+def test_hf_unknown_architecture(tmp_path):
+    with raises(LoadError, "config.json", "MambaForCausalLM", "not supported"):
+        graphir.load(str(hf_dir(tmp_path, architectures=["MambaForCausalLM"])))
+
+
+def test_hf_missing_tensor_names_both_names(tmp_path):
+    arrays = tiny_arrays()
+    del arrays["blk.1.ffn_up.weight"]
+    with raises(LoadError, "missing tensor 'blk.1.ffn_up.weight'", "model.layers.1.mlp.up_proj.weight"):
+        graphir.load(str(hf_dir(tmp_path, arrays=arrays)))
+
+
+def test_hf_wrong_shape(tmp_path):
+    with raises(LoadError, "blk.0.ffn_gate.weight", "[96, 64]", "expects [80, 64]"):
+        graphir.load(str(hf_dir(tmp_path, intermediate_size=80)))
+
+
+def test_hf_unused_tensor(tmp_path):
+    d = hf_dir(tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    with raises(LoadError, "q_proj.bias", "no place"):
+        graphir.load(str(d))
+
+
+def test_hf_unsupported_options(tmp_path):
+    with raises(LoadError, "attention_bias"):
+        graphir.load(str(hf_dir(tmp_path, attention_bias=True)))
+    with raises(LoadError, "rope scaling", "llama3"):
+        graphir.load(str(hf_dir(tmp_path, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4})))
+
+
+# ---- GGUF files ----
+
+def test_gguf_loads(tmp_path):
+    m = graphir.load(str(write_gguf(tmp_path / "ok.gguf", TINY, tiny_arrays())))
+    assert dataclasses.replace(m.config, rms_eps=TINY.rms_eps) == TINY  # eps went through f32
+    assert m.tokenizer.eos_ids == {TINY.n_vocab - 1} and m.eos_ids == {TINY.n_vocab - 1}
+
+
+def test_gguf_unknown_architecture(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", TINY, tiny_arrays(), arch="mamba")
+    with raises(LoadError, "m.gguf", "architecture 'mamba' is not supported"):
+        graphir.load(str(path))
+
+
+def test_gguf_missing_metadata(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", TINY, tiny_arrays(), skip_keys=("block_count",))
+    with raises(LoadError, "m.gguf", "llama.'block_count'"):
+        graphir.load(str(path))
+
+
+def test_gguf_missing_tensor(tmp_path):
+    arrays = tiny_arrays()
+    del arrays["blk.0.attn_v.weight"]
+    with raises(LoadError, "m.gguf", "missing tensor 'blk.0.attn_v.weight'"):
+        graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, arrays)))
+
+
+def test_gguf_wrong_shape(tmp_path):
+    arrays = tiny_arrays()
+    arrays["blk.1.attn_output.weight"] = arrays["blk.1.attn_output.weight"][:, :32]
+    with raises(LoadError, "blk.1.attn_output.weight", "[64, 32]", "expects [64, 64]"):
+        graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, arrays)))
+
+
+def test_gguf_rope_scaling_refused(tmp_path):
+    arrays = tiny_arrays()
+    arrays["rope_freqs.weight"] = np.ones(TINY.head_dim // 2, np.float32)
+    with raises(LoadError, "rope scaling"):
+        graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, arrays)))
