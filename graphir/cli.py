@@ -5,6 +5,8 @@
     graphir dump example --passes default --diff     what a pipeline changes
     graphir run example -p "Hi" -n 8                 run the built-in example graph
     graphir run smollm2-135m -p "Once upon a time"   generate text with a model
+    graphir check smollm2-135m -p default            does a pipeline keep the math? (exit 1 if not)
+    graphir coverage smollm2-135m -p default         where each pass of a pipeline fired, or why not
 
 Modules that other stages provide (graphir.api, graphir.passes) are imported lazily, so
 `dump` and `run example` work before any model or pass exists. Every GraphirError ends the
@@ -265,3 +267,75 @@ def _run_example(prompt: str, n: int, seed: int, backend: str) -> None:
     t = run.timings
     click.echo(f"prefill {len(ids)} tok in {t['prefill_s']:.3f} s | "
                f"decode {_rate(max(n - 1, 0), t['decode_s'])} (replaying one Program)", err=True)
+
+
+# ---------------------------------------------------------------- check, coverage
+_SITES_HELP = "sites listed per pass, matched and rejected each (0: all)"
+_ALL_SITES = 1 << 30
+
+
+@main.command("check")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("-p", "--passes", "pipeline", default="default", show_default=True,
+              help="the pass pipeline to check (see `graphir passes`)")
+@click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
+@click.option("--n-tokens", type=click.IntRange(min=1), default=None,
+              help="prefill length  [default: 7; decode is always 1]")
+@click.option("--tol", type=click.FloatRange(min=0.0), default=None,
+              help="largest allowed error relative to a tensor's max |value|  [default: 1e-4]")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs and state")
+@click.option("--sites", type=click.IntRange(min=0), default=4, show_default=True, help=_SITES_HELP)
+def check_cmd(model: str, pipeline: str, phase: str, n_tokens: int | None, tol: float | None, seed: int,
+              sites: int) -> None:
+    """Check that a pass pipeline keeps the math, on the reference backend.
+
+    Runs MODEL's graph without and with the pipeline on the same random valid inputs (positions
+    0..n-1 on an empty cache, then later positions on a random cache and state), prints each
+    output's and State buffer's error, the first named tensor that diverges, and the pipeline's
+    coverage report. Exits 1 when any of them is beyond tolerance. MODEL: a model spec
+    (smollm2-135m, random:llama-tiny, a .gguf, an HF directory) or `example`.
+    """
+    from graphir.check import DEFAULT_TOL, check
+
+    if phase == "decode" and n_tokens not in (None, 1):
+        raise click.UsageError("--phase decode runs one token; drop --n-tokens")
+    n = 1 if phase == "decode" else n_tokens or 7
+    graph, weights = _graph_and_weights(model, phase, n)
+    t0 = time.perf_counter()
+    report = check(graph, weights, pipeline, tol=DEFAULT_TOL if tol is None else tol, seed=seed)
+    click.echo(report.text(coverage=True, max_sites=sites or _ALL_SITES, summary=False), nl=False)
+    click.echo(f"checked in {time.perf_counter() - t0:.1f} s", err=True)
+    if not report.ok:
+        raise CliError(report.summary())
+    click.echo(report.summary())
+
+
+def _graph_and_weights(spec: str, phase: str, n_tokens: int) -> tuple[Graph, Any]:
+    """The graph to check and its weights: `example` (random weights) or a model spec."""
+    if spec == "example":
+        from graphir.examples import build_example, example_weights
+
+        graph = build_example(phase, n_tokens)
+        return graph, example_weights(graph)
+    if spec.endswith(".json"):
+        raise CliError(f"{spec}: a graph file has no weights to run; check a model spec or `example`")
+    lm = _api(spec).load(spec)
+    return lm.graph(phase, n_tokens), lm.weights
+
+
+@main.command("coverage")
+@click.argument("spec", default=DEFAULT_MODEL)
+@click.option("-p", "--passes", "pipeline", default="default", show_default=True,
+              help="the pass pipeline to report on (see `graphir passes`)")
+@click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
+@click.option("--sites", type=click.IntRange(min=0), default=4, show_default=True, help=_SITES_HELP)
+def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
+    """Print where each pass of a pipeline fired (matched sites) and the candidates it rejected, with why.
+
+    Per pass: sites matched, sites rejected and node counts before -> after. A fusion that stops
+    firing shows up here as a rejected site and its reason. SPEC: as for `graphir dump`.
+    Runs nothing; `graphir check` adds the numerical comparison.
+    """
+    from graphir.passes import coverage
+
+    click.echo(coverage(load_graph(spec, phase), pipeline).text(max_sites=sites or _ALL_SITES), nl=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import graphir
 from graphir import Graph, LoadError, g
 from graphir.cli import main
 from graphir.dump import dump_text, load_json
@@ -23,7 +24,7 @@ def invoke(*args: str):
 def test_help_lists_commands() -> None:
     r = invoke("--help")
     assert r.exit_code == 0
-    for cmd in ("dump", "run", "passes"):
+    for cmd in ("dump", "run", "passes", "check", "coverage"):
         assert cmd in r.stdout
     assert "--layers" in invoke("dump", "--help").stdout
     assert "--top-p" in invoke("run", "--help").stdout
@@ -191,3 +192,72 @@ def test_run_accepts_a_stream_push_decoder(monkeypatch: pytest.MonkeyPatch) -> N
     assert r.exit_code == 0, r.output
     assert r.stdout == "xde\n"  # ids 100, 101
     assert "prefill -" in r.stderr and "decode 1 tok" in r.stderr  # no stats: our own clock for decode
+
+
+# ---------------------------------------------------------------- check, coverage
+@pytest.mark.parametrize("model, phase", [("random:llama-tiny", "prefill"), ("random:qwen3-tiny", "decode"),
+                                          ("example", "prefill")])
+def test_check_default_passes(model: str, phase: str) -> None:
+    r = invoke("check", model, "-p", "default", "--phase", phase)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert out.startswith(f"check: pipeline 'default' on the {phase} graph")
+    assert "case 1: position" in out and "case 2: position" in out and "output 'logits'" in out
+    assert "\ncoverage:\nreplay-lint: 0 matched" in out and "stack-projections: 4 matched" in out
+    assert out.splitlines()[-1].startswith("ok: pipeline 'default' keeps every output and State within 1e-04")
+    assert "checked in" in r.stderr
+
+
+def test_check_fails_on_a_wrong_pass_naming_the_tensor() -> None:
+    from test_check import add_to_sub
+
+    with add_to_sub() as name:
+        r = invoke("check", "random:llama-tiny", "-p", name, "--n-tokens", "5")
+    assert r.exit_code == 1
+    assert "first diverging tensor: 'blk.1.attn_res'" in r.stdout and "[add [5, 64] -> sub [5, 64]]" in r.stdout
+    assert "  + add 'blk.1.attn_res' -> wrong" in r.stdout  # the coverage report is still printed
+    error = r.stderr.splitlines()[-1]
+    assert error.startswith(f"error: pipeline '{name}' changes the math beyond 1e-04: worst 'logits' rel ")
+    assert "; first diverging tensor 'blk.1.attn_res' (rel " in error
+
+
+def test_check_options() -> None:
+    from test_check import wrong_eps
+
+    with wrong_eps() as name:
+        assert invoke("check", "random:llama-tiny", "-p", name, "--tol", "1").exit_code == 0
+        assert invoke("check", "random:llama-tiny", "-p", name).exit_code == 1
+    r = invoke("check", "random:llama-tiny", "--sites", "0")
+    assert "... " not in r.stdout and "  + reshape" in r.stdout  # every site listed
+    assert invoke("check", "random:llama-tiny", "--phase", "decode", "--n-tokens", "3").exit_code == 2
+    bad = invoke("check", "random:llama-tiny", "-p", "no-such-pass")
+    assert bad.exit_code == 1 and "unknown pass 'no-such-pass'" in bad.stderr
+    assert "no weights" in invoke("check", "graph.json").stderr
+
+
+def test_check_smollm2_default() -> None:
+    """The default model with the default pipeline: about 12 s on two slow cores."""
+    try:
+        graphir.load("smollm2-135m")
+    except LoadError as e:
+        pytest.skip(str(e))
+    r = invoke("check", "smollm2-135m", "-p", "default")
+    assert r.exit_code == 0, r.output
+    assert "(1060 -> 1059 nodes)" in r.stdout and "state: 60 buffers ok" in r.stdout
+    assert "swiglu-split: 30 matched, 0 rejected" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("ok: pipeline 'default'")
+
+
+def test_coverage_prints_only_the_report() -> None:
+    r = invoke("coverage", "random:llama-tiny", "-p", "swiglu-split,fuse-add-rms-norm-mul")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ("swiglu-split: 2 matched, 0 rejected, nodes 81 -> 79\n"
+                        "  + mul 'blk.0.ffn_act' -> swiglu_split\n"
+                        "  + mul 'blk.1.ffn_act' -> swiglu_split\n"
+                        "fuse-add-rms-norm-mul: 4 matched, 0 rejected, nodes 79 -> 78\n"
+                        "  + mul 'blk.0.ffn_norm' -> add_rms_norm_mul\n"
+                        "  + mul 'blk.1.attn_norm' -> add_rms_norm_mul\n"
+                        "  + mul 'blk.1.ffn_norm' -> add_rms_norm_mul\n"
+                        "  + mul 'output_norm' -> add_rms_norm_mul\n")
+    short = invoke("coverage", "example", "--sites", "1").stdout
+    assert "  + ... 3 more" in short
