@@ -25,7 +25,7 @@ from graphir.cache import ProgramCache
 from graphir.errors import InputError, LoadError
 from graphir.generate import check_sampling, generate, make_sampler
 from graphir.ir import Graph
-from graphir.models import loader, presets
+from graphir.models import loader, presets, qwen35
 from graphir.models.llama import LlamaConfig, build
 from graphir.program import new_state
 from graphir.weights import Weights
@@ -59,7 +59,8 @@ class Model:
 
     def graph(self, phase: str = "prefill", n_tokens: int | None = None, last_only: bool = False) -> Graph:
         """The forward graph this model runs (decode: n_tokens=1)."""
-        return build(self.config, phase, n_tokens, self._dtypes, last_only)
+        builder = qwen35.build if isinstance(self.config, qwen35.Qwen35Config) else build
+        return builder(self.config, phase, n_tokens, self._dtypes, last_only)
 
     def _program(self, n: int, last_only: bool) -> Any:
         key = (n, last_only and n > 1)
@@ -70,8 +71,11 @@ class Model:
     # ---- running ----
 
     def reset(self) -> None:
-        """Forget the KV cache (rewind to position 0)."""
+        """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
+        the conv and recurrent states of hybrid models, which are not indexed by position."""
         self.n_past = 0
+        if self._state is not None and isinstance(self.config, qwen35.Qwen35Config):
+            qwen35.reset_recurrent(self._state)
 
     def feed(self, token_ids: Iterable[int], last_only: bool = False) -> np.ndarray:
         """Append tokens at positions n_past.. (writing their KV rows); logits f32 [n, vocab] (or [1, vocab])."""

@@ -1,19 +1,49 @@
-"""The program cache: each (graph structure, weights, backend, passes) is lowered once.
+"""The program cache: each (graph structure, input shapes, weights, backend, passes) is lowered once.
 
 A model needs only a bounded set of graphs (one decode graph, a few prefill buckets), so a
-cache is a small LRU dict keyed by the graph's structural signature, the weight store's
-identity, the backend name and the pass pipeline string. A Program holds its weights, so
-each loaded model owns a ProgramCache (its Programs go when it goes); `get_program` uses a
-process-wide one for everything else.
+cache is a small LRU dict. Its key is the graph's structural signature (ops, wiring, params,
+shapes and dtypes, which covers the Input shapes), the weight store's identity, the backend
+name and the pass pipeline. Positions, KV rows and lengths are Inputs, never part of the key,
+so one decode Program serves every position.
+
+A Program holds its weights, so each loaded model owns a ProgramCache (its Programs go when it
+goes); `get_program` uses a process-wide one for everything else.
+
+With GRAPHIR_DEBUG_CACHE=1 every miss prints which parts of the key differ from the closest
+cached entry (input shapes, a param, the structure, the pass list, the backend), which is how
+an accidental per-step rebuild shows up.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 from collections import OrderedDict
 from typing import Any
 
+from graphir import flags
 from graphir.ir import Graph
 from graphir.weights import Weights
+
+
+def key_parts(graph: Graph, backend: str, passes: str) -> dict[str, str]:
+    """The cache key split into named parts, each a short digest, so a miss can say what changed."""
+    rec = graph.to_records()
+    nodes = rec["nodes"]
+
+    def digest(obj: Any) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+    return {
+        "inputs": digest([(n["name"], n["shape"], n["dtype"]) for n in nodes if n["op"] == "input"]),
+        "states": digest([(n["name"], n["shape"], n["dtype"]) for n in nodes if n["op"] == "state"]),
+        "params": digest([n["params"] for n in nodes]),
+        "shapes": digest([(n["shape"], n["dtype"]) for n in nodes]),
+        "structure": digest([(n["op"], n["src"]) for n in nodes] + [rec["outputs"], rec["updates"]]),
+        "passes": passes,
+        "backend": backend,
+    }
 
 
 class ProgramCache:
@@ -21,7 +51,8 @@ class ProgramCache:
         self.max_entries = max_entries
         self.hits = 0
         self.misses = 0
-        self._programs: OrderedDict[tuple[str, int, str, str], tuple[Weights | None, Any]] = OrderedDict()
+        self._programs: OrderedDict[tuple[str, int, str, str], tuple[Weights | None, Any, dict[str, str]]] = \
+            OrderedDict()
 
     def get_program(self, graph: Graph, weights: Weights | None, backend: str = "reference", passes: str = "") -> Any:
         """The Program for `graph` on `backend` after the pass pipeline `passes`, lowered on first use."""
@@ -32,11 +63,25 @@ class ProgramCache:
             self._programs.move_to_end(key)
             return hit[1]
         self.misses += 1
+        parts = key_parts(graph, backend, passes)
+        if flags.enabled("GRAPHIR_DEBUG_CACHE"):
+            print(f"graphir cache miss: {self.explain_miss(parts)}", file=sys.stderr)
         program = _lower(graph, weights, backend, passes)
-        self._programs[key] = (weights, program)
+        self._programs[key] = (weights, program, parts)
         while len(self._programs) > self.max_entries:
             self._programs.popitem(last=False)
         return program
+
+    def explain_miss(self, parts: dict[str, str]) -> str:
+        """Which key parts differ from the closest cached entry ('first program' if none)."""
+        best: list[str] | None = None
+        for _, _, other in self._programs.values():
+            diff = [k for k in parts if parts[k] != other.get(k)]
+            if best is None or len(diff) < len(best):
+                best = diff
+        if best is None:
+            return "first program"
+        return "changed: " + ", ".join(best) if best else "same key parts, different weights"
 
     def clear(self) -> None:
         self._programs.clear()

@@ -5,6 +5,7 @@
 | GRAPHIR_VERIFY_PASSES=1 | `run_pipeline` runs the verifier after every pass and names the culprit |
 | GRAPHIR_DUMP_PASSES=1   | `run_pipeline` prints a text dump (graphir.dump) after every pass       |
 | GRAPHIR_NO_FUSION=1     | the `default` pipeline skips every fusion and keeps lint + cleanup only |
+| GRAPHIR_DEBUG_CACHE=1   | every program-cache miss prints which part of the key changed (stderr)  |
 
 A flag is on when its variable is set to anything but "" or "0".
 """
@@ -17,6 +18,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_VERIFY_PASSES": "verify the graph after every pass",
     "GRAPHIR_DUMP_PASSES": "print a text dump after every pass",
     "GRAPHIR_NO_FUSION": "the default pipeline skips fusions",
+    "GRAPHIR_DEBUG_CACHE": "print why each program-cache lookup missed",
 }
 
 

@@ -61,3 +61,37 @@ def _rope_set_rows_ref(cache, x, pos, idx, **rope) -> np.ndarray:
 
 op("rope_set_rows", 4, "cache[idx[i]] = rope(x, positions)[i], in place (roped K straight into the KV cache)",
    _rope_params, writes=True)((_rope_set_rows_infer, _rope_set_rows_ref))
+
+
+# ---------------------------------------------------------------- recurrent (Gated DeltaNet) fusions
+def _ssm_conv_silu_infer(ts: list[Type], p: dict) -> list[Type]:
+    return OPS["ssm_conv"].infer(ts, p)
+
+
+def _ssm_conv_silu_ref(x, state, w):
+    y, new_state = OPS["ssm_conv"].ref(x, state, w)
+    return OPS["silu"].ref(y), new_state
+
+
+op("ssm_conv_silu", 3,
+   "(silu(y), new_state) where (y, new_state) = ssm_conv(x, state, w): the conv step of a DeltaNet/Mamba layer",
+   multi=True)((_ssm_conv_silu_infer, _ssm_conv_silu_ref))
+
+
+def _gdn_raw_infer(ts: list[Type], p: dict) -> list[Type]:
+    q, k, v, alpha, b, a_neg, dt_bias, state = ts
+    gate = _binary_infer([alpha, dt_bias], p)  # alpha + dt_bias, dt_bias [v_heads] broadcast over tokens
+    _binary_infer([gate, a_neg], p)
+    return OPS["gated_delta_net"].infer([q, k, v, gate, b, state], p)
+
+
+def _gdn_raw_ref(q, k, v, alpha, b, a_neg, dt_bias, state, scale: float):
+    g = OPS["mul"].ref(OPS["softplus"].ref(OPS["add"].ref(alpha, dt_bias)), a_neg)
+    beta = OPS["sigmoid"].ref(b)
+    return OPS["gated_delta_net"].ref(q, k, v, g, beta, state, scale=scale)
+
+
+op("gated_delta_net_raw", 8,
+   "gated_delta_net(q, k, v, g, beta, state) with the gates from raw projections: g = a_neg * softplus(alpha + "
+   "dt_bias) (a_neg = -exp(A_log), llama.cpp's ssm_a), beta = sigmoid(b); returns (o, new_state)",
+   {"scale": (float, REQUIRED)}, multi=True)((_gdn_raw_infer, _gdn_raw_ref))

@@ -18,17 +18,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from graphir.dtypes import FLOAT, QUANTIZED
+from graphir.dtypes import DTYPES, FLOAT, QUANTIZED
 from graphir.errors import GraphirError, LoadError
 from graphir.quant import dequantize, quantize
 from graphir.weights import Weight, Weights
 
-from . import qwen3
+from . import qwen3, qwen35
 from .gguf_file import GGUFFile
 from .hf_dir import load_hf_dir
 from .llama import LlamaConfig, check_config, param_shapes
 
-ARCHITECTURES = ("llama", "qwen3")
+ARCHITECTURES = ("llama", "qwen3", "qwen35")
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 DEFAULT_MAX_CTX = 4096  # default KV capacity cap: a full 40k-row cache of an 8B model is ~12 GB
 
@@ -65,6 +65,10 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Weights, GGUFF
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise LoadError(f"{label}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if arch == "qwen35":  # hybrid Gated DeltaNet: its own names and config keys
+        config35 = qwen35.config_from_gguf(md, f.tensors, label)
+        config35 = qwen35.with_ctx(config35, min(config35.context_length, DEFAULT_MAX_CTX))
+        return config35, qwen35.weights_from_gguf(config35, f.weights()), f
 
     def key(name: str, default: Any = None) -> Any:
         v = md.get(f"{arch}.{name}", default)
@@ -109,6 +113,10 @@ def load_hf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Weights, dict[st
     """(config, weights renamed to ours, config.json as a dict)."""
     hf, raw = load_hf_dir(path)
     label = str(Path(path) / "config.json")
+    if qwen35.is_hf_config(hf):
+        config35 = qwen35.config_from_hf(hf, label)
+        config35 = qwen35.with_ctx(config35, min(config35.context_length, DEFAULT_MAX_CTX))
+        return config35, qwen35.weights_from_hf(config35, raw), hf
     config = hf_config(hf, label)
     out = Weights(source=raw.source)
     for hf_name, w in raw.items():
@@ -211,7 +219,9 @@ def convert_weights(weights: Weights, dtype: str) -> Weights:
         raise LoadError(f"dtype {dtype!r} is not a weight type (use one of {', '.join(FLOAT + QUANTIZED)})")
     out = Weights(source=f"{weights.source} as {dtype}")
     for name, w in weights.items():
-        target = "f32" if dtype in QUANTIZED and len(w.shape) < 2 else dtype
+        # norms, and rows that are not whole blocks (a [C, 4] conv kernel), stay f32
+        blocked = len(w.shape) >= 2 and w.shape[-1] % DTYPES[dtype].block == 0
+        target = "f32" if dtype in QUANTIZED and not blocked else dtype
         if w.dtype == target:
             out.add(name, w)
             continue

@@ -23,7 +23,7 @@ from graphir.errors import InputError
 from graphir.quant import quantize
 from graphir.weights import Weight, Weights
 
-from . import qwen3
+from . import qwen3, qwen35
 from .llama import LlamaConfig, param_shapes
 
 LAZY_NUMEL = 1 << 16
@@ -44,12 +44,17 @@ PRESETS: dict[str, tuple[LlamaConfig, str]] = {
 }  # fmt: skip
 
 
+PRESETS.update(qwen35.PRESETS)
+
+
 def random_weights(config: LlamaConfig, dtype: str = "f32", seed: int = 0) -> Weights:
     """Seeded random weights for every Param of `config`, stored as `dtype` (f32, f16 or bf16).
 
     Matrices (the embedding too) have std 1/sqrt(n_in), so activations and logits keep about
     unit scale; norm weights are 1 + 0.1 * normal.
     """
+    if isinstance(config, qwen35.Qwen35Config):
+        return qwen35.random_weights(config, dtype, seed)
     out = Weights(source=f"random:{config.arch} seed {seed}")
     for name, shape in param_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

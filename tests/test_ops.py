@@ -14,7 +14,7 @@ from collections.abc import Callable
 import gguf
 import numpy as np
 import pytest
-from graphir.backends import reference
+from graphir.backends.registry import get_backend
 
 from graphir import g
 from graphir.dtypes import QUANTIZED
@@ -37,10 +37,23 @@ def covers(*ops: str) -> Callable:
     return deco
 
 
+# Every formula test runs on every backend CI can run: the reference defines the ops, and the
+# compiled CPU backend must meet the same independent formulas at the same tolerances.
+BACKENDS = ["reference", "cpu"]
+_backend = {"name": "reference"}
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request):
+    _backend["name"] = request.param
+    yield request.param
+    _backend["name"] = "reference"
+
+
 def run(outputs: Node | dict[str, Node], inputs: dict | None = None, *, weights: Weights | None = None,
         state: dict | None = None, updates: tuple[Node, ...] = ()) -> dict[str, np.ndarray]:
     graph = Graph(outputs if isinstance(outputs, dict) else {"out": outputs}, updates)
-    return reference.lower(graph, weights)(inputs or {}, state)
+    return get_backend(_backend["name"]).lower(graph, weights)(inputs or {}, state)
 
 
 def run1(out: Node, inputs: dict | None = None, **kw) -> np.ndarray:
@@ -813,3 +826,40 @@ def test_rope_set_rows(mode, row_shape, rng):
     for i, r in enumerate(idx.tolist()):
         want[r] = roped[i].reshape(row_shape)
     close(state["k"], want, rtol=1e-5, atol=1e-5)
+
+
+@covers("ssm_conv_silu")
+def test_ssm_conv_silu(rng):
+    channels, kernel, n = 9, 4, 6
+    w, init, x = normal(rng, (channels, kernel)), normal(rng, (kernel - 1, channels)), normal(rng, (n, channels))
+    s = g.state("conv", init.shape)
+    res = g.ssm_conv_silu(g.input("x", x.shape), s, g.param("w", w.shape))
+    state = {"conv": init.copy()}
+    y = run({"y": g.item(res, index=0)}, {"x": x}, state=state, updates=(g.assign(s, g.item(res, index=1)),),
+            weights=weights_of(w=("f32", w, w.shape)))["y"]
+    seq = np.concatenate([init, x]).astype(np.float64)
+    pre = _conv_loops(seq, w)
+    close(y, pre / (1 + np.exp(-pre)), rtol=1e-5, atol=1e-5, dtype="float32")
+    close(state["conv"], seq[-(kernel - 1):], rtol=0, atol=0)
+
+
+@covers("gated_delta_net_raw")
+def test_gated_delta_net_raw(rng):
+    n, hk, hv, dk, dv = 5, 1, 2, 8, 6
+    q, k, v = normal(rng, (n, hk, dk), 0.5), normal(rng, (n, hk, dk), 0.5), normal(rng, (n, hv, dv))
+    alpha, b = normal(rng, (n, hv)), normal(rng, (n, hv))
+    a_neg, dt = -np.exp(normal(rng, (hv,))), normal(rng, (hv,))
+    s0 = normal(rng, (hv, dk, dv), 0.3)
+    s = g.state("S", s0.shape)
+    res = g.gated_delta_net_raw(*(g.input(nm, x.shape) for nm, x in zip("qkvab", (q, k, v, alpha, b), strict=True)),
+                                g.param("a_neg", (hv,)), g.param("dt", (hv,)), s, scale=0.25)
+    state = {"S": s0.copy()}
+    o = run({"o": g.item(res, index=0)}, {"q": q, "k": k, "v": v, "a": alpha, "b": b}, state=state,
+            updates=(g.assign(s, g.item(res, index=1)),),
+            weights=weights_of(a_neg=("f32", a_neg, (hv,)), dt=("f32", dt, (hv,))))["o"]
+    z = alpha.astype(np.float64) + dt
+    gate = a_neg * np.log1p(np.exp(z))  # a_neg * softplus(alpha + dt)
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    want_o, want_s = _gdn_loops(q, k, v, gate, beta, s0, 0.25)
+    close(o, want_o, rtol=1e-4, atol=1e-5, dtype="float32")
+    close(state["S"], want_s, rtol=1e-4, atol=1e-5)

@@ -126,6 +126,39 @@ def case_baked_position(wtype: str) -> Graph:
     return Graph({"y": g.mul_mat(_w("w", 40, wtype), past)}, meta={"case": "baked_position"})
 
 
+def case_ssm_conv(wtype: str) -> Graph:
+    """DeltaNet conv steps: silu of the conv output fuses; the layer whose raw conv is also an output does not."""
+    x = g.mul_mat(_w("attn_qkv.weight", 40, wtype), _x())  # [5, 40]
+    outs, updates = {}, []
+    for i in range(2):
+        s = g.state(f"blk.{i}.conv_state", (3, 40))
+        conv = g.ssm_conv(x, s, g.param(f"blk.{i}.ssm_conv1d.weight", (40, 4)), name=f"blk.{i}.ssm_conv")
+        updates.append(g.assign(s, g.item(conv, index=1)))
+        outs[f"y{i}"] = g.silu(g.item(conv, index=0))
+    outs["raw"] = g.item(conv, index=0)  # blocked: layer 1's pre-activation must stay
+    return Graph(outs, updates, meta={"case": "ssm_conv"})
+
+
+def case_delta_net(wtype: str) -> Graph:
+    """Gated delta rules with gates from raw projections (fused), and one whose beta is not a sigmoid (not)."""
+    x, hk, hv, dk, dv = _x(), 2, 4, 8, 6
+    outs, updates = {}, []
+    for i in range(2):
+        q = g.l2_norm(g.input(f"q{i}", (N, hk, dk)), eps=1e-6)
+        k = g.l2_norm(g.input(f"k{i}", (N, hk, dk)), eps=1e-6)
+        alpha = g.mul_mat(_w(f"blk.{i}.ssm_alpha.weight", hv, wtype), x)  # [5, 4]; stacks with beta
+        b = g.mul_mat(_w(f"blk.{i}.ssm_beta.weight", hv, wtype), x)
+        a_neg = g.neg(g.exp(g.param(f"blk.{i}.A_log", (hv,))))  # HF's -exp(A_log)
+        gate = g.mul(g.softplus(g.add(alpha, g.param(f"blk.{i}.ssm_dt.bias", (hv,)))), a_neg)
+        beta = g.sigmoid(b) if i == 0 else g.scale(b, s=0.1, b=0.5)
+        s = g.state(f"blk.{i}.ssm_state", (hv, dk, dv))
+        res = g.gated_delta_net(q, k, g.input(f"v{i}", (N, hv, dv)), gate, beta, s, scale=dk ** -0.5,
+                                name=f"blk.{i}.delta_net")
+        updates.append(g.assign(s, g.item(res, index=1)))
+        outs[f"o{i}"] = g.item(res, index=0)
+    return Graph(outs, updates, meta={"case": "delta_net"})
+
+
 TARGETED_CASES: dict[str, Case] = {
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),
@@ -136,6 +169,8 @@ TARGETED_CASES: dict[str, Case] = {
     "fuse-rope-set-rows": Case(case_rope_cache, "rope_set_rows"),
     "fuse-qk-norm-rope": Case(case_qk_norm, "rms_norm_mul_rope"),
     "replay-lint": Case(case_baked_position, "findings"),
+    "fuse-ssm-conv-silu": Case(case_ssm_conv, "ssm_conv_silu"),
+    "fuse-gated-delta-net-raw": Case(case_delta_net, "gated_delta_net_raw"),
 }
 
 

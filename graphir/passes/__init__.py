@@ -73,6 +73,8 @@ FUSIONS = [
     "fuse-add-rms-norm-mul",
     "fuse-qk-norm-rope",  # before fuse-rope-set-rows: Qwen3's K then fuses its norm, not its cache write
     "fuse-rope-set-rows",
+    "fuse-ssm-conv-silu",  # recurrent layers (Qwen3.5 DeltaNet): conv + silu, delta rule + its gates
+    "fuse-gated-delta-net-raw",
 ]
 
 
@@ -166,7 +168,7 @@ def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
 
 
 # Importing the pass modules registers them.
-from graphir.passes import cleanup, fuse_norm, fuse_rope, replay_lint, stack, swiglu, views  # noqa: E402,F401
+from graphir.passes import cleanup, fuse_norm, fuse_rope, fuse_ssm, replay_lint, stack, swiglu, views  # noqa: E402,F401
 
 __all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
            "default_pipeline"]

@@ -1,0 +1,190 @@
+"""numba kernels for the CPU backend (everything but the matmuls, which live in matmul.py).
+
+Every kernel writes into a preallocated `out` so a replayed step allocates nothing.
+Rows are the last axis; callers pass 2-D [rows, n] views (3-D for attention and rope).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+JIT = dict(cache=True, fastmath=True, nogil=True)
+
+
+@njit(**JIT)
+def rms_norm(x, eps, out):
+    for r in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(acc / x.shape[1] + np.float32(eps))
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] * inv
+
+
+@njit(**JIT)
+def rms_norm_mul(x, w, eps, out):
+    """out = rms_norm(x) * w, w broadcast over rows."""
+    for r in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(acc / x.shape[1] + np.float32(eps))
+        for i in range(x.shape[1]):
+            out[r, i] = x[r, i] * inv * w[i]
+
+
+@njit(**JIT)
+def add_rms_norm_mul(a, b, w, eps, out_norm, out_sum):
+    """out_sum = a + b (the residual the next layer reads); out_norm = rms_norm(out_sum) * w."""
+    for r in range(a.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(a.shape[1]):
+            s = a[r, i] + b[r, i]
+            out_sum[r, i] = s
+            acc += s * s
+        inv = np.float32(1.0) / np.sqrt(acc / a.shape[1] + np.float32(eps))
+        for i in range(a.shape[1]):
+            out_norm[r, i] = out_sum[r, i] * inv * w[i]
+
+
+@njit(**JIT)
+def silu(x, out):
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            v = x[r, i]
+            out[r, i] = v / (np.float32(1.0) + np.exp(-v))
+
+
+@njit(**JIT)
+def swiglu_split(a, b, out):
+    """out = silu(a) * b."""
+    for r in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            v = a[r, i]
+            out[r, i] = v / (np.float32(1.0) + np.exp(-v)) * b[r, i]
+
+
+@njit(**JIT)
+def rope(x, pos, inv_freq, n_dims, neox, freq_scale, out):
+    """x, out: [n, heads, head_dim]; rotates the first n_dims of each head; the rest is copied."""
+    half = n_dims // 2
+    n, heads, hd = x.shape
+    for t in range(n):
+        p = np.float64(pos[t]) * freq_scale
+        for j in range(half):
+            ang = p * inv_freq[j]
+            c = np.float32(math.cos(ang))
+            s = np.float32(math.sin(ang))
+            i0 = j if neox else 2 * j
+            i1 = j + half if neox else 2 * j + 1
+            for h in range(heads):
+                a = x[t, h, i0]
+                b = x[t, h, i1]
+                out[t, h, i0] = a * c - b * s
+                out[t, h, i1] = a * s + b * c
+        for h in range(heads):
+            for i in range(n_dims, hd):
+                out[t, h, i] = x[t, h, i]
+
+
+@njit(**JIT)
+def set_rows(dst, src, idx):
+    for r in range(src.shape[0]):
+        row = idx[r]
+        if row < 0 or row >= dst.shape[0]:
+            raise IndexError("set_rows: row index out of range")
+        for i in range(src.shape[1]):
+            dst[row, i] = src[r, i]
+
+
+@njit(parallel=True, **JIT)
+def attention_decode(q, k, v, pos, kv_len, scale, window, out):
+    """Causal GQA attention for few queries: one (query, head) pair per task, online softmax.
+
+    q [n, hq, d]; k, v [capacity, hk, d] (the KV cache); out [n, hq, dv].
+    """
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    dv = v.shape[2]
+    group = hq // hk
+    length = kv_len[0]
+    for task in prange(n * hq):
+        t = task // hq
+        h = task % hq
+        kh = h // group
+        stop = min(length, pos[t] + 1)
+        start = 0
+        if window > 0:
+            start = max(0, pos[t] - window + 1)
+        m = -np.inf
+        denom = np.float32(0.0)
+        acc = np.zeros(dv, np.float32)
+        for j in range(start, stop):
+            s = np.float32(0.0)
+            for i in range(d):
+                s += q[t, h, i] * k[j, kh, i]
+            s *= scale
+            if s > m:
+                corr = np.float32(np.exp(m - s))
+                denom *= corr
+                for i in range(dv):
+                    acc[i] *= corr
+                m = s
+            p = np.float32(np.exp(s - m))
+            denom += p
+            for i in range(dv):
+                acc[i] += p * v[j, kh, i]
+        for i in range(dv):
+            out[t, h, i] = acc[i] / denom if denom > 0 else np.float32(0.0)
+
+
+def attention_prefill(q, k, v, pos, kv_len, scale, window, out):
+    """Many queries: per KV head, one BLAS matmul for scores and one for the weighted sum."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    length = int(kv_len[0])
+    j = np.arange(length)
+    allowed = j[None, :] <= pos[:, None]
+    if window:
+        allowed &= pos[:, None] - j[None, :] < window
+    for kh in range(hk):
+        qg = q[:, kh * group:(kh + 1) * group, :].transpose(1, 0, 2)  # [group, n, d]
+        s = np.matmul(qg, k[:length, kh, :].T) * np.float32(scale)  # [group, n, L]
+        s = np.where(allowed[None], s, np.float32(-np.inf))
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, np.float32(0.0))
+        e = np.exp(s - m)
+        denom = e.sum(axis=-1, keepdims=True)
+        e /= np.where(denom > 0, denom, np.float32(1.0))
+        out[:, kh * group:(kh + 1) * group, :] = np.matmul(e, v[:length, kh, :]).transpose(1, 0, 2)
+
+
+@njit(**JIT)
+def rope_set_rows(cache, x, pos, idx, inv_freq, n_dims, neox, freq_scale):
+    """cache[idx[t]] = rope(x)[t]: roped K goes straight into its KV-cache row."""
+    half = n_dims // 2
+    n, heads, hd = x.shape
+    for t in range(n):
+        row = idx[t]
+        if row < 0 or row >= cache.shape[0]:
+            raise IndexError("rope_set_rows: row index out of range")
+        p = np.float64(pos[t]) * freq_scale
+        for j in range(half):
+            ang = p * inv_freq[j]
+            c = np.float32(math.cos(ang))
+            s = np.float32(math.sin(ang))
+            i0 = j if neox else 2 * j
+            i1 = j + half if neox else 2 * j + 1
+            for h in range(heads):
+                a = x[t, h, i0]
+                b = x[t, h, i1]
+                cache[row, h, i0] = a * c - b * s
+                cache[row, h, i1] = a * s + b * c
+        for h in range(heads):
+            for i in range(n_dims, hd):
+                cache[row, h, i] = x[t, h, i]

@@ -1,0 +1,393 @@
+"""Which kernel each op lowers to on the CPU, and the layout decisions behind it.
+
+`lower_node(node, ins, out)` returns (value, step): the array (or arrays) the node
+produces and a zero-argument callable that computes it, or None for pure views.
+Ops without a dedicated kernel fall back to the op table's numpy reference, so every
+op runs; the dedicated kernels are the ones a decode step spends its time in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from graphir.ir import Graph, Node
+from graphir.ops import OPS
+from graphir.quant import dequantize
+from graphir.weights import Weights
+
+from . import kernels as K
+from . import matmul as MM
+
+DECODE_MAX_QUERIES = 4  # above this, attention goes through BLAS matmuls
+
+
+class ParamRef:
+    """A weight as stored (raw blocks for quantized types) with a cached f32 copy on demand."""
+
+    def __init__(self, node: Node | None, weights: Weights | None, raw: np.ndarray | None = None,
+                 dtype: str | None = None, shape: tuple[int, ...] | None = None, key: tuple = ()):
+        if node is not None:
+            w = weights[node.name]
+            if tuple(w.shape) != node.shape or w.dtype != node.dtype:
+                from graphir.errors import BackendError
+
+                raise BackendError(f"param {node.name!r}: weight is {list(w.shape)} {w.dtype}, "
+                                   f"graph expects {list(node.shape)} {node.dtype}")
+            raw, dtype, shape, key = w.data, w.dtype, tuple(w.shape), ("param", node.name)
+        self.raw, self.dtype, self.shape, self.key = raw, dtype, shape, key
+        self.weights = weights
+
+    def f32(self) -> np.ndarray:
+        cache = self.weights.derived if self.weights is not None else {}
+        k = ("f32",) + self.key
+        if k not in cache:
+            cache[k] = np.ascontiguousarray(dequantize(self.raw, self.dtype, self.shape), np.float32)
+        return cache[k]
+
+
+def val(x: Any) -> Any:
+    return x.f32() if isinstance(x, ParamRef) else x
+
+
+# ---------------------------------------------------------------- plan-time decisions
+def fold_params(graph: Graph, weights: Weights) -> dict[int, Any]:
+    """Evaluate nodes computed only from Params and Consts once, at lowering.
+
+    A concat of same-dtype Params on axis 0 (stacked QKV / gate|up) stays in the weights'
+    storage format, so quantized stacks stay quantized; it is cached in `weights.derived`
+    and shared by every Program over these weights.
+    """
+    folded: dict[int, Any] = {}
+    const_only: dict[int, bool] = {}
+    for n in graph.nodes():
+        if n.is_leaf:
+            const_only[id(n)] = n.op in ("param", "const")
+            continue
+        const_only[id(n)] = all(const_only[id(s)] for s in n.src) and not OPS[n.op].writes
+        if not const_only[id(n)] or n.op == "item" or OPS[n.op].multi:
+            continue
+        srcs = [folded[id(s)] if id(s) in folded else ParamRef(s, weights) if s.op == "param" else None
+                for s in n.src]
+        if n.op == "concat" and n.params["axis"] % len(n.shape) == 0 and all(isinstance(s, ParamRef) for s in srcs) \
+                and len({s.dtype for s in srcs}) == 1:
+            key = ("concat0",) + tuple(s.key for s in srcs)
+            if key not in weights.derived:
+                weights.derived[key] = np.concatenate([s.raw for s in srcs], axis=0)
+            folded[id(n)] = ParamRef(None, weights, weights.derived[key], srcs[0].dtype, n.shape, key)
+        elif all(s is not None or src.op == "const" for s, src in zip(srcs, n.src)):
+            args = [val(s) if s is not None else np.asarray(src.params["value"], np.float32).reshape(src.shape)
+                    for s, src in zip(srcs, n.src)]
+            folded[id(n)] = np.ascontiguousarray(OPS[n.op].ref(*args, **n.params.as_dict()))
+    return folded
+
+
+def views_needing_copy(graph: Graph) -> set[int]:
+    """View ops whose source is not row-major contiguous: numpy would copy at bind time,
+    which would freeze stale data, so the backend copies into a planned slot every step."""
+    contiguous: dict[int, bool] = {}
+    copies: set[int] = set()
+    for n in graph.nodes():
+        d = OPS[n.op]
+        if n.op in ("permute", "transpose"):
+            axes = n.params["axes"] if n.op == "permute" else None
+            identity = axes is not None and list(axes) == sorted(axes)
+            contiguous[id(n)] = contiguous[id(n.src[0])] and identity
+        elif n.op == "reshape":
+            if not contiguous[id(n.src[0])]:
+                copies.add(id(n))
+            contiguous[id(n)] = True
+        elif n.op == "view":
+            if not contiguous[id(n.src[0])]:
+                copies.add(id(n))
+            contiguous[id(n)] = tuple(n.params["strides"]) == _c_strides(n.shape)
+        else:
+            contiguous[id(n)] = True
+        assert d is not None
+    return copies
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+# ---------------------------------------------------------------- per-node lowering
+def rows2d(a: np.ndarray) -> np.ndarray | None:
+    """[..., n] -> [rows, n] without copying, or None if numpy would have to copy."""
+    if a.ndim == 2:
+        return a
+    try:
+        return a.reshape(-1, a.shape[-1], copy=False)
+    except ValueError:
+        return None
+
+
+def _rows_axis0(a: np.ndarray) -> np.ndarray | None:
+    """[n, ...] -> [n, rest] without copying, or None."""
+    try:
+        return a.reshape(a.shape[0], -1, copy=False)
+    except ValueError:
+        return None
+
+
+def _unary2d(kernel: Callable, x: np.ndarray, out: np.ndarray, *args: Any) -> Callable[[], None]:
+    x2, o2 = rows2d(x), rows2d(out)
+    if x2 is None:
+        return lambda: kernel(np.ascontiguousarray(x).reshape(o2.shape), *args, o2)
+    return lambda: kernel(x2, *args, o2)
+
+
+def lower_node(n: Node, ins: list[Any], out: list[np.ndarray] | None) -> tuple[Any, Callable[[], None] | None]:
+    rule = RULES.get(n.op)
+    if n.op not in ARRAY_RULES and _has_f16(ins, out):
+        rule = None  # numba has no float16 arithmetic: f16 activations take the numpy reference
+    if rule is not None:
+        result = rule(n, ins, out, n.params.as_dict())
+        if result is not None:
+            return result
+    return _fallback(n, ins, out)
+
+
+def _has_f16(ins: list[Any], out: list[np.ndarray] | None) -> bool:
+    arrays = [x for x in ins if isinstance(x, np.ndarray)] + list(out or [])
+    return any(a.dtype == np.float16 for a in arrays)
+
+
+def _fallback(n: Node, ins: list[Any], out: list[np.ndarray] | None):
+    ref, params = OPS[n.op].ref, n.params.as_dict()
+    args = [val(x) for x in ins]
+    if OPS[n.op].writes:
+        return args[0], lambda: ref(*args, **params)
+    if OPS[n.op].multi:
+        def step() -> None:
+            for o, r in zip(out, ref(*args, **params)):
+                o[...] = r
+        return out, step
+    o = out[0]
+
+    def step() -> None:
+        o[...] = ref(*args, **params)
+    return o, step
+
+
+def _mul_mat(n, ins, out, p):
+    w, x, o = ins[0], ins[1], out[0]
+    if not isinstance(w, ParamRef) or len(w.shape) != 2 or x.dtype != np.float32:
+        return None  # activations x activations, batched weights or f16 activations: numpy reference
+    x2, o2 = rows2d(x), rows2d(o)
+    raw, dt = w.raw, w.dtype
+    if x2 is None:
+        return o, lambda: MM.matmul(raw, dt, np.ascontiguousarray(x).reshape(-1, x.shape[-1]), o2)
+    return o, lambda: MM.matmul(raw, dt, x2, o2)
+
+
+def _get_rows(n, ins, out, p):
+    table, ids, o = ins[0], ins[1], out[0]
+    if not isinstance(table, ParamRef):
+        return None
+    raw, dt = table.raw, table.dtype
+
+    def step() -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
+            raise IndexError(f"get_rows: id out of range 0..{raw.shape[0] - 1}")
+        MM.get_rows(raw, dt, ids, o)
+    return o, step
+
+
+def _binary(ufunc):
+    def rule(n, ins, out, p):
+        a, b, o = val(ins[0]), val(ins[1]), out[0]
+        return o, lambda: ufunc(a, b, out=o)
+    return rule
+
+
+def _rms_norm(n, ins, out, p):
+    return out[0], _unary2d(K.rms_norm, ins[0], out[0], np.float32(p["eps"]))
+
+
+def _silu(n, ins, out, p):
+    return out[0], _unary2d(K.silu, ins[0], out[0])
+
+
+def _swiglu(n, ins, out, p):
+    a, b, o = rows2d(ins[0]), rows2d(ins[1]), rows2d(out[0])
+    if a is None or b is None:
+        return None
+    return out[0], lambda: K.swiglu_split(a, b, o)
+
+
+def _rope(n, ins, out, p):
+    x, pos, o = ins[0], ins[1], out[0]
+    inv_freq = _inv_freq(p)
+    neox = p["mode"] == "neox"
+    return o, lambda: K.rope(x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
+
+
+def _inv_freq(p: dict) -> np.ndarray:
+    half = p["n_dims"] // 2
+    return p["theta"] ** (-np.arange(half, dtype=np.float64) * 2.0 / p["n_dims"])
+
+
+def _add_rms_norm_mul(n, ins, out, p):
+    w = val(ins[2])
+    a, b = rows2d(val(ins[0])), rows2d(val(ins[1]))
+    o_norm, o_sum = rows2d(out[0]), rows2d(out[1])
+    if a is None or b is None or a.shape != b.shape or w.ndim != 1:
+        return None
+    eps = np.float32(p["eps"])
+    return out, lambda: K.add_rms_norm_mul(a, b, w, eps, o_norm, o_sum)
+
+
+def _rms_norm_mul_rope(n, ins, out, p):
+    x, w, pos = val(ins[0]), val(ins[1]), ins[2]
+    x2, o = rows2d(x), out[0]
+    o2 = rows2d(o)
+    if x2 is None or w.ndim != 1:
+        return None
+    eps, inv_freq, neox = np.float32(p["eps"]), _inv_freq(p), p["mode"] == "neox"
+
+    def step() -> None:
+        K.rms_norm_mul(x2, w, eps, o2)
+        K.rope(o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)  # in place: reads a pair, then writes it
+    return o, step
+
+
+def _rope_set_rows(n, ins, out, p):
+    cache, x, pos, idx = ins
+    if cache.dtype != np.float32 or x.ndim != 3:
+        return None
+    c3 = cache.reshape((cache.shape[0],) + x.shape[1:])
+    inv_freq, neox = _inv_freq(p), p["mode"] == "neox"
+    return cache, lambda: K.rope_set_rows(c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])
+
+
+def _flash_attn(n, ins, out, p):
+    q, k, v, pos, kv_len = ins
+    o = out[0]
+    scale, window = np.float32(p["scale"]), p["window"]
+    kern = K.attention_decode if q.shape[0] <= DECODE_MAX_QUERIES else K.attention_prefill
+    cap = k.shape[0]
+
+    def step() -> None:
+        if not 0 <= kv_len[0] <= cap:
+            raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
+        kern(q, k, v, pos, kv_len, scale, window, o)
+    return o, step
+
+
+def _set_rows(n, ins, out, p):
+    dst, src, idx = ins
+    # rows are axis 0: [capacity, ...] -> [capacity, row elements]
+    d2 = _rows_axis0(dst)
+    s2 = _rows_axis0(src)
+    if d2 is None or s2 is None or src.dtype != dst.dtype:
+        return None
+    return dst, lambda: K.set_rows(d2, s2, idx)
+
+
+def _view(n, ins, out, p):
+    x = val(ins[0])
+    if out is not None:  # source not contiguous: copy every step
+        return None
+    flat = x.reshape(-1)
+    item = flat.itemsize
+    return np.lib.stride_tricks.as_strided(flat[p["offset"]:], p["shape"], [s * item for s in p["strides"]]), None
+
+
+def _reshape(n, ins, out, p):
+    if out is not None:
+        return None
+    return val(ins[0]).reshape(p["shape"]), None
+
+
+def _cont(n, ins, out, p):
+    x, o = val(ins[0]), out[0]
+    return o, lambda: np.copyto(o, x)
+
+
+# rules that only use numpy array operations, which handle every dtype
+ARRAY_RULES = ("add", "sub", "mul", "div", "view", "reshape", "permute", "transpose", "cont", "mul_mat",
+               "get_rows")
+
+RULES: dict[str, Callable] = {
+    "mul_mat": _mul_mat,
+    "get_rows": _get_rows,
+    "add": _binary(np.add),
+    "sub": _binary(np.subtract),
+    "mul": _binary(np.multiply),
+    "div": _binary(np.divide),
+    "rms_norm": _rms_norm,
+    "silu": _silu,
+    "swiglu_split": _swiglu,
+    "rope": _rope,
+    "flash_attn": _flash_attn,
+    "set_rows": _set_rows,
+    "add_rms_norm_mul": _add_rms_norm_mul,
+    "rms_norm_mul_rope": _rms_norm_mul_rope,
+    "rope_set_rows": _rope_set_rows,
+    "view": _view,
+    "reshape": _reshape,
+    "permute": lambda n, ins, out, p: (np.transpose(val(ins[0]), p["axes"]), None),
+    "transpose": lambda n, ins, out, p: (np.swapaxes(val(ins[0]), -1, -2), None),
+    "cont": _cont,
+}
+
+
+# ---------------------------------------------------------------- recurrent layers (Gated DeltaNet); recurrent.py
+from . import recurrent as REC  # noqa: E402
+
+
+def _ssm_conv(apply_silu: bool):
+    def rule(n, ins, out, p):
+        x, state, w = val(ins[0]), ins[1], val(ins[2])
+        if state.dtype != np.float32 or x.ndim != 2:
+            return None
+        return out, lambda: REC.ssm_conv(x, state, w, apply_silu, out[0], out[1])
+    return rule
+
+
+def _gated_delta_net(n, ins, out, p):
+    q, k, v, gate, beta, state = (val(x) for x in ins)
+    if state.dtype != np.float32:
+        return None
+    return out, lambda: REC.gated_delta_net(q, k, v, gate, beta, state, p["scale"], out[0], out[1])
+
+
+def _gated_delta_net_raw(n, ins, out, p):
+    q, k, v, alpha, b, a_neg, dt_bias, state = (val(x) for x in ins)
+    if state.dtype != np.float32 or alpha.ndim != 2:
+        return None
+    gate, beta = np.empty(alpha.shape, np.float32), np.empty(alpha.shape, np.float32)  # bound once, reused
+
+    def step() -> None:
+        REC.gdn_gates(alpha, b, a_neg, dt_bias, gate, beta)
+        REC.gated_delta_net(q, k, v, gate, beta, state, p["scale"], out[0], out[1])
+    return out, step
+
+
+def _l2_norm(n, ins, out, p):
+    x, o = val(ins[0]), out[0]
+    if x.ndim not in (2, 3):
+        return None
+    x3, o3 = (x[None], o[None]) if x.ndim == 2 else (x, o)
+    return o, lambda: REC.l2_norm(x3, np.float32(p["eps"]), o3)
+
+
+def _assign(n, ins, out, p):
+    dst, value = ins[0], val(ins[1])
+    return dst, lambda: np.copyto(dst, value)
+
+
+RULES.update({
+    "ssm_conv": _ssm_conv(False),
+    "ssm_conv_silu": _ssm_conv(True),
+    "gated_delta_net": _gated_delta_net,
+    "gated_delta_net_raw": _gated_delta_net_raw,
+    "l2_norm": _l2_norm,
+    "assign": _assign,
+})

@@ -1,0 +1,566 @@
+"""CPU matmul kernels (numba): y = x @ W.T with W stored in a ggml dtype.
+
+W is [n_out, n_in] in its storage form (graphir/weights.py): float32, float16 (or its
+uint16 bits), uint16 raw bf16 bits, or uint8 [n_out, row_bytes] ggml blocks. x is
+float32 [..., n_in]; y is float32 [..., n_out]. `get_rows` dequantizes chosen rows
+(token embeddings).
+
+How it works
+------------
+Quantized blocks are read directly; the whole weight is never dequantized. The work
+is split over threads (prange) by tiles of weight rows. A tile is dequantized into a
+small float32 buffer, then multiplied with the tokens:
+  * 1-3 tokens (decode): 4-row tiles (the buffer stays in L1); `_gemv` reads each
+    token once per 4 rows.
+  * more tokens (prefill): tiles of about 128 KiB of float32 (L2), so each
+    dequantized block is reused by every token; `_tile` uses a 4-row x 2-token
+    register block, its inner loop over n_in vectorized to AVX2 FMAs.
+Accumulation is float32 from float32 activations, so results match an f32
+dequantized reference to ~1e-6 of max|y|. The llama.cpp scheme (activations
+quantized to 8 bits per 32-block, integer block dot products) was measured 2x
+slower here: numba cannot emit vpmaddubsw, and the per-block integer reductions
+cost more than the float conversions they save.
+
+Why generated source: LLVM's SLP vectorizer (off by default in numba; switched on
+only while this module compiles, see `_compile`) packs a block's unpacking into
+SIMD only when all of the block's byte loads come before its float stores (numba
+arrays carry no aliasing information). The dequantizers are therefore emitted as
+straight-line "load everything, then store" code, and exec'd with this file as
+their filename so numba's on-disk cache treats them like hand-written functions.
+
+One parallel kernel serves every dtype and mode: numba re-optimizes every callee
+inside each parallel kernel that calls it, so one kernel compiles in ~25 s on two
+cores where one per dtype took minutes. It has exactly one signature (weights typed
+read-only, so np.memmap weights and writeable arrays share the machine code); a
+second process loads it from numba's cache in well under a second.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange  # noqa: F401  (prange is used by the generated kernel)
+from numba.core import config as _nb_config
+
+from graphir.errors import GraphError
+
+__all__ = ["matmul", "prepare_matmul", "get_rows", "SUPPORTED"]
+
+# f16 bit pattern -> float32 (ggml keeps the same table).
+_F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+# IQ4_NL / IQ4_XS non-linear 4-bit code book.
+_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+# elements per block, bytes per block (as graphir.dtypes; the float types count as 1-element blocks)
+_LAYOUT = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q8_0": (32, 34),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+    "iq4_xs": (256, 136),
+}
+SUPPORTED = tuple(_LAYOUT)
+_CODES = {n: i for i, n in enumerate(_LAYOUT)}
+_STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}
+
+MV_MAX_TOKENS = 3  # up to this many tokens take the GEMV path (measured crossover with the tiled path)
+GEMV_ROWS = 4  # rows per tile on the GEMV and get_rows paths (4 x n_in floats stay in L1)
+TILE_BYTES = 131072  # target float32 bytes of a prefill tile (L2-resident)
+
+
+@njit(cache=True)
+def _tile_rows(n_out, n_tok, n_in, nth):
+    """Rows per tile on the tiled path: ~TILE_BYTES, at least two tiles per thread, a multiple of 4."""
+    if n_tok <= 4:
+        return 8
+    rt = max(4, min(64, TILE_BYTES // 4 // n_in // 4 * 4))
+    return max(4, min(rt, (n_out + 2 * nth - 1) // (2 * nth) // 4 * 4))
+
+
+@njit(fastmath=True, cache=True)
+def _gemv(buf, nr, x, y, r0):
+    """y[:, r0:r0+nr] = x @ buf[:nr].T for a few tokens, 4 rows at a time (each token read once per 4 rows)."""
+    n_tok, n_in = x.shape
+    f0 = np.float32(0.0)
+    g = 0
+    while g + 4 <= nr:
+        b0 = buf[g]
+        b1 = buf[g + 1]
+        b2 = buf[g + 2]
+        b3 = buf[g + 3]
+        o = r0 + g
+        for t in range(n_tok):
+            xt = x[t]
+            a0 = f0
+            a1 = f0
+            a2 = f0
+            a3 = f0
+            for i in range(n_in):
+                u = xt[i]
+                a0 += b0[i] * u
+                a1 += b1[i] * u
+                a2 += b2[i] * u
+                a3 += b3[i] * u
+            y[t, o] = a0
+            y[t, o + 1] = a1
+            y[t, o + 2] = a2
+            y[t, o + 3] = a3
+        g += 4
+    while g < nr:
+        br = buf[g]
+        for t in range(n_tok):
+            xt = x[t]
+            a0 = f0
+            for i in range(n_in):
+                a0 += br[i] * xt[i]
+            y[t, r0 + g] = a0
+        g += 1
+
+
+@njit(fastmath=True, cache=True)
+def _tile(buf, nr, x, y, r0):
+    """y[:, r0:r0+nr] = x @ buf[:nr].T with a 4-row x 2-token register block."""
+    n_tok, n_in = x.shape
+    f0 = np.float32(0.0)
+    g = 0
+    while g + 4 <= nr:
+        b0 = buf[g]
+        b1 = buf[g + 1]
+        b2 = buf[g + 2]
+        b3 = buf[g + 3]
+        o = r0 + g
+        t = 0
+        while t + 2 <= n_tok:
+            x0 = x[t]
+            x1 = x[t + 1]
+            a00 = f0
+            a01 = f0
+            a02 = f0
+            a03 = f0
+            a10 = f0
+            a11 = f0
+            a12 = f0
+            a13 = f0
+            for i in range(n_in):
+                u = x0[i]
+                v = x1[i]
+                c0 = b0[i]
+                c1 = b1[i]
+                c2 = b2[i]
+                c3 = b3[i]
+                a00 += c0 * u
+                a01 += c1 * u
+                a02 += c2 * u
+                a03 += c3 * u
+                a10 += c0 * v
+                a11 += c1 * v
+                a12 += c2 * v
+                a13 += c3 * v
+            y[t, o] = a00
+            y[t, o + 1] = a01
+            y[t, o + 2] = a02
+            y[t, o + 3] = a03
+            y[t + 1, o] = a10
+            y[t + 1, o + 1] = a11
+            y[t + 1, o + 2] = a12
+            y[t + 1, o + 3] = a13
+            t += 2
+        g += 4
+    if n_tok % 2:  # the odd last token, and rows past the last multiple of 4
+        _gemv(buf, nr // 4 * 4, x[n_tok - 1 :], y[n_tok - 1 :], r0)
+    if nr % 4:
+        g = nr // 4 * 4
+        _gemv(buf[g:], nr - g, x, y, r0 + g)
+
+
+# --------------------------------------------------------------------------------------
+# Dequantizer bodies (lists of source lines). Each writes one block -- or, for the float
+# types, one whole row -- of `row` into `br`. In scope: row (the row's bytes), r16 (the
+# row as uint16 words: every f16 field sits at an even offset), br (float32 output row),
+# b (block index), tab (f16 -> f32 table), kv (iq4 code book), scr (float32[16] scratch),
+# and the casts f32 / u8 / i8 / u32. Casting every integer result back to u8 keeps numba
+# (which widens integer arithmetic to 64 bits) from producing 64-bit vector lanes.
+# --------------------------------------------------------------------------------------
+
+
+def _lo(v: str) -> str:
+    return f"u8({v} & u8(15))"
+
+
+def _hi(v: str) -> str:
+    return f"u8({v} >> u8(4))"
+
+
+def _body_q4_0():
+    L = ["p = b * 18", "o = b * 32", "d = tab[r16[b * 9]]", "c = np.float32(-8.0) * d"]
+    L += [f"q{j} = row[p + {2 + j}]" for j in range(16)]
+    L += [f"br[o + {j}] = d * f32({_lo(f'q{j}')}) + c" for j in range(16)]
+    L += [f"br[o + {16 + j}] = d * f32({_hi(f'q{j}')}) + c" for j in range(16)]
+    return L
+
+
+def _body_q4_1():
+    L = ["p = b * 20", "o = b * 32", "d = tab[r16[b * 10]]", "m = tab[r16[b * 10 + 1]]"]
+    L += [f"q{j} = row[p + {4 + j}]" for j in range(16)]
+    L += [f"br[o + {j}] = d * f32({_lo(f'q{j}')}) + m" for j in range(16)]
+    L += [f"br[o + {16 + j}] = d * f32({_hi(f'q{j}')}) + m" for j in range(16)]
+    return L
+
+
+def _body_q5(with_min: bool):
+    """q5_0: d, qh[4], qs[16]; q5_1: d, m, qh[4], qs[16]. Bit j of qh (LE uint32) is bit 4 of element j."""
+    bb, qh = (24, 4) if with_min else (22, 2)
+    L = [f"p = b * {bb}", "o = b * 32", f"d = tab[r16[b * {bb // 2}]]"]
+    L.append(f"c = tab[r16[b * {bb // 2} + 1]]" if with_min else "c = np.float32(-16.0) * d")
+    L += [f"h{k} = row[p + {qh + k}]" for k in range(4)]
+    L += [f"q{j} = row[p + {qh + 4 + j}]" for j in range(16)]
+    for j in range(16):
+        bit = f"(((h{j >> 3} >> u8({j & 7})) & u8(1)) << u8(4))"  # element j: qh bit j
+        L.append(f"br[o + {j}] = d * f32(u8({_lo(f'q{j}')} | {bit})) + c")
+    for j in range(16):
+        bit = f"(((h{2 + (j >> 3)} >> u8({j & 7})) & u8(1)) << u8(4))"  # element j + 16: qh bit j + 16
+        L.append(f"br[o + {16 + j}] = d * f32(u8({_hi(f'q{j}')} | {bit})) + c")
+    return L
+
+
+def _body_q8_0():
+    L = ["p = b * 34", "o = b * 32", "d = tab[r16[b * 17]]"]
+    L += [f"q{j} = row[p + {2 + j}]" for j in range(32)]
+    L += [f"br[o + {j}] = d * f32(i8(q{j}))" for j in range(32)]
+    return L
+
+
+def _kscales():
+    """q4_k / q5_k: the 12 bytes at offset 4 pack 8 six-bit scales and mins -> scr[0:8] = d*sc, scr[8:16] = dmin*m."""
+    L = [f"s{k} = row[p + {4 + k}]" for k in range(12)]
+    for j in range(8):
+        if j < 4:
+            L.append(f"scr[{j}] = d * f32(u8(s{j} & u8(63)))")
+            L.append(f"scr[{8 + j}] = dmin * f32(u8(s{j + 4} & u8(63)))")
+        else:
+            L.append(f"scr[{j}] = d * f32(u8((s{j + 4} & u8(15)) | ((s{j - 4} >> u8(6)) << u8(4))))")
+            L.append(f"scr[{8 + j}] = dmin * f32(u8((s{j + 4} >> u8(4)) | ((s{j} >> u8(6)) << u8(4))))")
+    return L
+
+
+def _body_q4_k():
+    """d, dmin, scales[12], qs[128]; 64-element chunk c uses qs[32c:32c+32]: low nibbles, then high."""
+    L = ["p = b * 144", "o = b * 256", "d = tab[r16[b * 72]]", "dmin = tab[r16[b * 72 + 1]]"]
+    L += _kscales()
+    L += ["for c in range(4):"]
+    C = ["d1 = scr[2 * c]", "m1 = scr[8 + 2 * c]", "d2 = scr[2 * c + 1]", "m2 = scr[9 + 2 * c]"]
+    C += ["pc = p + 16 + 32 * c", "oc = o + 64 * c"]
+    C += [f"q{i} = row[pc + {i}]" for i in range(32)]
+    C += [f"br[oc + {i}] = d1 * f32({_lo(f'q{i}')}) - m1" for i in range(32)]
+    C += [f"br[oc + {32 + i}] = d2 * f32({_hi(f'q{i}')}) - m2" for i in range(32)]
+    return L + ["    " + c for c in C]
+
+
+def _body_q5_k():
+    """d, dmin, scales[12], qh[32], qs[128]; chunk c takes bits 2c and 2c+1 of qh as bit 4."""
+    L = ["p = b * 176", "o = b * 256", "d = tab[r16[b * 88]]", "dmin = tab[r16[b * 88 + 1]]"]
+    L += _kscales()
+    L += ["for c in range(4):"]
+    C = ["d1 = scr[2 * c]", "m1 = scr[8 + 2 * c]", "d2 = scr[2 * c + 1]", "m2 = scr[9 + 2 * c]"]
+    C += ["pc = p + 48 + 32 * c", "oc = o + 64 * c", "s1 = u8(2 * c)", "s2 = u8(2 * c + 1)"]
+    C += [f"h{i} = row[p + {16 + i}]" for i in range(32)]
+    C += [f"q{i} = row[pc + {i}]" for i in range(32)]
+    for i in range(32):
+        C.append(f"br[oc + {i}] = d1 * f32(u8({_lo(f'q{i}')} | (((h{i} >> s1) & u8(1)) << u8(4)))) - m1")
+    for i in range(32):
+        C.append(f"br[oc + {32 + i}] = d2 * f32(u8({_hi(f'q{i}')} | (((h{i} >> s2) & u8(1)) << u8(4)))) - m2")
+    return L + ["    " + c for c in C]
+
+
+def _body_q6_k():
+    """ql[128], qh[64], scales[16] (int8), d. Each 128-element half n uses ql[64n:], qh[32n:], scales[8n:];
+    element i of its 32-group k (k = 0..3) is (ql nibble | 2 qh bits << 4) - 32, scale index i // 16 + 2k."""
+    L = ["p = b * 210", "o = b * 256", "d = tab[r16[b * 105 + 104]]"]
+    L += [f"scr[{k}] = d * f32(i8(row[p + {192 + k}]))" for k in range(16)]
+    L += ["for it in range(4):"]  # it = 2 * half + g; g picks elements [16g, 16g + 16) of each 32-group
+    C = ["n = it >> 1", "g = it & 1", "pa = p + 64 * n + 16 * g", "ph = p + 128 + 32 * n + 16 * g"]
+    C += ["oc = o + 128 * n + 16 * g", "k0 = 8 * n + g"]
+    C += [f"e{k} = scr[k0 + {2 * k}]" for k in range(4)]
+    C += [f"c{k} = np.float32(-32.0) * e{k}" for k in range(4)]
+    C += [f"a{i} = row[pa + {i}]" for i in range(16)]
+    C += [f"z{i} = row[pa + {32 + i}]" for i in range(16)]
+    C += [f"h{i} = row[ph + {i}]" for i in range(16)]
+    for i in range(16):
+        C.append(f"br[oc + {i}] = e0 * f32(u8({_lo(f'a{i}')} | ((h{i} & u8(3)) << u8(4)))) + c0")
+    for i in range(16):
+        C.append(f"br[oc + {32 + i}] = e1 * f32(u8({_lo(f'z{i}')} | (((h{i} >> u8(2)) & u8(3)) << u8(4)))) + c1")
+    for i in range(16):
+        C.append(f"br[oc + {64 + i}] = e2 * f32(u8({_hi(f'a{i}')} | (((h{i} >> u8(4)) & u8(3)) << u8(4)))) + c2")
+    for i in range(16):
+        C.append(f"br[oc + {96 + i}] = e3 * f32(u8({_hi(f'z{i}')} | ((h{i} >> u8(6)) << u8(4)))) + c3")
+    return L + ["    " + c for c in C]
+
+
+def _body_iq4_xs():
+    """d, scales_h (uint16), scales_l[4], qs[128]; sub-block ib has a 6-bit scale - 32 and code-book nibbles."""
+    L = ["p = b * 136", "o = b * 256", "d = tab[r16[b * 68]]", "sh = np.int64(r16[b * 68 + 1])"]
+    L += ["for ib in range(8):"]
+    C = ["sl = np.int64(row[p + 4 + (ib >> 1)])"]
+    C += ["dl = d * f32((((sl >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32)"]
+    C += ["pc = p + 8 + 16 * ib", "oc = o + 32 * ib"]
+    C += [f"q{j} = row[pc + {j}]" for j in range(16)]
+    C += [f"br[oc + {j}] = dl * kv[q{j} & u8(15)]" for j in range(16)]
+    C += [f"br[oc + {16 + j}] = dl * kv[q{j} >> u8(4)]" for j in range(16)]
+    return L + ["    " + c for c in C]
+
+
+def _row_f32():
+    return ["rf = row.view(np.float32)", "for i in range(br.shape[0]):", "    br[i] = rf[i]"]
+
+
+def _row_f16():
+    """f16 bits -> f32 by placing sign, exponent and mantissa, then scaling by 2**112 (exact for normal and
+    subnormal values); exponent 31 (inf / nan) is forced to an all-ones f32 exponent first."""
+    return [
+        "bu = br.view(np.uint32)",
+        "for i in range(br.shape[0]):",
+        "    h = u32(r16[i])",
+        "    em = h & u32(0x7FFF)",
+        "    special = u32(0x7F800000) if em >= u32(0x7C00) else u32(0)",
+        "    bu[i] = ((h & u32(0x8000)) << u32(16)) | (em << u32(13)) | special",
+        "for i in range(br.shape[0]):",
+        "    br[i] = br[i] * np.float32(5.192296858534828e+33)",
+    ]
+
+
+def _row_bf16():
+    return ["bu = br.view(np.uint32)", "for i in range(br.shape[0]):", "    bu[i] = u32(r16[i]) << u32(16)"]
+
+
+_BODIES = {
+    "f32": _row_f32,
+    "f16": _row_f16,
+    "bf16": _row_bf16,
+    "q4_0": _body_q4_0,
+    "q4_1": _body_q4_1,
+    "q5_0": lambda: _body_q5(False),
+    "q5_1": lambda: _body_q5(True),
+    "q8_0": _body_q8_0,
+    "q4_k": _body_q4_k,
+    "q5_k": _body_q5_k,
+    "q6_k": _body_q6_k,
+    "iq4_xs": _body_iq4_xs,
+}
+
+
+def _deq_source(name: str) -> str:
+    """Source of `_deq_<name>(w, w16, r0, nr, ids, buf, tab, kv, scr)`.
+
+    Dequantizes weight rows r0..r0+nr-1 (rows ids[r0..r0+nr-1] when ids is not empty)
+    into buf[0..nr-1]. One call covers a whole tile: numba passes each array as about
+    ten scalars, and a call per row cost as much as a small row's work.
+    """
+    bs, _ = _LAYOUT[name]
+    body = _BODIES[name]()
+    if bs > 1:
+        body = [f"for b in range(br.shape[0] // {bs}):"] + ["    " + s for s in body]
+    head = [
+        "@njit(fastmath=True, cache=True)",
+        f"def _deq_{name}(w, w16, r0, nr, ids, buf, tab, kv, scr):",
+        "    for k in range(nr):",
+        "        src = ids[r0 + k] if ids.shape[0] else r0 + k",
+        "        row = w[src]",
+        "        r16 = w16[src]",
+        "        br = buf[k]",
+    ]
+    return "\n".join(head + ["        " + s for s in body]) + "\n\n"
+
+
+_KERNEL = """
+@njit(fastmath=True, parallel=True, cache=True)
+def _kernel(code, w, w16, x, y, ids, tab, kv, nth, mode):
+    # code: dtype number (_CODES); w / w16: the weight rows as bytes / as uint16 words.
+    # mode 0: GEMV (few tokens); 1: tiled GEMM; 2: get_rows (y[k] = W[ids[k]], x unused).
+    n_out = ids.shape[0] if mode == 2 else w.shape[0]
+    n_in = y.shape[1] if mode == 2 else x.shape[1]
+    rt = _tile_rows(n_out, x.shape[0], n_in, nth) if mode == 1 else GEMV_ROWS
+    nunits = (n_out + rt - 1) // rt
+    nsup = max(1, min(nunits, nth))
+    per = (nunits + nsup - 1) // nsup
+    for s in prange(nsup):
+        buf = np.empty((rt, n_in if mode != 2 else 0), np.float32)
+        scr = np.empty(16, np.float32)
+        for u in range(s * per, min(nunits, (s + 1) * per)):
+            r0 = u * rt
+            nr = min(rt, n_out - r0)
+            dst = y[r0:r0 + nr] if mode == 2 else buf
+{dispatch}
+            if mode == 0:
+                _gemv(buf, nr, x, y, r0)
+            elif mode == 1:
+                _tile(buf, nr, x, y, r0)
+"""
+
+f32, u8, i8, u32 = np.float32, np.uint8, np.int8, np.uint32  # short names used by the generated source
+
+
+def _kernel_source() -> str:
+    ind = " " * 12
+    lines = []
+    for n, i in _CODES.items():
+        lines.append(f"{ind}{'if' if i == 0 else 'elif'} code == {i}:")
+        lines.append(f"{ind}    _deq_{n}(w, w16, r0, nr, ids, dst, tab, kv, scr)")
+    return "".join(_deq_source(n) for n in _LAYOUT) + _KERNEL.format(dispatch="\n".join(lines))
+
+
+exec(compile(_kernel_source(), __file__, "exec"), globals())
+_kernel = globals()["_kernel"]
+_DISPATCHERS = [_tile_rows, _gemv, _tile] + [globals()[f"_deq_{n}"] for n in _LAYOUT] + [_kernel]
+_NO_IDS = np.zeros(0, np.int64)
+_NO_X = np.zeros((0, 0), np.float32)
+
+
+def _signature():
+    """The kernel's one signature. Inputs are typed read-only, so writeable arrays and read-only ones
+    (np.memmap mode "r", as GGUF files are mapped) share the same machine code."""
+    t = numba.types
+    ro = lambda dt, nd: t.Array(dt, nd, "C", readonly=True)
+    return (t.int64, ro(t.uint8, 2), ro(t.uint16, 2), ro(t.float32, 2), t.Array(t.float32, 2, "C"),
+            ro(t.int64, 1), ro(t.float32, 1), ro(t.float32, 1), t.int64, t.int64)  # fmt: skip
+
+
+def _compile() -> None:
+    """Compile the kernel, or load it from numba's cache, with LLVM's SLP vectorizer on.
+
+    numba leaves SLP off by default and reads the flag while it optimizes, so switching it on
+    around this compile affects only these kernels. Later compiles are disabled: every call has
+    the one signature (matmul and get_rows normalize their inputs to it).
+    """
+    global _READY
+    old = _nb_config.SLP_VECTORIZE
+    _nb_config.SLP_VECTORIZE = 1
+    try:
+        try:
+            _kernel.compile(_signature())
+        except Exception:
+            # A cache entry numba cannot load (written when this file was imported under another
+            # module name, e.g. `backends.cpu.matmul` vs `graphir.backends.cpu.matmul`, or stale):
+            # drop this module's cache and compile afresh.
+            for d in _DISPATCHERS:
+                d._cache.flush()
+            _kernel.compile(_signature())
+    finally:
+        _nb_config.SLP_VECTORIZE = old
+    _kernel.disable_compile()
+    _READY = True
+
+
+_READY = False
+
+try:  # the ctypes entry point behind numba.get_num_threads: 0.3 us instead of 2 us a call
+    from numba.np.ufunc.parallel import _get_num_threads as _raw_num_threads
+except ImportError:  # pragma: no cover - other numba versions
+    _raw_num_threads = None
+
+
+def _num_threads() -> int:
+    n = _raw_num_threads() if _raw_num_threads is not None else 0
+    return n if n > 0 else numba.get_num_threads()
+
+
+def _check_w(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The weight rows as bytes and as uint16 words (C-contiguous views), and n_in."""
+    try:
+        bs, bb = _LAYOUT[dtype]
+    except KeyError:
+        raise GraphError(f"matmul: unsupported weight dtype {dtype!r}; supported: {', '.join(SUPPORTED)}") from None
+    if w.ndim != 2:
+        raise GraphError(f"matmul: weight must be 2-D [n_out, n_in or row_bytes], got shape {w.shape}")
+    if bs == 1:
+        want = _STORAGE[dtype]
+        if w.dtype != want and not (dtype == "f16" and w.dtype == np.float16):
+            raise GraphError(f"matmul: {dtype} weight must be stored as {np.dtype(want).name}, got {w.dtype}")
+        n_in = w.shape[1]
+    else:
+        if w.dtype != np.uint8:
+            raise GraphError(f"matmul: {dtype} weight must be uint8 ggml blocks, got {w.dtype}")
+        if w.shape[1] % bb:
+            raise GraphError(f"matmul: {dtype} rows of {w.shape[1]} bytes are not whole {bb}-byte blocks")
+        n_in = w.shape[1] // bb * bs
+    if not w.flags.c_contiguous:
+        w = np.ascontiguousarray(w)
+    w8 = w.view(np.uint8)
+    return w8, w8.view(np.uint16), n_in
+
+
+def _prepare(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None):
+    """Validated kernel arguments (without the thread count) and the output array."""
+    w, w16, n_in = _check_w(w, dtype)
+    n_out = w.shape[0]
+    shape = x.shape
+    if shape[-1:] != (n_in,):
+        raise GraphError(f"matmul: x has shape {shape}, expected last axis {n_in} for a {dtype} weight of {n_out} rows")
+    if x.ndim != 2:
+        x = x.reshape(-1, n_in)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    oshape = shape[:-1] + (n_out,)
+    if out is None:
+        out = np.empty(oshape, np.float32)
+    elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise GraphError(f"matmul: out must be C-contiguous float32 {oshape}, got {out.dtype} {out.shape}")
+    if not _READY:
+        _compile()
+    y = out if out.ndim == 2 else out.reshape(-1, n_out)
+    mode = 0 if x.shape[0] <= MV_MAX_TOKENS else 1
+    return (_CODES[dtype], w, w16, x, y, _NO_IDS, _F16, _KVALUES), mode, out
+
+
+def matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ W.T for W [n_out, n_in] stored as `dtype`; x float32 [..., n_in] -> y float32 [..., n_out]."""
+    args, mode, out = _prepare(w, dtype, x, out)
+    if out.size:
+        _kernel(*args, _num_threads(), mode)
+    return out
+
+
+def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None = None):
+    """A zero-argument callable doing `matmul(w, dtype, x, out)` on these very buffers, and `out`.
+
+    For a runtime with fixed buffers: validation and views happen once here, so a call costs
+    ~3.5 us instead of ~10 us (decode makes ~200 matmul calls a token). `x` must be float32
+    C-contiguous with at most 2 dims (it is read in place, so refill it rather than rebind it),
+    and `out` is written in place.
+    """
+    if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim > 2:
+        raise GraphError("prepare_matmul: x must be a C-contiguous float32 array of 1 or 2 dims (it is read in place)")
+    args, mode, out = _prepare(w, dtype, x, out)
+    if not out.size:
+        return (lambda: None), out
+    kernel = _kernel
+
+    def run() -> None:
+        kernel(*args, _num_threads(), mode)
+
+    return run, out
+
+
+def get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Dequantize rows `ids` of W (token embeddings) -> float32 [*ids.shape, n_in]."""
+    w, w16, n_in = _check_w(w, dtype)
+    ids = np.asarray(ids)
+    flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= w.shape[0]):
+        raise GraphError(f"get_rows: ids out of range [0, {w.shape[0]})")
+    shape = ids.shape + (n_in,)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise GraphError(f"get_rows: out must be C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    if flat.size and n_in:
+        if not _READY:
+            _compile()
+        _kernel(_CODES[dtype], w, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES, _num_threads(), 2)
+    return out

@@ -1,0 +1,570 @@
+"""Qwen3.5 hybrid decoders (HF Qwen3_5ForCausalLM, llama.cpp `qwen35`): Gated DeltaNet beside gated attention.
+
+Every block is pre-norm with residuals, x = x + mixer(rms_norm(x) * attn_norm), then the
+SwiGLU FFN on rms_norm(x) * post_attention_norm. Layer i is a full-attention layer when
+(i + 1) % full_attn_interval == 0, else a Gated DeltaNet layer:
+
+  DeltaNet  qkv = conv_silu([q | k | v] = h @ attn_qkv)    causal depthwise conv, kernel K, carried state
+            q, k = l2_norm per head (eps 1e-6);  beta = sigmoid(h @ ssm_beta)
+            g = ssm_a * softplus(h @ ssm_alpha + ssm_dt)    ssm_a = -exp(A_log) < 0, so exp(g) is a decay
+            S_t = e^g S + k (beta (v - k^T e^g S))^T;   o = (q / sqrt(d_k))^T S_t     (the gated delta rule)
+            out = ssm_out(rms_norm(o) * ssm_norm * silu(h @ attn_gate))   per-head gated RMS norm
+  attention q|gate = h @ attn_q (per head: d values of q, then d of the gate); q/k RMS-normed per head,
+            NEOX rope on the first rope_dims (25%) of each head; out = attn_output(attn(q, k, v) * sigmoid(gate))
+
+Weights are stored under llama.cpp's names with its conventions, so GGUF tensors pass through:
+HF's zero-centred RMS norm weights (x * (1 + w)) are folded to 1 + w at load, A_log becomes
+ssm_a = -exp(A_log), conv1d [C, 1, K] becomes [C, K]. The DeltaNet's own output norm is plain.
+
+Value heads share key heads (v_heads = r * k_heads). HF groups them: v head h reads k head h // r.
+llama.cpp's converter reorders v heads to tiled order (h reads k head h % k_heads) so ggml can
+broadcast; `v_head_order` says which layout the weights use.
+
+State, updated in place each call (so one decode program replays at every position):
+    blk.{i}.conv_state [K-1, conv_dim]      the last K-1 conv inputs
+    blk.{i}.ssm_state  [v_heads, d_k, d_v]  the recurrent state S
+    blk.{i}.k_cache / v_cache [ctx, n_kv * head_dim]   attention layers
+Recurrent state is not indexed by position: a new sequence must start from zeroed state
+(`reset_recurrent`), and prefill chunks must not be padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphir.builder import g
+from graphir.errors import GraphError, LoadError
+from graphir.ir import Graph, Node
+from graphir.quant import dequantize, quantize
+from graphir.weights import Weight, Weights
+
+PHASES = ("prefill", "decode")
+DEFAULT_PREFILL_TOKENS = 8
+L2_EPS = 1e-6  # HF's l2norm and the fla kernels hard-code it
+RECURRENT_STATES = ("conv_state", "ssm_state")
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    n_vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int  # attention layers
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    ssm_k_heads: int  # DeltaNet key/query heads
+    ssm_v_heads: int  # DeltaNet value heads (a multiple of ssm_k_heads)
+    ssm_k_dim: int
+    ssm_v_dim: int
+    ssm_conv_kernel: int = 4
+    full_attn_interval: int = 4
+    rope_dims: int = 0  # rotated dims per head; 0 means head_dim // 4 (partial_rotary_factor 0.25)
+    rope_theta: float = 10_000_000.0
+    rms_eps: float = 1e-6
+    v_head_order: str = "grouped"  # "grouped" (HF) or "tiled" (llama.cpp GGUF)
+    tied_embeddings: bool = False
+    context_length: int = 262144
+    ctx: int = 2048  # KV-cache capacity in rows
+    arch: str = "qwen35"
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dims or self.head_dim // 4
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+
+
+def is_recurrent(c: Qwen35Config, i: int) -> bool:
+    """Layer i is a Gated DeltaNet layer (else full attention)."""
+    return (i + 1) % c.full_attn_interval != 0
+
+
+def param_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Every Param the graph reads, with its shape (numpy order; matrices are [n_out, n_in])."""
+    d, hv, dv = c.d_model, c.ssm_v_heads, c.ssm_v_dim
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (c.n_vocab, d)}
+    for i in range(c.n_layers):
+        b = f"blk.{i}."
+        shapes[b + "attn_norm.weight"] = (d,)
+        if is_recurrent(c, i):
+            shapes[b + "attn_qkv.weight"] = (c.conv_dim, d)
+            shapes[b + "attn_gate.weight"] = (hv * dv, d)
+            shapes[b + "ssm_beta.weight"] = (hv, d)
+            shapes[b + "ssm_alpha.weight"] = (hv, d)
+            shapes[b + "ssm_conv1d.weight"] = (c.conv_dim, c.ssm_conv_kernel)
+            shapes[b + "ssm_a"] = (hv,)
+            shapes[b + "ssm_dt.bias"] = (hv,)
+            shapes[b + "ssm_norm.weight"] = (dv,)
+            shapes[b + "ssm_out.weight"] = (d, hv * dv)
+        else:
+            shapes[b + "attn_q.weight"] = (2 * q_dim, d)  # q and its output gate, interleaved per head
+            shapes[b + "attn_k.weight"] = (kv_dim, d)
+            shapes[b + "attn_v.weight"] = (kv_dim, d)
+            shapes[b + "attn_q_norm.weight"] = (c.head_dim,)
+            shapes[b + "attn_k_norm.weight"] = (c.head_dim,)
+            shapes[b + "attn_output.weight"] = (d, q_dim)
+        shapes[b + "post_attention_norm.weight"] = (d,)
+        shapes[b + "ffn_gate.weight"] = (c.d_ff, d)
+        shapes[b + "ffn_up.weight"] = (c.d_ff, d)
+        shapes[b + "ffn_down.weight"] = (d, c.d_ff)
+    shapes["output_norm.weight"] = (d,)
+    if not c.tied_embeddings:
+        shapes["output.weight"] = (c.n_vocab, d)
+    return shapes
+
+
+def state_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(c.n_layers):
+        b = f"blk.{i}."
+        if is_recurrent(c, i):
+            out[b + "conv_state"] = (c.ssm_conv_kernel - 1, c.conv_dim)
+            out[b + "ssm_state"] = (c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim)
+        else:
+            out[b + "k_cache"] = out[b + "v_cache"] = (c.ctx, c.n_kv_heads * c.head_dim)
+    return out
+
+
+def reset_recurrent(state: Mapping[str, np.ndarray]) -> None:
+    """Zero the conv and recurrent states (a new sequence); KV rows past kv_len are never read."""
+    for name, buf in state.items():
+        if name.rsplit(".", 1)[-1] in RECURRENT_STATES:
+            buf[...] = 0
+
+
+def check_config(c: Qwen35Config) -> None:
+    rules = [
+        (c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        (c.ssm_v_heads % c.ssm_k_heads == 0,
+         f"ssm_v_heads {c.ssm_v_heads} must be a multiple of ssm_k_heads {c.ssm_k_heads}"),
+        (0 < c.n_rot <= c.head_dim and c.n_rot % 2 == 0, f"rope_dims {c.n_rot} must be even and in 2..{c.head_dim}"),
+        (c.ssm_conv_kernel >= 2, f"ssm_conv_kernel {c.ssm_conv_kernel} must be >= 2"),
+        (c.full_attn_interval >= 1, f"full_attn_interval {c.full_attn_interval} must be >= 1"),
+        (c.v_head_order in ("grouped", "tiled"), f"v_head_order must be 'grouped' or 'tiled', got {c.v_head_order!r}"),
+        (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
+    ]
+    for ok, rule in rules:
+        if not ok:
+            raise GraphError(f"{c.arch} config: {rule}")
+
+
+class _Params:
+    """Param leaves with the weight store's dtypes (default f32), one node per name."""
+
+    def __init__(self, c: Qwen35Config, dtypes: Mapping[str, str] | None):
+        self.shapes = param_shapes(c)
+        self.dtypes = dtypes or {}
+        self.nodes: dict[str, Node] = {}
+
+    def __call__(self, name: str) -> Node:
+        if name not in self.nodes:
+            self.nodes[name] = g.param(name, self.shapes[name], self.dtypes.get(name, "f32"))
+        return self.nodes[name]
+
+
+# ---------------------------------------------------------------- the graph
+def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
+          dtypes: Mapping[str, str] | None = None, last_only: bool = False) -> Graph:
+    """The forward graph for `n_tokens` tokens (decode: 1); inputs tokens/pos/kv_idx/kv_len as in llama.py.
+    State writes of the DeltaNet layers are the graph's `updates`."""
+    check_config(c)
+    if phase not in PHASES:
+        raise GraphError(f"{c.arch}: phase must be one of {PHASES}, got {phase!r}")
+    if phase == "decode" and n_tokens not in (None, 1):
+        raise GraphError(f"{c.arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
+    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
+    if n < 1:
+        raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
+    p = _Params(c, dtypes)
+    tokens = g.input("tokens", (n,), "i32")
+    pos = g.input("pos", (n,), "i32")
+    kv_idx = g.input("kv_idx", (n,), "i32")
+    kv_len = g.input("kv_len", (1,), "i32")
+
+    updates: list[Node] = []
+    x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
+    for i in range(c.n_layers):
+        h = _norm(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
+        if is_recurrent(c, i):
+            mixed = _delta_net(c, p, i, h, updates)
+        else:
+            mixed = _attention(c, p, i, h, pos, kv_idx, kv_len)
+        x = g.add(x, mixed, name=f"blk.{i}.attn_res")
+        h = _norm(x, p(f"blk.{i}.post_attention_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
+        x = g.add(x, _ffn(p, i, h), name=f"blk.{i}.out")
+    if last_only and n > 1:
+        x = g.rows(x, n - 1, 1, name="last_row")  # [1, d_model]
+    x = _norm(x, p("output_norm.weight"), c.rms_eps, "output_norm")
+    head = p("token_embd.weight" if c.tied_embeddings else "output.weight")
+    logits = g.mul_mat(head, x, name="logits")  # [n or 1, n_vocab]
+    meta = {"arch": c.arch, "phase": phase, "n_tokens": n, "ctx": c.ctx, "last_only": bool(last_only and n > 1)}
+    return Graph({"logits": logits}, updates, meta=meta)
+
+
+def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
+    return g.mul(g.rms_norm(x, eps=eps), w, name=name)
+
+
+def _heads(y: Node, start: int, heads: int, dim: int, name: str) -> Node:
+    """Columns start.. of y [n, cols] as [n, heads, dim], a strided view (no copy)."""
+    n, cols = y.shape
+    return g.view(y, shape=(n, heads, dim), strides=(cols, dim, 1), offset=start, name=name)
+
+
+def _tile_heads(x: Node, times: int, name: str) -> Node:
+    """[n, h, d] -> [n, h * times, d] with head j = x head j % h (llama.cpp's tiled v-head order)."""
+    out = x
+    for _ in range(times - 1):
+        out = g.concat(out, x, axis=1)
+    return out.replace(name=name) if times > 1 else x
+
+
+def _delta_net(c: Qwen35Config, p: _Params, i: int, h: Node, updates: list[Node]) -> Node:
+    b = f"blk.{i}."
+    n = h.shape[0]
+    hk, hv, dk, dv = c.ssm_k_heads, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim
+    qkv = g.mul_mat(p(b + "attn_qkv.weight"), h, name=b + "attn_qkv")  # [n, conv_dim]
+    z = g.mul_mat(p(b + "attn_gate.weight"), h, name=b + "attn_gate")  # [n, hv * dv]
+    beta_raw = g.mul_mat(p(b + "ssm_beta.weight"), h, name=b + "ssm_beta")  # [n, hv]
+    alpha = g.mul_mat(p(b + "ssm_alpha.weight"), h, name=b + "ssm_alpha")  # [n, hv]
+
+    conv_state = g.state(b + "conv_state", (c.ssm_conv_kernel - 1, c.conv_dim))  # [K-1, conv_dim]
+    conv = g.ssm_conv(qkv, conv_state, p(b + "ssm_conv1d.weight"), name=b + "ssm_conv")
+    updates.append(g.assign(conv_state, g.item(conv, index=1), name=b + "conv_state_write"))
+    y = g.silu(g.item(conv, index=0), name=b + "conv_silu")  # [n, conv_dim]
+
+    q = g.l2_norm(_heads(y, 0, hk, dk, b + "q"), eps=L2_EPS, name=b + "q_l2")  # [n, hk, dk]
+    k = g.l2_norm(_heads(y, hk * dk, hk, dk, b + "k"), eps=L2_EPS, name=b + "k_l2")  # [n, hk, dk]
+    v = _heads(y, 2 * hk * dk, hv, dv, b + "v")  # [n, hv, dv]
+    if c.v_head_order == "tiled" and hv != hk:
+        q = _tile_heads(q, hv // hk, b + "q_tiled")  # [n, hv, dk]
+        k = _tile_heads(k, hv // hk, b + "k_tiled")
+    beta = g.sigmoid(beta_raw, name=b + "beta")  # [n, hv]
+    gate = g.mul(g.softplus(g.add(alpha, p(b + "ssm_dt.bias"))), p(b + "ssm_a"), name=b + "gate")  # [n, hv], <= 0
+
+    ssm_state = g.state(b + "ssm_state", (hv, dk, dv))  # [hv, dk, dv]
+    gdn = g.gated_delta_net(q, k, v, gate, beta, ssm_state, scale=1.0 / math.sqrt(dk), name=b + "delta_net")
+    updates.append(g.assign(ssm_state, g.item(gdn, index=1), name=b + "ssm_state_write"))
+    o = g.item(gdn, index=0)  # [n, hv, dv]
+
+    o = _norm(o, p(b + "ssm_norm.weight"), c.rms_eps, b + "ssm_norm")  # per head
+    o = g.mul(o, g.silu(g.reshape(z, shape=(n, hv, dv))), name=b + "ssm_gated")  # [n, hv, dv]
+    o = g.reshape(o, shape=(n, hv * dv))  # [n, hv * dv]
+    return g.mul_mat(p(b + "ssm_out.weight"), o, name=b + "ssm_out")  # [n, d_model]
+
+
+def _attention(c: Qwen35Config, p: _Params, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
+    b = f"blk.{i}."
+    n, hd = h.shape[0], c.head_dim
+    qg = g.mul_mat(p(b + "attn_q.weight"), h, name=b + "attn_q")  # [n, n_head * 2 * head_dim]
+    row = (2 * c.n_heads * hd, 2 * hd, 1)
+    q = g.view(qg, shape=(n, c.n_heads, hd), strides=row, offset=0, name=b + "q")  # [n, n_head, head_dim]
+    gate = g.view(qg, shape=(n, c.n_heads, hd), strides=row, offset=hd, name=b + "q_gate")
+    k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
+    v = g.reshape(g.mul_mat(p(b + "attn_v.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
+    q = _norm(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
+    k = _norm(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
+    rope = {"n_dims": c.n_rot, "mode": "neox", "theta": float(c.rope_theta)}
+    q = g.rope(q, pos, name=b + "q_rope", **rope)
+    k = g.rope(k, pos, name=b + "k_rope", **rope)
+    # Cache rows are whole tokens, [ctx, n_kv * head_dim]; attention reads them as [ctx, n_kv, head_dim].
+    row, heads = c.n_kv_heads * hd, (c.ctx, c.n_kv_heads, hd)
+    k_all = g.set_rows(g.state(b + "k_cache", (c.ctx, row)), g.reshape(k, shape=(n, row)), kv_idx,
+                       name=b + "k_cache_write")
+    v_all = g.set_rows(g.state(b + "v_cache", (c.ctx, row)), g.reshape(v, shape=(n, row)), kv_idx,
+                       name=b + "v_cache_write")
+    k_all, v_all = g.reshape(k_all, shape=heads), g.reshape(v_all, shape=heads)  # [ctx, n_kv, head_dim]
+    o = g.flash_attn(q, k_all, v_all, pos, kv_len, scale=1.0 / math.sqrt(hd), name=b + "attn")  # [n, n_head, hd]
+    o = g.mul(o, g.sigmoid(gate), name=b + "attn_gated")
+    o = g.reshape(o, shape=(n, c.n_heads * hd))  # [n, n_head * head_dim]
+    return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
+
+
+def _ffn(p: _Params, i: int, h: Node) -> Node:
+    b = f"blk.{i}."
+    gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
+    up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]
+    act = g.swiglu_split(gate, up, name=b + "ffn_act")
+    return g.mul_mat(p(b + "ffn_down.weight"), act, name=b + "ffn_out")  # [n, d_model]
+
+
+# ---------------------------------------------------------------- HF checkpoints
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Zero-centred RMS norms: HF computes x * (1 + w); we (and llama.cpp) store 1 + w.
+HF_CENTERED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+               "output_norm.weight")
+HF_SKIPPED = re.compile(r"^(mtp\.|model\.visual\.|model\.mtp\.)|rotary_emb\.inv_freq$")
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def is_hf_config(hf: Mapping[str, Any]) -> bool:
+    archs = hf.get("architectures") or []
+    return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("qwen3_5", "qwen3_5_text")
+
+
+def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35Config:
+    """The config of an HF Qwen3_5ForCausalLM (or the text part of Qwen3_5ForConditionalGeneration)."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    if text.get("attention_bias"):
+        raise LoadError(f"{label}: attention_bias=true is not supported")
+    if not text.get("attn_output_gate", True):
+        raise LoadError(f"{label}: attn_output_gate=false is not supported")
+    if text.get("hidden_act", "silu") != "silu":
+        raise LoadError(f"{label}: hidden_act {text.get('hidden_act')!r} is not supported (silu only)")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise LoadError(f"{label}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    try:
+        n_layers, d_model = int(text["num_hidden_layers"]), int(text["hidden_size"])
+        head_dim = int(text.get("head_dim") or d_model // int(text["num_attention_heads"]))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        interval = int(text.get("full_attention_interval", 4))
+        fields = dict(
+            n_vocab=int(text["vocab_size"]),
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=int(text["num_attention_heads"]),
+            n_kv_heads=int(text.get("num_key_value_heads") or text["num_attention_heads"]),
+            head_dim=head_dim,
+            d_ff=int(text["intermediate_size"]),
+            ssm_k_heads=int(text.get("linear_num_key_heads", 16)),
+            ssm_v_heads=int(text.get("linear_num_value_heads", 32)),
+            ssm_k_dim=int(text.get("linear_key_head_dim", 128)),
+            ssm_v_dim=int(text.get("linear_value_head_dim", 128)),
+            ssm_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            full_attn_interval=interval,
+            rope_dims=int(head_dim * partial),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+            rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            context_length=int(text.get("max_position_embeddings", 262144)),
+        )
+    except KeyError as e:
+        raise LoadError(f"{label}: missing key {e.args[0]!r}") from None
+    kinds = text.get("layer_types")
+    if kinds is not None:
+        want = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        if list(kinds) != want:
+            raise LoadError(f"{label}: layer_types {kinds} is not every {interval}th layer full attention")
+    fields["ctx"] = min(fields["context_length"], 4096)
+    return Qwen35Config(**fields)
+
+
+def hf_to_param_name(name: str) -> str | None:
+    """Our Param name for an HF tensor name; None for tensors the text graph does not use."""
+    name = name.replace("model.language_model.", "model.", 1)
+    if name in HF_GLOBAL:
+        return HF_GLOBAL[name]
+    m = _HF_LAYER_NAME.fullmatch(name)
+    if m and m.group(2) in HF_LAYER:
+        return f"blk.{m.group(1)}.{HF_LAYER[m.group(2)]}"
+    return None
+
+
+def param_to_hf_name(name: str) -> str:
+    for hf_name, ours in HF_GLOBAL.items():
+        if ours == name:
+            return hf_name
+    _, i, rest = name.split(".", 2)
+    return f"model.layers.{i}." + {v: k for k, v in HF_LAYER.items()}[rest]
+
+
+def _f32(w: Weight) -> np.ndarray:
+    return np.asarray(dequantize(w.data, w.dtype, tuple(w.shape)), np.float32)
+
+
+def hf_tensor(ours: str, w: Weight) -> Weight:
+    """An HF tensor in our convention: 1 + w for zero-centred norms, ssm_a = -exp(A_log), conv [C, K]."""
+    rest = ours.split(".", 2)[-1] if ours.startswith("blk.") else ours
+    if rest in HF_CENTERED:
+        return Weight("f32", tuple(w.shape), 1.0 + _f32(w))
+    if rest == "ssm_a":
+        return Weight("f32", tuple(w.shape), -np.exp(_f32(w)))
+    if rest == "ssm_conv1d.weight" and len(w.shape) == 3:
+        shape = (w.shape[0], w.shape[2])  # [C, 1, K] -> [C, K]
+        return Weight(w.dtype, shape, w.data.reshape(shape))
+    return w
+
+
+def weights_from_hf(config: Qwen35Config, raw: Weights) -> Weights:
+    """HF tensors (by HF name) renamed and converted to our Params; unused vision/MTP tensors are skipped."""
+    out = Weights(source=raw.source)
+    for hf_name, w in raw.items():
+        ours = hf_to_param_name(hf_name)
+        if ours is None:
+            if HF_SKIPPED.search(hf_name):
+                continue
+            raise LoadError(f"{raw.source}: tensor {hf_name!r} has no place in the {config.arch} graph")
+        if ours == "output.weight" and config.tied_embeddings:
+            continue
+        out.add(ours, hf_tensor(ours, w))
+    check_weights(config, out, hf_names=True)
+    return out
+
+
+# ---------------------------------------------------------------- GGUF files (llama.cpp arch "qwen35")
+GGUF_ARCH = "qwen35"
+
+
+def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: str = "gguf") -> Qwen35Config:
+    """The config of a llama.cpp `qwen35` GGUF; `tensors` maps names to anything with a numpy-order `shape`."""
+
+    def key(name: str, default: Any = None) -> Any:
+        v = md.get(f"{GGUF_ARCH}.{name}", default)
+        if v is None:
+            raise LoadError(f"{label}: missing metadata key {GGUF_ARCH}.{name!r}")
+        return v
+
+    def scalar(v: Any) -> int:  # some hybrid files store per-layer arrays; take the nonzero value
+        if isinstance(v, (list, tuple, np.ndarray)):
+            nz = [int(x) for x in v if int(x)]
+            return nz[0] if nz else 0
+        return int(v)
+
+    if md.get("general.architecture") != GGUF_ARCH:
+        raise LoadError(f"{label}: architecture {md.get('general.architecture')!r} is not {GGUF_ARCH!r}")
+    if "token_embd.weight" not in tensors:
+        raise LoadError(f"{label}: missing tensor 'token_embd.weight'")
+    d_model, n_heads = int(key("embedding_length")), scalar(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", d_model // n_heads))
+    hv = int(key("ssm.time_step_rank"))
+    mtp = int(md.get(f"{GGUF_ARCH}.nextn_predict_layers", 0) or 0)  # MTP blocks come after the trunk: unused
+    fields = dict(
+        n_vocab=int(tensors["token_embd.weight"].shape[0]),
+        d_model=d_model,
+        n_layers=int(key("block_count")) - mtp,
+        n_heads=n_heads,
+        n_kv_heads=scalar(key("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        d_ff=scalar(key("feed_forward_length")),
+        ssm_k_heads=int(key("ssm.group_count")),
+        ssm_v_heads=hv,
+        ssm_k_dim=int(key("ssm.state_size")),
+        ssm_v_dim=int(key("ssm.inner_size")) // hv,
+        ssm_conv_kernel=int(key("ssm.conv_kernel")),
+        full_attn_interval=int(key("full_attention_interval", 4)),
+        rope_dims=int(key("rope.dimension_count", head_dim // 4)),
+        rope_theta=float(key("rope.freq_base", 10_000_000.0)),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        v_head_order="tiled",
+        tied_embeddings="output.weight" not in tensors,
+        context_length=int(key("context_length")),
+    )
+    fields["ctx"] = min(fields["context_length"], 4096)
+    return Qwen35Config(**fields)
+
+
+def weights_from_gguf(config: Qwen35Config, weights: Weights) -> Weights:
+    """GGUF tensors already carry our names and conventions: drop the MTP blocks (blk.{n_layers}..), check
+    the rest and pass them through."""
+    mtp = re.compile(r"blk\.(\d+)\.")
+    keep = {k: w for k, w in weights.items() if not ((m := mtp.match(k)) and int(m.group(1)) >= config.n_layers)}
+    out = weights if len(keep) == len(weights) else Weights(keep, source=weights.source)
+    check_weights(config, out)
+    return out
+
+
+def check_weights(config: Qwen35Config, weights: Weights, hf_names: bool = False) -> None:
+    """Every Param present with its shape; no tensor left unused."""
+    try:
+        check_config(config)
+    except GraphError as e:
+        raise LoadError(f"{weights.source}: {e}") from None
+    expected = param_shapes(config)
+    present = set(weights)
+
+    def label(name: str) -> str:
+        return f"{name!r} (file name {param_to_hf_name(name)!r})" if hf_names else repr(name)
+
+    for name, shape in expected.items():
+        if name not in present:
+            raise LoadError(f"{weights.source}: missing tensor {label(name)}")
+        w = weights[name]
+        if tuple(w.shape) != shape:
+            raise LoadError(f"{weights.source}: tensor {label(name)} has shape {list(w.shape)}, "
+                            f"the {config.arch} config expects {list(shape)}")
+        if w.dtype == "i32":
+            raise LoadError(f"{weights.source}: tensor {label(name)} is i32; weights must be float or quantized")
+    extra = sorted(present - set(expected))
+    if extra:
+        raise LoadError(f"{weights.source}: tensors {extra[:5]} are not used by the {config.arch} graph "
+                        f"(config: {config.n_layers} layers, tied={config.tied_embeddings})")
+
+
+def with_ctx(config: Qwen35Config, ctx: int | None) -> Qwen35Config:
+    return config if ctx is None else dataclasses.replace(config, ctx=int(ctx))
+
+
+# ---------------------------------------------------------------- random presets
+PRESETS: dict[str, tuple[Qwen35Config, str]] = {
+    "qwen35-tiny": (Qwen35Config(n_vocab=272, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                                 d_ff=96, ssm_k_heads=2, ssm_v_heads=4, ssm_k_dim=16, ssm_v_dim=16,
+                                 tied_embeddings=True, context_length=256, ctx=256), "f32"),
+    # Qwen/Qwen3.5-0.8B (text): 24 layers, [3 DeltaNet, 1 attention] x 6
+    "qwen35-0.8b": (Qwen35Config(n_vocab=248320, d_model=1024, n_layers=24, n_heads=8, n_kv_heads=2, head_dim=256,
+                                 d_ff=3584, ssm_k_heads=16, ssm_v_heads=16, ssm_k_dim=128, ssm_v_dim=128,
+                                 rope_theta=10_000_000.0, tied_embeddings=True, context_length=262144), "bf16"),
+}  # fmt: skip
+
+
+def random_weights(config: Qwen35Config, dtype: str = "f32", seed: int = 0) -> Weights:
+    """Seeded random weights in the style of models.presets.random_weights, with DeltaNet gates that
+    decay (ssm_a in [-1.6, -0.01]), dt biases near 1 and a conv kernel of unit gain."""
+    from .presets import _matrix  # lazy: presets imports the model files
+
+    out = Weights(source=f"random:{config.arch} seed {seed}")
+    for name, shape in param_shapes(config).items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        rest = name.split(".", 2)[-1]
+        if rest == "ssm_a":
+            values = quantize(-np.exp(rng.uniform(np.log(0.01), np.log(1.6), shape)).astype(np.float32), dtype)
+        elif rest == "ssm_dt.bias":
+            values = quantize(np.ones(shape, np.float32), dtype)
+        elif rest == "ssm_conv1d.weight":
+            values = quantize(rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1]), dtype)
+        elif len(shape) == 1:
+            values = quantize(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32), dtype)
+        else:
+            scale = 1.0 / np.sqrt(shape[1] if name != "token_embd.weight" else config.d_model)
+            values = _matrix(rng, shape, np.float32(scale), dtype)
+        out.add(name, Weight(dtype, shape, values))
+    return out
