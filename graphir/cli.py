@@ -7,6 +7,7 @@
     graphir run smollm2-135m -p "Once upon a time"   generate text with a model
     graphir check smollm2-135m -p default            does a pipeline keep the math? (exit 1 if not)
     graphir coverage smollm2-135m -p default         where each pass of a pipeline fired, or why not
+    graphir bench smollm2-135m --json bench.json     load, TTFT, prefill and decode tok/s, RSS, bandwidth limit
 
 Modules that other stages provide (graphir.api, graphir.passes) are imported lazily, so
 `dump` and `run example` work before any model or pass exists. Every GraphirError ends the
@@ -186,8 +187,10 @@ def _default_backend() -> str:
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95, show_default=True, help="1 disables")
 @click.option("--seed", type=int, default=None, help="sampling seed (default: fresh each run)")
 @click.option("--backend", default=None, help="reference, cpu, ... (default: cpu if available, else reference)")
+@click.option("--passes", "pipeline", default="default", show_default=True,
+              help="pass pipeline applied before lowering ('' for none; see `graphir passes`)")
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-            backend: str | None) -> None:
+            backend: str | None, pipeline: str) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
@@ -200,7 +203,7 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     backend = backend or _default_backend()
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
-    lm = api.load(model, backend=backend)
+    lm = api.load(model, backend=backend, passes=pipeline)
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
@@ -339,3 +342,50 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
     from graphir.passes import coverage
 
     click.echo(coverage(load_graph(spec, phase), pipeline).text(max_sites=sites or _ALL_SITES), nl=False)
+
+
+# ---------------------------------------------------------------- bench
+@main.command("bench")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--backend", default="cpu", show_default=True, help="reference, cpu, ...")
+@click.option("--passes", "pipeline", default="default", show_default=True,
+              help="pass pipeline applied before lowering ('' for none)")
+@click.option("--prefill", type=click.IntRange(min=1), default=512, show_default=True,
+              help="tokens fed at once for the prefill rate")
+@click.option("--prompt", type=click.IntRange(min=1), default=128, show_default=True,
+              help="prompt tokens before the first token (TTFT) and before decode")
+@click.option("--decode", type=click.IntRange(min=1), default=256, show_default=True,
+              help="greedy tokens timed for the decode rate (EOS ignored)")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="timed prefill and decode runs (best and median reported)")
+@click.option("--no-llama-cpp", is_flag=True, help="skip the same-run llama-cpp-python comparison")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="also write the numbers (and machine, date, command) to this JSON file")
+def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
+              no_llama_cpp: bool, json_path: str | None) -> None:
+    """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
+    and the memory-bandwidth limit of decode, on this machine with wall-clock time.
+
+    When llama-cpp-python is importable and MODEL is a GGUF file, llama.cpp (2 threads) is measured
+    in the same run. Numbers go to stdout as a table; progress to stderr.
+    """
+    import json
+    import shlex
+    import sys
+
+    from graphir.bench import bench, render
+
+    click.echo(f"benchmarking {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
+    try:
+        result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
+                       decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
+                          "--prefill", str(prefill), "--prompt", str(prompt), "--decode", str(decode),
+                          "--repeats", str(repeats)] + (["--no-llama-cpp"] if no_llama_cpp else []))
+    result["command"] = command
+    render(result, command, file=sys.stdout)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        click.echo(f"wrote {json_path}", err=True)

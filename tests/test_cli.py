@@ -127,7 +127,7 @@ def test_bad_specs_exit_1_with_message(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    def load(spec: str, backend: str | None = None):
+    def load(spec: str, backend: str | None = None, passes: str = ""):
         raise LoadError(f"{spec}.gguf: truncated at tensor 'blk.3.attn_q.weight'")
 
     monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
@@ -162,7 +162,7 @@ class FakeModel:
 def test_run_model_streams_text_and_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     models: list[FakeModel] = []
 
-    def load(spec: str, backend: str | None = None) -> FakeModel:
+    def load(spec: str, backend: str | None = None, passes: str = "") -> FakeModel:
         assert spec == "smollm2-135m"  # the default MODEL
         models.append(FakeModel(backend))
         return models[-1]
@@ -187,7 +187,7 @@ def test_run_accepts_a_stream_push_decoder(monkeypatch: pytest.MonkeyPatch) -> N
     push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
     model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
     model.stats = {}
-    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=lambda spec, backend=None: model))
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=lambda spec, backend=None, passes="": model))
     r = invoke("run", "tiny", "-p", "x", "-n", "2")
     assert r.exit_code == 0, r.output
     assert r.stdout == "xde\n"  # ids 100, 101

@@ -59,11 +59,15 @@ def silu(x, out):
             out[r, i] = v / (np.float32(1.0) + np.exp(-v))
 
 
-@njit(**JIT)
+@njit(parallel=True, **JIT)
 def swiglu_split(a, b, out):
-    """out = silu(a) * b."""
-    for r in range(a.shape[0]):
-        for i in range(a.shape[1]):
+    """out = silu(a) * b, split into 512-wide pieces so even one decode row uses both cores."""
+    rows, cols = a.shape
+    pieces = (cols + 511) // 512
+    for task in prange(rows * pieces):
+        r = task // pieces
+        c0 = (task % pieces) * 512
+        for i in range(c0, min(cols, c0 + 512)):
             v = a[r, i]
             out[r, i] = v / (np.float32(1.0) + np.exp(-v)) * b[r, i]
 
@@ -102,8 +106,12 @@ def set_rows(dst, src, idx):
 
 
 @njit(parallel=True, **JIT)
-def attention_decode(q, k, v, pos, kv_len, scale, window, out):
-    """Causal GQA attention for few queries: one (query, head) pair per task, online softmax.
+def attention(q, k, v, pos, kv_len, scale, window, out):
+    """Causal GQA attention: one (query, head) pair per task, online softmax over its keys.
+
+    Used for decode and prefill alike. Measured on SmolLM2 shapes (512 queries, 9 heads, one
+    thread): 55 ms per layer, against 64 ms for a query-blocked variant and far more for numpy
+    BLAS, whose OpenBLAS threads spin between calls and starve numba's pool on 2 cores.
 
     q [n, hq, d]; k, v [capacity, hk, d] (the KV cache); out [n, hq, dv].
     """
@@ -140,28 +148,6 @@ def attention_decode(q, k, v, pos, kv_len, scale, window, out):
                 acc[i] += p * v[j, kh, i]
         for i in range(dv):
             out[t, h, i] = acc[i] / denom if denom > 0 else np.float32(0.0)
-
-
-def attention_prefill(q, k, v, pos, kv_len, scale, window, out):
-    """Many queries: per KV head, one BLAS matmul for scores and one for the weighted sum."""
-    n, hq, d = q.shape
-    hk = k.shape[1]
-    group = hq // hk
-    length = int(kv_len[0])
-    j = np.arange(length)
-    allowed = j[None, :] <= pos[:, None]
-    if window:
-        allowed &= pos[:, None] - j[None, :] < window
-    for kh in range(hk):
-        qg = q[:, kh * group:(kh + 1) * group, :].transpose(1, 0, 2)  # [group, n, d]
-        s = np.matmul(qg, k[:length, kh, :].T) * np.float32(scale)  # [group, n, L]
-        s = np.where(allowed[None], s, np.float32(-np.inf))
-        m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, np.float32(0.0))
-        e = np.exp(s - m)
-        denom = e.sum(axis=-1, keepdims=True)
-        e /= np.where(denom > 0, denom, np.float32(1.0))
-        out[:, kh * group:(kh + 1) * group, :] = np.matmul(e, v[:length, kh, :]).transpose(1, 0, 2)
 
 
 @njit(**JIT)

@@ -20,7 +20,6 @@ from graphir.weights import Weights
 from . import kernels as K
 from . import matmul as MM
 
-DECODE_MAX_QUERIES = 4  # above this, attention goes through BLAS matmuls
 
 
 class ParamRef:
@@ -270,7 +269,7 @@ def _flash_attn(n, ins, out, p):
     q, k, v, pos, kv_len = ins
     o = out[0]
     scale, window = np.float32(p["scale"]), p["window"]
-    kern = K.attention_decode if q.shape[0] <= DECODE_MAX_QUERIES else K.attention_prefill
+    kern = K.attention
     cap = k.shape[0]
 
     def step() -> None:

@@ -1,0 +1,356 @@
+"""`graphir bench`: load a model and measure what a user of it waits for, with wall-clock time.
+
+    from graphir.bench import bench
+    r = bench("smollm2-135m")               # load, TTFT (first and warm), prefill, decode, RSS, bound
+    print(r["decode_tok_s_best"], r["bandwidth_limit_tok_s"])
+
+What is measured (time.perf_counter, one process, in this order):
+  load_s                  graphir.load(spec, backend, passes): file read, no lowering yet
+  ttft_first_s            the first generate() in this model: a prompt of prompt_tokens, then the first
+                          sampled token; it includes building, passing and lowering the prefill graph
+                          (and numba compiling its kernels, unless numba's cache on disk has them)
+  ttft_warm_s             the same again, every Program already lowered
+  prefill_tok_s_*         prefill_tokens fed at once from an empty cache (warm), best and median of repeats
+  decode_tok_s_*          decode_tokens greedy tokens after a prompt of prompt_tokens (warm, EOS ignored),
+                          counted from the first sampled token to the last, sampling included
+  peak_rss_bytes          getrusage's ru_maxrss so far (the whole process: Python, numba, the model)
+  arena_bytes             sum of the arenas of the model's lowered Programs (CPU backend)
+  weight_bytes            bytes of weights one decode token reads: every weight once (a tied embedding
+                          once, as the head); an untied embedding only its one looked-up row
+  bandwidth_bytes_s       a large numpy copy (read + write bytes over the best time)
+  bandwidth_limit_tok_s   weight_bytes / bandwidth: decode can not beat this at batch 1
+
+When llama-cpp-python is importable and the model is a GGUF file, the same measurements run with
+it in the same process (n_threads=2) for a same-run comparison; otherwise `llama_cpp` is None and
+`llama_cpp_note` says why. It is not a dependency.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphir.api import DEFAULT_MODEL, Model, load
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A language model reads its weights once for "
+        "every token it writes, so memory bandwidth bounds how fast it can decode. ")
+
+# Keys whose values are positive finite numbers in every result (the tests check them).
+NUMBERS = ("load_s", "ttft_first_s", "ttft_warm_s", "prefill_tok_s_best", "prefill_tok_s_median",
+           "decode_tok_s_best", "decode_tok_s_median", "peak_rss_bytes", "arena_bytes", "weight_bytes",
+           "bandwidth_bytes_s", "bandwidth_limit_tok_s", "decode_fraction_of_limit")
+
+_first_run_done = False  # the first bench() in a process also pays numba's kernel compilation
+
+
+# ---------------------------------------------------------------- machine
+def machine() -> dict[str, Any]:
+    """CPU model, cores, numba threads and library versions of this machine."""
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return {"cpu": cpu, "cores": os.cpu_count() or 1, "usable_cores": usable,
+            "numba_threads": numba.get_num_threads(), "python": platform.python_version(),
+            "numpy": np.__version__, "numba": numba.__version__, "platform": platform.platform()}
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a numpy copy of `megabytes` (read + write bytes, best of `repeats`)."""
+    n = max(megabytes, 1) * (1 << 20) // 8
+    src = np.ones(n, np.float64)
+    dst = np.zeros(n, np.float64)  # both written once first, so no page fault lands in the timing
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb if sys.platform == "darwin" else kb * 1024)  # bytes on macOS, KiB on Linux
+
+
+def decode_weight_bytes(model: Model) -> int:
+    """Weight bytes one decode token reads: all weights, an untied embedding table only as one row."""
+    w = model.weights
+    total = sum(x.nbytes for x in w.values())
+    emb = w.get("token_embd.weight")
+    if emb is not None and "output.weight" in w and emb.shape:
+        total -= emb.nbytes - emb.nbytes // emb.shape[0]
+    return total
+
+
+def arena_bytes(model: Model) -> tuple[int, int]:
+    """(sum of arena bytes, number of Programs) over the model's lowered Programs that report one."""
+    entries = getattr(model.programs, "_programs", {})
+    total = count = 0
+    for entry in list(entries.values()):
+        report = getattr(entry[1], "report", None)
+        if callable(report):
+            total += int(report().get("arena_bytes", 0))
+            count += 1
+    return total, count
+
+
+def token_ids(model: Model, n: int) -> list[int]:
+    """n deterministic ids: the tokenizer on TEXT repeated, or range ids when there is no tokenizer."""
+    tok = model.tokenizer
+    vocab = model.config.n_vocab
+    ids: list[int] = []
+    if tok is not None:
+        text = TEXT
+        while True:
+            ids = [i for i in tok.encode(text) if i < vocab]
+            if len(ids) >= n or not ids:
+                break
+            text += TEXT * max(1, (n - len(ids)) // max(len(ids), 1) + 1)
+    if len(ids) < n:
+        ids = [i % vocab for i in range(n)]
+    return ids[:n]
+
+
+def _rates(n: int, seconds: Sequence[float]) -> tuple[float, float]:
+    return n / min(seconds), n / statistics.median(seconds)
+
+
+# ---------------------------------------------------------------- graphir
+def _ttft(model: Model, prompt: list[int], extra: int = 0) -> float:
+    """Seconds from generate() to its first token; then `extra` more tokens are drawn (untimed)."""
+    t0 = time.perf_counter()
+    gen = model.generate(prompt, max_new_tokens=1 + extra, stop_at_eos=False)
+    next(gen)
+    dt = time.perf_counter() - t0
+    for _ in gen:
+        pass
+    return dt
+
+
+def _decode_s(model: Model, prompt: list[int], n: int) -> float:
+    gen = model.generate(prompt, max_new_tokens=n + 1, stop_at_eos=False)
+    next(gen)  # the prompt's token, from prefill
+    t0 = time.perf_counter()
+    count = sum(1 for _ in gen)
+    dt = time.perf_counter() - t0
+    assert count == n, (count, n)
+    return dt
+
+
+def _prefill_s(model: Model, ids: list[int]) -> float:
+    model.reset()
+    t0 = time.perf_counter()
+    model.feed(ids, last_only=True)
+    return time.perf_counter() - t0
+
+
+def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "default", prefill_tokens: int = 512,
+          prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
+          llama_cpp: bool = True, llama_cpp_threads: int = 2) -> dict[str, Any]:
+    """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
+    global _first_run_done
+    for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
+                    ("decode_tokens", decode_tokens), ("repeats", repeats)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    first_in_process = not _first_run_done
+    _first_run_done = True
+
+    t0 = time.perf_counter()
+    model = load(spec, backend=backend, passes=passes)
+    load_s = time.perf_counter() - t0
+    ctx = model.config.ctx
+    if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
+        raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
+                         f"exceeds the model's context of {ctx}")
+    ids = token_ids(model, max(prefill_tokens, prompt_tokens))
+    prompt, prefill = ids[:prompt_tokens], ids[:prefill_tokens]
+
+    ttft_first = _ttft(model, prompt, extra=min(2, decode_tokens))  # the extra tokens lower the decode Program
+    ttft_warm = _ttft(model, prompt)
+    _prefill_s(model, prefill)  # lowers prefill_tokens' buckets
+    prefill_times = [_prefill_s(model, prefill) for _ in range(repeats)]
+    decode_times = [_decode_s(model, prompt, decode_tokens) for _ in range(repeats)]
+    rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
+    arena, n_programs = arena_bytes(model)
+    weight_bytes = decode_weight_bytes(model)
+    bandwidth = measure_bandwidth(bandwidth_mb)
+
+    p_best, p_med = _rates(prefill_tokens, prefill_times)
+    d_best, d_med = _rates(decode_tokens, decode_times)
+    limit = bandwidth / weight_bytes
+    result: dict[str, Any] = {
+        "model": spec, "source": model.source, "backend": backend, "passes": passes,
+        "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+        "repeats": repeats, "first_bench_in_process": first_in_process,
+        "load_s": load_s, "ttft_first_s": ttft_first, "ttft_warm_s": ttft_warm,
+        "prefill_tok_s_best": p_best, "prefill_tok_s_median": p_med,
+        "decode_tok_s_best": d_best, "decode_tok_s_median": d_med,
+        "peak_rss_bytes": rss, "arena_bytes": arena, "programs": n_programs, "weight_bytes": weight_bytes,
+        "bandwidth_bytes_s": bandwidth, "bandwidth_limit_tok_s": limit, "decode_fraction_of_limit": d_best / limit,
+        "machine": machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "llama_cpp": None, "llama_cpp_note": "",
+    }
+    del model
+    if llama_cpp:
+        result["llama_cpp"], result["llama_cpp_note"] = _maybe_llama_cpp(
+            result["source"], prefill, prompt, decode_tokens, repeats, llama_cpp_threads)
+    else:
+        result["llama_cpp_note"] = "llama.cpp comparison not requested"
+    return result
+
+
+# ---------------------------------------------------------------- llama.cpp (optional)
+def _maybe_llama_cpp(source: str, prefill: list[int], prompt: list[int], decode_tokens: int, repeats: int,
+                     threads: int) -> tuple[dict[str, Any] | None, str]:
+    if not source.endswith(".gguf"):
+        return None, "no llama.cpp comparison: the model is not a GGUF file"
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, "llama-cpp-python is not installed: no same-run llama.cpp comparison"
+    try:
+        return _bench_llama_cpp(llama_cpp, source, prefill, prompt, decode_tokens, repeats, threads), \
+            f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, n_threads={threads}, same run"
+    except Exception as e:  # a comparison must never sink the benchmark itself
+        return None, f"llama.cpp comparison failed: {type(e).__name__}: {e}"
+
+
+def _bench_llama_cpp(llama_cpp: Any, path: str, prefill: list[int], prompt: list[int], decode_tokens: int,
+                     repeats: int, threads: int) -> dict[str, Any]:
+    """The same numbers with llama.cpp: greedy (temp 0), reset before every run (no prefix reuse)."""
+    n_ctx = max(len(prefill), len(prompt) + decode_tokens + 1) + 16
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+
+    def ttft() -> float:
+        llm.reset()
+        t = time.perf_counter()
+        next(iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True)))
+        return time.perf_counter() - t
+
+    def prefill_s() -> float:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prefill)
+        return time.perf_counter() - t
+
+    def decode_s() -> float:
+        llm.reset()
+        gen = iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
+        next(gen)
+        t = time.perf_counter()
+        for _ in range(decode_tokens):
+            next(gen)
+        return time.perf_counter() - t
+
+    first, warm = ttft(), ttft()
+    prefill_s()
+    p_best, p_med = _rates(len(prefill), [prefill_s() for _ in range(repeats)])
+    d_best, d_med = _rates(decode_tokens, [decode_s() for _ in range(repeats)])
+    return {"load_s": load_s, "ttft_first_s": first, "ttft_warm_s": warm, "prefill_tok_s_best": p_best,
+            "prefill_tok_s_median": p_med, "decode_tok_s_best": d_best, "decode_tok_s_median": d_med}
+
+
+# ---------------------------------------------------------------- report
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+ROWS: tuple[tuple[str, str, Any], ...] = (
+    ("load", "load_s", lambda v: f"{v:.2f} s"),
+    ("TTFT, first run (lowering included)", "ttft_first_s", lambda v: f"{v:.3f} s"),
+    ("TTFT, warm", "ttft_warm_s", lambda v: f"{v:.3f} s"),
+    ("prefill tok/s, best", "prefill_tok_s_best", lambda v: f"{v:.1f}"),
+    ("prefill tok/s, median", "prefill_tok_s_median", lambda v: f"{v:.1f}"),
+    ("decode tok/s, best", "decode_tok_s_best", lambda v: f"{v:.1f}"),
+    ("decode tok/s, median", "decode_tok_s_median", lambda v: f"{v:.1f}"),
+    ("peak RSS", "peak_rss_bytes", _mib),
+    ("arena (all Programs)", "arena_bytes", _mib),
+    ("weight bytes per decode token", "weight_bytes", _mib),
+    ("copy bandwidth (read + write)", "bandwidth_bytes_s", lambda v: f"{v / 1e9:.2f} GB/s"),
+    ("bandwidth-limit tok/s", "bandwidth_limit_tok_s", lambda v: f"{v:.1f}"),
+    ("decode / limit", "decode_fraction_of_limit", lambda v: f"{100 * v:.1f} %"),
+)
+
+
+def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:
+    m = result["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
+             f"numba threads {m['numba_threads']}; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}",
+             f"date: {result['date']}"]
+    if command:
+        lines.append(f"command: {command}")
+    lines.append(f"model: {result['source']} | backend {result['backend']} | passes {result['passes'] or '(none)'}"
+                 f" | prefill {result['prefill_tokens']}, prompt {result['prompt_tokens']}, "
+                 f"decode {result['decode_tokens']}, repeats {result['repeats']}")
+    return lines
+
+
+def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(column titles, rows of text): graphir, then llama.cpp where it ran."""
+    other = result.get("llama_cpp") or None
+    columns = ["metric", "graphir"] + (["llama.cpp (same run)"] if other else [])
+    rows = []
+    for label, key, fmt in ROWS:
+        row = [label, fmt(result[key])]
+        if other:
+            row.append(fmt(other[key]) if key in other else "")
+        rows.append(row)
+    return columns, rows
+
+
+def render(result: dict[str, Any], command: str | None = None, file: Any = None, plain: bool = False) -> None:
+    """Print the header lines and the table: with rich unless `plain` or rich is missing, else plain text."""
+    file = file or sys.stdout
+    columns, rows = table_rows(result)
+    notes = [result["llama_cpp_note"]] if result.get("llama_cpp_note") else []
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        plain = True
+    if plain:
+        widths = [max(len(r[i]) for r in [columns] + rows) for i in range(len(columns))]
+        for line in header_lines(result, command):
+            print(line, file=file)
+        for r in [columns] + rows:
+            cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+            print("  ".join(cells), file=file)
+        for note in notes:
+            print(note, file=file)
+        return
+    console = Console(file=file, width=120, highlight=False, soft_wrap=True)
+    for line in header_lines(result, command):
+        console.print(line, markup=False)
+    table = Table(*columns)
+    for c in table.columns[1:]:
+        c.justify = "right"
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    for note in notes:
+        console.print(note, markup=False)

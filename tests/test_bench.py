@@ -1,0 +1,100 @@
+"""`graphir.bench` and `graphir bench`: every number is there, positive and finite.
+
+No timing assertions: how fast things are belongs in BENCHMARKS.md, not in tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import graphir
+from graphir import bench as bench_mod
+from graphir.bench import NUMBERS, bench, decode_weight_bytes, token_ids
+from graphir.cli import main
+
+TINY = dict(prefill_tokens=16, prompt_tokens=8, decode_tokens=8)
+
+
+def _check_numbers(result: dict) -> None:
+    missing = [k for k in NUMBERS if k not in result]
+    assert not missing, f"missing keys {missing}"
+    for k in NUMBERS:
+        v = result[k]
+        assert isinstance(v, (int, float)) and not isinstance(v, bool), (k, v)
+        assert math.isfinite(v) and v > 0, (k, v)
+
+
+def test_bench_returns_every_number() -> None:
+    r = bench("random:llama-tiny", repeats=2, bandwidth_mb=16, **TINY)
+    _check_numbers(r)
+    assert r["programs"] >= 2  # a prefill and the decode Program at least
+    assert r["machine"]["cores"] >= 1 and r["machine"]["numba_threads"] >= 1 and r["machine"]["cpu"]
+    assert r["date"] and r["backend"] == "cpu" and r["passes"] == "default"
+    assert r["llama_cpp"] is None and "not a GGUF file" in r["llama_cpp_note"]
+    assert r["decode_fraction_of_limit"] == pytest.approx(r["decode_tok_s_best"] / r["bandwidth_limit_tok_s"])
+    json.dumps(r)  # everything in it is JSON-ready
+
+
+def test_plain_table_has_a_llama_cpp_column_when_it_ran() -> None:
+    r = {k: 1.5 for k in NUMBERS} | {
+        "machine": bench_mod.machine(), "date": "2026-01-01T00:00:00+00:00", "source": "m.gguf", "backend": "cpu",
+        "passes": "", "prefill_tokens": 512, "prompt_tokens": 128, "decode_tokens": 256, "repeats": 3,
+        "llama_cpp": {k: 2.5 for k in ("load_s", "decode_tok_s_best")}, "llama_cpp_note": "llama-cpp-python x"}
+    buf = io.StringIO()
+    bench_mod.render(r, "graphir bench m.gguf", file=buf, plain=True)
+    lines = buf.getvalue().splitlines()
+    assert lines[2] == "command: graphir bench m.gguf" and "passes (none)" in lines[3]
+    assert lines[4].split() == ["metric", "graphir", "llama.cpp", "(same", "run)"]
+    decode = next(line for line in lines if line.startswith("decode tok/s, best"))
+    assert decode.split()[-2:] == ["1.5", "2.5"]
+    assert lines[-1] == "llama-cpp-python x"
+
+
+def test_bench_rejects_sizes_past_the_context() -> None:
+    with pytest.raises(ValueError, match="context"):
+        bench("random:llama-tiny", prefill_tokens=4096, prompt_tokens=8, decode_tokens=8, bandwidth_mb=1)
+    with pytest.raises(ValueError, match="decode_tokens"):
+        bench("random:llama-tiny", prefill_tokens=8, prompt_tokens=8, decode_tokens=0)
+
+
+def test_weight_bytes_count_a_tied_head_once_and_an_untied_embedding_as_one_row() -> None:
+    tied = graphir.load("random:qwen3-tiny")
+    assert tied.config.tied_embeddings and "output.weight" not in tied.weights
+    assert decode_weight_bytes(tied) == tied.weights.nbytes
+    untied = graphir.load("random:llama-tiny")
+    emb = untied.weights["token_embd.weight"]
+    assert decode_weight_bytes(untied) == untied.weights.nbytes - emb.nbytes + emb.nbytes // emb.shape[0]
+
+
+def test_token_ids_are_deterministic_and_in_the_vocabulary() -> None:
+    model = graphir.load("random:llama-tiny")
+    ids = token_ids(model, 300)
+    assert len(ids) == 300 and ids == token_ids(model, 300)
+    assert all(0 <= i < model.config.n_vocab for i in ids)
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_mod, "measure_bandwidth", functools.partial(bench_mod.measure_bandwidth, 16))
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--prefill", "16", "--prompt", "8", "--decode", "8",
+                                  "--repeats", "1", "--json", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    for text in ("machine:", "numba threads", "date:", "command: graphir bench random:llama-tiny", "decode tok/s",
+                 "prefill tok/s", "TTFT", "peak RSS", "bandwidth-limit tok/s"):
+        assert text in r.stdout, text
+    data = json.loads(out.read_text())
+    _check_numbers(data)
+    assert data["command"].startswith("graphir bench random:llama-tiny --backend cpu")
+    assert data["machine"]["numba_threads"] >= 1
+
+
+def test_cli_bench_reports_bad_sizes_as_an_error() -> None:
+    r = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--prefill", "4096"])
+    assert r.exit_code == 1 and "error:" in r.stderr and "context" in r.stderr
