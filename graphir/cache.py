@@ -10,8 +10,8 @@ A Program holds its weights, so each loaded model owns a ProgramCache (its Progr
 goes); `get_program` uses a process-wide one for everything else.
 
 With GRAPHIR_DEBUG_CACHE=1 every miss prints which parts of the key differ from the closest
-cached entry (input shapes, a param, the structure, the pass list, the backend), which is how
-an accidental per-step rebuild shows up.
+cached entry (input shapes, a param, the structure, node names, meta, the pass list, the
+backend), which is how an accidental per-step rebuild shows up.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def key_parts(graph: Graph, backend: str, passes: str) -> dict[str, str]:
         "inputs": digest([(n["name"], n["shape"], n["dtype"]) for n in nodes if n["op"] == "input"]),
         "states": digest([(n["name"], n["shape"], n["dtype"]) for n in nodes if n["op"] == "state"]),
         "params": digest([n["params"] for n in nodes]),
-        "shapes": digest([(n["shape"], n["dtype"]) for n in nodes]),
+        "shapes": digest([(n["shape"], n["dtype"], n.get("types")) for n in nodes]),
         "structure": digest([(n["op"], n["src"]) for n in nodes] + [rec["outputs"], rec["updates"]]),
+        # the rest of what graph.signature() hashes, so a miss never blames the weights wrongly
+        "names": digest([n.get("name") for n in nodes]),  # Param names pick the weights
+        "meta": digest(rec["meta"]),
         "passes": passes,
         "backend": backend,
     }
