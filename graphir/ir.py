@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from graphir.errors import GraphError
 
@@ -23,7 +24,7 @@ LEAF_OPS = ("input", "param", "state", "const")
 class Params(tuple):
     """Op parameters: a hashable, ordered tuple of (key, value) pairs read like a dict."""
 
-    def __new__(cls, items: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> "Params":
+    def __new__(cls, items: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> Params:
         pairs = items.items() if isinstance(items, Mapping) else items
         return super().__new__(cls, tuple(sorted((k, _freeze(v)) for k, v in pairs)))
 
@@ -65,8 +66,8 @@ class Node:
         op: str,
         dtype: str,
         shape: tuple[int, ...],
-        src: tuple["Node", ...] = (),
-        params: Params = Params(),
+        src: tuple[Node, ...] = (),
+        params: Params = Params(),  # noqa: B008 (immutable, so one shared default is safe)
         name: str | None = None,
         types: tuple[tuple[tuple[int, ...], str], ...] | None = None,
     ):
@@ -106,7 +107,7 @@ class Node:
     def __repr__(self) -> str:
         return f"<Node {self.describe()}>"
 
-    def replace(self, **changes: Any) -> "Node":
+    def replace(self, **changes: Any) -> Node:
         fields = {k: getattr(self, k) for k in ("op", "dtype", "shape", "src", "params", "name", "types")}
         fields.update(changes)
         return Node(**fields)
@@ -148,7 +149,8 @@ class Graph:
     reads them.
     """
 
-    def __init__(self, outputs: Mapping[str, Node], updates: Iterable[Node] = (), meta: Mapping[str, Any] | None = None):
+    def __init__(self, outputs: Mapping[str, Node], updates: Iterable[Node] = (),
+                 meta: Mapping[str, Any] | None = None):
         self.outputs: dict[str, Node] = dict(outputs)
         self.updates: tuple[Node, ...] = tuple(updates)
         self.meta: dict[str, Any] = dict(meta or {})
@@ -223,7 +225,7 @@ class Graph:
         }
 
     @classmethod
-    def from_records(cls, rec: Mapping[str, Any]) -> "Graph":
+    def from_records(cls, rec: Mapping[str, Any]) -> Graph:
         built: list[Node] = []
         for r in rec["nodes"]:
             if r["id"] != len(built) or any(s >= len(built) for s in r["src"]):

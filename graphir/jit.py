@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,8 @@ class Jitted:
         for name, a in zip(self.arg_names, args):
             a = np.asarray(a)
             if a.dtype not in NUMPY_TO_DTYPE:
-                raise InputError(f"{self.fn.__name__}: argument {name!r} has dtype {a.dtype}; use float32, float16 or int32")
+                raise InputError(f"{self.fn.__name__}: argument {name!r} has dtype {a.dtype}; "
+                                 "use float32, float16 or int32")
             key.append((a.shape, NUMPY_TO_DTYPE[a.dtype]))
         return tuple(key)
 

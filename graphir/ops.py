@@ -12,8 +12,9 @@ tests/test_ops_table.py fails if an op has no numpy-formula test.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,8 @@ def _binary_infer(ts: list[Type], p: dict) -> Type:
     (sa, da), (sb, db) = ts
     need_float(ts[0], "a")
     need_float(ts[1], "b")
-    need(broadcastable(sb, sa), f"b {list(sb)} does not broadcast onto a {list(sa)} (each axis of b must equal a's or be 1)")
+    need(broadcastable(sb, sa),
+         f"b {list(sb)} does not broadcast onto a {list(sa)} (each axis of b must equal a's or be 1)")
     return sa, da
 
 
@@ -214,7 +216,8 @@ def _mul_mat_infer(ts: list[Type], p: dict) -> Type:
 
 
 op("mul_mat", 2, "x @ w^T: w [..., n_out, n_in] (any dtype), x [..., n, n_in] -> [..., n, n_out] f32")(
-    (_mul_mat_infer, lambda w, x: np.matmul(x.astype(np.float32, copy=False), np.swapaxes(w, -1, -2).astype(np.float32, copy=False))))
+    (_mul_mat_infer, lambda w, x: np.matmul(x.astype(np.float32, copy=False),
+                                            np.swapaxes(w, -1, -2).astype(np.float32, copy=False))))
 
 
 def _get_rows_infer(ts: list[Type], p: dict) -> Type:
@@ -232,7 +235,8 @@ def _get_rows_ref(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return table[ids].astype(np.float32)
 
 
-op("get_rows", 2, "table[ids]: gather rows (embedding lookup), any table dtype -> f32")((_get_rows_infer, _get_rows_ref))
+op("get_rows", 2, "table[ids]: gather rows (embedding lookup), any table dtype -> f32")(
+    (_get_rows_infer, _get_rows_ref))
 
 
 # ---------------------------------------------------------------- rope

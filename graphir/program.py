@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -43,4 +43,5 @@ def check_state(graph: Graph, state: Mapping[str, np.ndarray]) -> None:
         if buf is None:
             raise InputError(f"missing state buffer {n.name!r} ({list(n.shape)} {n.dtype})")
         if buf.shape != n.shape or buf.dtype != numpy_dtype(n.dtype):
-            raise InputError(f"state {n.name!r}: {list(buf.shape)} {buf.dtype}, graph expects {list(n.shape)} {n.dtype}")
+            raise InputError(f"state {n.name!r}: {list(buf.shape)} {buf.dtype}, "
+                             f"graph expects {list(n.shape)} {n.dtype}")

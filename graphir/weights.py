@@ -8,8 +8,8 @@ A Weight keeps its *storage* array exactly as the file had it:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 import numpy as np
 

@@ -187,7 +187,8 @@ def test_run_accepts_a_stream_push_decoder(monkeypatch: pytest.MonkeyPatch) -> N
     push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
     model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
     model.stats = {}
-    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=lambda spec, backend=None, passes="": model))
+    fake_api = types.SimpleNamespace(load=lambda spec, backend=None, passes="": model)
+    monkeypatch.setitem(sys.modules, "graphir.api", fake_api)
     r = invoke("run", "tiny", "-p", "x", "-n", "2")
     assert r.exit_code == 0, r.output
     assert r.stdout == "xde\n"  # ids 100, 101

@@ -8,7 +8,8 @@ op runs; the dedicated kernels are the ones a decode step spends its time in.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,6 @@ from graphir.weights import Weights
 
 from . import kernels as K
 from . import matmul as MM
-
 
 
 class ParamRef:

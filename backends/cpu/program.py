@@ -9,7 +9,8 @@ nothing is allocated or looked up per step, which is what makes replay cheap.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ class CpuProgram:
             self.input_buffers[name][...] = arr
         i = 0
         try:
-            for i, step in enumerate(self._steps):
+            for i, step in enumerate(self._steps):  # noqa: B007 (i names the failing step below)
                 step()
         except (IndexError, ValueError, GraphirError) as e:  # bad runtime values (ids, rows) land here
             raise BackendError(f"cpu backend, {self._step_nodes[i]}: {e}") from None

@@ -6,7 +6,8 @@ plainness over speed: float32 math, weights dequantized once per Program.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
