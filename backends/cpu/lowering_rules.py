@@ -181,6 +181,12 @@ def _mul_mat(n, ins, out, p):
     x2, o2 = rows2d(x), rows2d(o)
     raw, dt = w.raw, w.dtype
     if x2 is not None and x2.flags.c_contiguous:
+        if x2.shape[0] <= 4:  # decode: q4_0 / q4_1 / q8_0 weights repacked once (gemv_repacked.py)
+            from . import gemv_repacked as GR
+
+            fast = GR.prepare(raw, dt, x2, o2, w.weights.derived if w.weights is not None else None, w.key)
+            if fast is not None:
+                return o, fast
         run, _ = MM.prepare_matmul(raw, dt, x2, o2)  # checks once at bind time: ~3.5 us a call, not ~10
         return o, run
     if x2 is None:
