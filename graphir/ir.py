@@ -155,6 +155,7 @@ class Graph:
         self.updates: tuple[Node, ...] = tuple(updates)
         self.meta: dict[str, Any] = dict(meta or {})
         self._nodes: list[Node] | None = None
+        self._leaves: dict[str, list[Node]] = {}
         self._signature: str | None = None
 
     @property
@@ -173,7 +174,10 @@ class Graph:
         return len(self.nodes())
 
     def leaves(self, op: str) -> list[Node]:
-        return [n for n in self.nodes() if n.op == op]
+        # cached: Programs check inputs and states on every call of a replayed decode step
+        if op not in self._leaves:
+            self._leaves[op] = [n for n in self.nodes() if n.op == op]
+        return self._leaves[op]
 
     @property
     def inputs(self) -> list[Node]:

@@ -107,13 +107,12 @@ def set_rows(dst, src, idx):
 
 @njit(parallel=True, **JIT)
 def attention(q, k, v, pos, kv_len, scale, window, out):
-    """Causal GQA attention: one (query, head) pair per task, online softmax over its keys.
+    """Causal GQA attention: one (query, head) pair per task; scores, then softmax, then the sum.
 
-    Used for decode and prefill alike. Measured on SmolLM2 shapes (512 queries, 9 heads, one
-    thread): 55 ms per layer, against 64 ms for a query-blocked variant and far more for numpy
-    BLAS, whose OpenBLAS threads spin between calls and starve numba's pool on 2 cores.
-
-    q [n, hq, d]; k, v [capacity, hk, d] (the KV cache); out [n, hq, dv].
+    Used for decode and prefill alike. Two passes over the keys (scores into a scratch row,
+    then exp and the weighted sum of V) keep both inner loops branch-free, so they vectorize.
+    numba rather than numpy BLAS: OpenBLAS's threads spin between calls and starve numba's
+    pool on 2 cores (SmolLM2, 512 tokens, 30 layers: 7 s with BLAS, 0.7 s with numba).
     """
     n, hq, d = q.shape
     hk = k.shape[1]
@@ -125,29 +124,33 @@ def attention(q, k, v, pos, kv_len, scale, window, out):
         h = task % hq
         kh = h // group
         stop = min(length, pos[t] + 1)
-        start = 0
-        if window > 0:
-            start = max(0, pos[t] - window + 1)
-        m = -np.inf
+        start = max(0, pos[t] - window + 1) if window > 0 else 0
+        if stop <= start:
+            for i in range(dv):
+                out[t, h, i] = 0.0
+            continue
+        s = np.empty(stop - start, np.float32)
+        m = np.float32(-np.inf)
+        for j in range(start, stop):
+            dot = np.float32(0.0)
+            for i in range(d):
+                dot += q[t, h, i] * k[j, kh, i]
+            dot *= scale
+            s[j - start] = dot
+            m = max(m, dot)
         denom = np.float32(0.0)
+        for j in range(stop - start):
+            e = np.float32(np.exp(s[j] - m))
+            s[j] = e
+            denom += e
         acc = np.zeros(dv, np.float32)
         for j in range(start, stop):
-            s = np.float32(0.0)
-            for i in range(d):
-                s += q[t, h, i] * k[j, kh, i]
-            s *= scale
-            if s > m:
-                corr = np.float32(np.exp(m - s))
-                denom *= corr
-                for i in range(dv):
-                    acc[i] *= corr
-                m = s
-            p = np.float32(np.exp(s - m))
-            denom += p
+            p = s[j - start]
             for i in range(dv):
                 acc[i] += p * v[j, kh, i]
+        inv = np.float32(1.0) / denom
         for i in range(dv):
-            out[t, h, i] = acc[i] / denom if denom > 0 else np.float32(0.0)
+            out[t, h, i] = acc[i] * inv
 
 
 @njit(**JIT)
