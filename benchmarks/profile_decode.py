@@ -1,0 +1,47 @@
+"""Where a decode token's time goes: time every bound step of the cached CPU decode Program.
+
+    python benchmarks/profile_decode.py [MODEL] [--prompt 256]
+
+Feeds a prompt of --prompt tokens (so attention sees that many keys), then replays the decode
+step's bound kernels one by one and prints milliseconds per token by op, largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+import graphir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    model = graphir.load(args.model, backend="cpu", passes="default")
+    model.feed(np.arange(args.prompt) % 256 + 1, last_only=True)
+    model.feed([1])  # lowers the decode Program
+    program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (1,))
+    per_op: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    for _ in range(args.repeats):
+        for step, label in zip(program._steps, program._step_nodes):
+            t0 = time.perf_counter()
+            step()
+            op = label.split()[2]
+            per_op[op] += time.perf_counter() - t0
+            calls[op] += 1
+    total = sum(per_op.values()) / args.repeats
+    print(f"{args.model}: {total * 1e3:.2f} ms per decode token at position {model.n_past}, "
+          f"{len(program._steps)} bound steps")
+    for op, seconds in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        print(f"  {op:20s} {seconds / args.repeats * 1e3:8.3f} ms  ({calls[op] // args.repeats} calls)")
+
+
+if __name__ == "__main__":
+    main()
