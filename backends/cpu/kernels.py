@@ -73,26 +73,31 @@ def swiglu_split(a, b, out):
 
 
 @njit(**JIT)
+def _rope_token(x, dst, p, inv_freq, n_dims, neox):
+    """One token: x, dst [heads, head_dim] (may be the same array: each pair is read, then written)."""
+    half = n_dims // 2
+    heads, hd = x.shape
+    for j in range(half):
+        ang = p * inv_freq[j]
+        c = np.float32(math.cos(ang))
+        s = np.float32(math.sin(ang))
+        i0 = j if neox else 2 * j
+        i1 = j + half if neox else 2 * j + 1
+        for h in range(heads):
+            a = x[h, i0]
+            b = x[h, i1]
+            dst[h, i0] = a * c - b * s
+            dst[h, i1] = a * s + b * c
+    for h in range(heads):
+        for i in range(n_dims, hd):
+            dst[h, i] = x[h, i]
+
+
+@njit(**JIT)
 def rope(x, pos, inv_freq, n_dims, neox, freq_scale, out):
     """x, out: [n, heads, head_dim]; rotates the first n_dims of each head; the rest is copied."""
-    half = n_dims // 2
-    n, heads, hd = x.shape
-    for t in range(n):
-        p = np.float64(pos[t]) * freq_scale
-        for j in range(half):
-            ang = p * inv_freq[j]
-            c = np.float32(math.cos(ang))
-            s = np.float32(math.sin(ang))
-            i0 = j if neox else 2 * j
-            i1 = j + half if neox else 2 * j + 1
-            for h in range(heads):
-                a = x[t, h, i0]
-                b = x[t, h, i1]
-                out[t, h, i0] = a * c - b * s
-                out[t, h, i1] = a * s + b * c
-        for h in range(heads):
-            for i in range(n_dims, hd):
-                out[t, h, i] = x[t, h, i]
+    for t in range(x.shape[0]):
+        _rope_token(x[t], out[t], np.float64(pos[t]) * freq_scale, inv_freq, n_dims, neox)
 
 
 @njit(**JIT)
@@ -156,24 +161,8 @@ def attention(q, k, v, pos, kv_len, scale, window, out):
 @njit(**JIT)
 def rope_set_rows(cache, x, pos, idx, inv_freq, n_dims, neox, freq_scale):
     """cache[idx[t]] = rope(x)[t]: roped K goes straight into its KV-cache row."""
-    half = n_dims // 2
-    n, heads, hd = x.shape
-    for t in range(n):
+    for t in range(x.shape[0]):
         row = idx[t]
         if row < 0 or row >= cache.shape[0]:
             raise IndexError("rope_set_rows: row index out of range")
-        p = np.float64(pos[t]) * freq_scale
-        for j in range(half):
-            ang = p * inv_freq[j]
-            c = np.float32(math.cos(ang))
-            s = np.float32(math.sin(ang))
-            i0 = j if neox else 2 * j
-            i1 = j + half if neox else 2 * j + 1
-            for h in range(heads):
-                a = x[t, h, i0]
-                b = x[t, h, i1]
-                cache[row, h, i0] = a * c - b * s
-                cache[row, h, i1] = a * s + b * c
-        for h in range(heads):
-            for i in range(n_dims, hd):
-                cache[row, h, i] = x[t, h, i]
+        _rope_token(x[t], cache[row], np.float64(pos[t]) * freq_scale, inv_freq, n_dims, neox)
