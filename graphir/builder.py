@@ -137,16 +137,16 @@ class Builder:
     def rows(self, x: Node, start: int, count: int, name: str | None = None) -> Node:
         """x[start:start+count] along axis 0 of a contiguous tensor, as a view."""
         inner = x.numel // x.shape[0] if x.shape[0] else 0
-        strides = _contiguous_strides(x.shape)
+        strides = contiguous_strides(x.shape)
         return make("view", x, name=name, shape=(count,) + x.shape[1:], strides=strides, offset=start * inner)
 
     def cols(self, x: Node, start: int, count: int, name: str | None = None) -> Node:
         """x[..., start:start+count] of a contiguous tensor, as a view."""
-        strides = _contiguous_strides(x.shape)
+        strides = contiguous_strides(x.shape)
         return make("view", x, name=name, shape=x.shape[:-1] + (count,), strides=strides, offset=start)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)

@@ -81,11 +81,12 @@ def check_config(c: LlamaConfig) -> None:
             raise GraphError(f"{c.arch} config: {rule}")
 
 
-class _Params:
-    """Param leaves with the weight store's dtypes (default f32), one node per name."""
+class ParamNodes:
+    """Param leaves with the weight store's dtypes (default f32), one node per name; shared by the
+    model families, each giving its own name -> shape table."""
 
-    def __init__(self, c: LlamaConfig, dtypes: Mapping[str, str] | None):
-        self.shapes = param_shapes(c)
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None):
+        self.shapes = shapes
         self.dtypes = dtypes or {}
         self.nodes: dict[str, Node] = {}
 
@@ -107,7 +108,7 @@ def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,
     n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
     if n < 1:
         raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
-    p = _Params(c, dtypes)
+    p = ParamNodes(param_shapes(c), dtypes)
     tokens = g.input("tokens", (n,), "i32")
     pos = g.input("pos", (n,), "i32")
     kv_idx = g.input("kv_idx", (n,), "i32")
@@ -132,7 +133,7 @@ def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
     return g.mul(g.rms_norm(x, eps=eps), w, name=name)
 
 
-def _attention(c: LlamaConfig, p: _Params, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
+def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
     n, b = h.shape[0], f"blk.{i}."
     q = g.reshape(g.mul_mat(p(b + "attn_q.weight"), h), shape=(n, c.n_heads, c.head_dim))  # [n, n_head, head_dim]
     k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))  # [n, n_kv, head_dim]
@@ -151,7 +152,7 @@ def _attention(c: LlamaConfig, p: _Params, i: int, h: Node, pos: Node, kv_idx: N
     return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
 
 
-def _ffn(p: _Params, i: int, h: Node) -> Node:
+def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
     b = f"blk.{i}."
     gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
     up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]

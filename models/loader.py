@@ -27,6 +27,7 @@ from . import qwen3, qwen35
 from .gguf_file import GGUFFile
 from .hf_dir import load_hf_dir
 from .llama import LlamaConfig, check_config, param_shapes
+from .names import NameMap
 
 ARCHITECTURES = ("llama", "qwen3", "qwen35")
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -52,7 +53,7 @@ HF_LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old checkpoints, not a weight
-_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -133,20 +134,11 @@ def load_hf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Weights, dict[st
 
 
 def hf_to_ours(name: str) -> str | None:
-    if name in HF_GLOBAL:
-        return HF_GLOBAL[name]
-    m = _HF_LAYER_NAME.fullmatch(name)
-    if m and m.group(2) in HF_LAYER:
-        return f"blk.{m.group(1)}.{HF_LAYER[m.group(2)]}"
-    return None
+    return HF_NAMES.to_ours(name)
 
 
 def ours_to_hf(name: str) -> str:
-    for hf_name, ours in HF_GLOBAL.items():
-        if ours == name:
-            return hf_name
-    blk, i, rest = name.split(".", 2)
-    return f"model.layers.{i}." + {v: k for k, v in HF_LAYER.items()}[rest]
+    return HF_NAMES.to_file(name)
 
 
 def hf_config(hf: Mapping[str, Any], label: str) -> LlamaConfig:

@@ -46,6 +46,9 @@ from graphir.ir import Graph, Node
 from graphir.quant import dequantize, quantize
 from graphir.weights import Weight, Weights
 
+from .llama import ParamNodes
+from .names import NameMap
+
 PHASES = ("prefill", "decode")
 DEFAULT_PREFILL_TOKENS = 8
 L2_EPS = 1e-6  # HF's l2norm and the fla kernels hard-code it
@@ -160,20 +163,6 @@ def check_config(c: Qwen35Config) -> None:
             raise GraphError(f"{c.arch} config: {rule}")
 
 
-class _Params:
-    """Param leaves with the weight store's dtypes (default f32), one node per name."""
-
-    def __init__(self, c: Qwen35Config, dtypes: Mapping[str, str] | None):
-        self.shapes = param_shapes(c)
-        self.dtypes = dtypes or {}
-        self.nodes: dict[str, Node] = {}
-
-    def __call__(self, name: str) -> Node:
-        if name not in self.nodes:
-            self.nodes[name] = g.param(name, self.shapes[name], self.dtypes.get(name, "f32"))
-        return self.nodes[name]
-
-
 # ---------------------------------------------------------------- the graph
 def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
           dtypes: Mapping[str, str] | None = None, last_only: bool = False) -> Graph:
@@ -187,7 +176,7 @@ def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
     n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
     if n < 1:
         raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
-    p = _Params(c, dtypes)
+    p = ParamNodes(param_shapes(c), dtypes)
     tokens = g.input("tokens", (n,), "i32")
     pos = g.input("pos", (n,), "i32")
     kv_idx = g.input("kv_idx", (n,), "i32")
@@ -231,7 +220,7 @@ def _tile_heads(x: Node, times: int, name: str) -> Node:
     return out.replace(name=name) if times > 1 else x
 
 
-def _delta_net(c: Qwen35Config, p: _Params, i: int, h: Node, updates: list[Node]) -> Node:
+def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[Node]) -> Node:
     b = f"blk.{i}."
     n = h.shape[0]
     hk, hv, dk, dv = c.ssm_k_heads, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim
@@ -265,7 +254,7 @@ def _delta_net(c: Qwen35Config, p: _Params, i: int, h: Node, updates: list[Node]
     return g.mul_mat(p(b + "ssm_out.weight"), o, name=b + "ssm_out")  # [n, d_model]
 
 
-def _attention(c: Qwen35Config, p: _Params, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
+def _attention(c: Qwen35Config, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
     b = f"blk.{i}."
     n, hd = h.shape[0], c.head_dim
     qg = g.mul_mat(p(b + "attn_q.weight"), h, name=b + "attn_q")  # [n, n_head * 2 * head_dim]
@@ -292,7 +281,7 @@ def _attention(c: Qwen35Config, p: _Params, i: int, h: Node, pos: Node, kv_idx: 
     return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
 
 
-def _ffn(p: _Params, i: int, h: Node) -> Node:
+def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
     b = f"blk.{i}."
     gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
     up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]
@@ -333,7 +322,7 @@ HF_LAYER = {
 HF_CENTERED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                "output_norm.weight")
 HF_SKIPPED = re.compile(r"^(mtp\.|model\.visual\.|model\.mtp\.)|rotary_emb\.inv_freq$")
-_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
 
 
 def is_hf_config(hf: Mapping[str, Any]) -> bool:
@@ -391,21 +380,11 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35C
 
 def hf_to_param_name(name: str) -> str | None:
     """Our Param name for an HF tensor name; None for tensors the text graph does not use."""
-    name = name.replace("model.language_model.", "model.", 1)
-    if name in HF_GLOBAL:
-        return HF_GLOBAL[name]
-    m = _HF_LAYER_NAME.fullmatch(name)
-    if m and m.group(2) in HF_LAYER:
-        return f"blk.{m.group(1)}.{HF_LAYER[m.group(2)]}"
-    return None
+    return HF_NAMES.to_ours(name.replace("model.language_model.", "model.", 1))
 
 
 def param_to_hf_name(name: str) -> str:
-    for hf_name, ours in HF_GLOBAL.items():
-        if ours == name:
-            return hf_name
-    _, i, rest = name.split(".", 2)
-    return f"model.layers.{i}." + {v: k for k, v in HF_LAYER.items()}[rest]
+    return HF_NAMES.to_file(name)
 
 
 def _f32(w: Weight) -> np.ndarray:

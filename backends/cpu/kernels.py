@@ -15,12 +15,17 @@ JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
 @njit(**JIT)
+def _inv_rms(row, eps):
+    acc = np.float32(0.0)
+    for i in range(row.shape[0]):
+        acc += row[i] * row[i]
+    return np.float32(1.0) / np.sqrt(acc / row.shape[0] + np.float32(eps))
+
+
+@njit(**JIT)
 def rms_norm(x, eps, out):
     for r in range(x.shape[0]):
-        acc = np.float32(0.0)
-        for i in range(x.shape[1]):
-            acc += x[r, i] * x[r, i]
-        inv = np.float32(1.0) / np.sqrt(acc / x.shape[1] + np.float32(eps))
+        inv = _inv_rms(x[r], eps)
         for i in range(x.shape[1]):
             out[r, i] = x[r, i] * inv
 
@@ -29,10 +34,7 @@ def rms_norm(x, eps, out):
 def rms_norm_mul(x, w, eps, out):
     """out = rms_norm(x) * w, w broadcast over rows."""
     for r in range(x.shape[0]):
-        acc = np.float32(0.0)
-        for i in range(x.shape[1]):
-            acc += x[r, i] * x[r, i]
-        inv = np.float32(1.0) / np.sqrt(acc / x.shape[1] + np.float32(eps))
+        inv = _inv_rms(x[r], eps)
         for i in range(x.shape[1]):
             out[r, i] = x[r, i] * inv * w[i]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from graphir.builder import contiguous_strides
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
 from graphir.quant import dequantize
@@ -88,7 +89,6 @@ def views_needing_copy(graph: Graph) -> set[int]:
     contiguous: dict[int, bool] = {}
     copies: set[int] = set()
     for n in graph.nodes():
-        d = OPS[n.op]
         if n.op in ("permute", "transpose"):
             axes = n.params["axes"] if n.op == "permute" else None
             identity = axes is not None and list(axes) == sorted(axes)
@@ -100,19 +100,10 @@ def views_needing_copy(graph: Graph) -> set[int]:
         elif n.op == "view":
             if not contiguous[id(n.src[0])]:
                 copies.add(id(n))
-            contiguous[id(n)] = tuple(n.params["strides"]) == _c_strides(n.shape)
+            contiguous[id(n)] = tuple(n.params["strides"]) == contiguous_strides(n.shape)
         else:
             contiguous[id(n)] = True
-        assert d is not None
     return copies
-
-
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
 
 
 # ---------------------------------------------------------------- per-node lowering

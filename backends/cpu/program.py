@@ -17,7 +17,7 @@ import numpy as np
 from graphir.dtypes import numpy_dtype
 from graphir.errors import BackendError, GraphirError
 from graphir.ir import Graph, Node
-from graphir.memplan import MemPlan, plan_memory, result_types, storage_of
+from graphir.memplan import MemPlan, plan_memory, result_types
 from graphir.ops import OPS
 from graphir.program import check_inputs, check_state
 from graphir.verify import verify
@@ -88,9 +88,9 @@ class CpuProgram:
                  ) -> dict[str, np.ndarray]:
         feeds = check_inputs(self.graph, inputs)
         state = state if state is not None else {}
-        check_state(self.graph, state)
-        key = tuple(id(state[n.name]) for n in self.graph.states)
-        if key != self._bound_state:
+        key = tuple(id(state.get(n.name)) for n in self.graph.states)
+        if key != self._bound_state:  # new buffers: check them once, then bind kernels to them
+            check_state(self.graph, state)
             self._bind(state)
             self._bound_state = key
         for name, arr in feeds.items():
@@ -117,4 +117,4 @@ def lower(graph: Graph, weights: Weights | None = None, **options: Any) -> CpuPr
     return CpuProgram(graph, weights)
 
 
-__all__ = ["lower", "CpuProgram", "storage_of"]
+__all__ = ["lower", "CpuProgram"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphir.builder import _contiguous_strides, is_state_chain
+from graphir.builder import contiguous_strides, is_state_chain
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
 from graphir.passes import register_pass
@@ -22,7 +22,7 @@ def _is_identity(n: Node) -> bool:
     return {
         "reshape": True,
         "permute": tuple(p.get("axes", ())) == tuple(range(len(x.shape))),
-        "view": p.get("offset") == 0 and tuple(p.get("strides", ())) == _contiguous_strides(x.shape),
+        "view": p.get("offset") == 0 and tuple(p.get("strides", ())) == contiguous_strides(x.shape),
         # a cont of a view is the copy that makes it contiguous; of anything else it is a no-op
         "cont": x.op not in VIEW_OPS,
         "cast": True,
