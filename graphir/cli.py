@@ -224,17 +224,11 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
 
 
 def _text_stream(tokenizer: Any) -> tuple[Callable[[int], str], Callable[[], str]]:
-    """(add one id -> text, flush -> rest) from the tokenizer's streaming decoder.
-
-    Two spellings are accepted: `stream_decoder()` with `.add`, and `stream()` with `.push`.
-    """
-    if hasattr(tokenizer, "stream_decoder"):
-        decoder = tokenizer.stream_decoder()
-        return decoder.add, decoder.flush
-    if hasattr(tokenizer, "stream"):
-        decoder = tokenizer.stream()
-        return decoder.push, decoder.flush
-    raise CliError(f"tokenizer {type(tokenizer).__name__} has no streaming decoder (stream_decoder() or stream())")
+    """(push one id -> text, flush -> rest) from the tokenizer's streaming decoder, `stream()`."""
+    if not hasattr(tokenizer, "stream"):
+        raise CliError(f"tokenizer {type(tokenizer).__name__} has no streaming decoder (stream())")
+    decoder = tokenizer.stream()
+    return decoder.push, decoder.flush
 
 
 def _rate(tokens: Any, seconds: Any) -> str:

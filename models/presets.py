@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import codecs
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -25,6 +25,7 @@ from graphir.weights import Weight, Weights
 
 from . import qwen3, qwen35
 from .llama import LlamaConfig, param_shapes
+from .tokenizer import TextStream
 
 LAZY_NUMEL = 1 << 16
 STEP = 3
@@ -102,10 +103,8 @@ class ByteTokenizer:
     def stream(self) -> ByteStreamDecoder:
         return ByteStreamDecoder()
 
-    stream_decoder = stream
 
-
-class ByteStreamDecoder:
+class ByteStreamDecoder(TextStream):
     """Takes ids one at a time; returns text as soon as its UTF-8 sequence is complete."""
 
     def __init__(self) -> None:
@@ -118,14 +117,5 @@ class ByteStreamDecoder:
             raise InputError(f"byte tokenizer: token id {token_id} out of range [0, 258)")
         return self._utf8.decode(bytes([token_id]))
 
-    add = push
-
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
-
-    def __call__(self, ids: Iterable[int]) -> Iterator[str]:
-        for i in ids:
-            if piece := self.push(i):
-                yield piece
-        if piece := self.flush():
-            yield piece

@@ -244,7 +244,25 @@ class Tokenizer:
         return f"Tokenizer({self.source!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
 
 
-class StreamDecoder:
+class TextStream:
+    """Base of streaming decoders: `push(id) -> str` and `flush() -> str`; calling one on a list of
+    ids yields the non-empty pieces, then the flushed rest."""
+
+    def push(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        raise NotImplementedError
+
+    def __call__(self, ids: Iterable[int]) -> Iterator[str]:
+        for i in ids:
+            if piece := self.push(i):
+                yield piece
+        if piece := self.flush():
+            yield piece
+
+
+class StreamDecoder(TextStream):
     """Turns ids arriving one at a time into text pieces whose concatenation is decode(all ids).
 
     A piece is only emitted once its UTF-8 is complete: an emoji split over tokens comes out whole.
@@ -283,14 +301,6 @@ class StreamDecoder:
         text = self.tok.decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
         return text[len(done) :]
-
-    def __call__(self, ids: Iterable[int]) -> Iterator[str]:
-        """Pieces for all of `ids`, then the flushed rest; empty pieces are skipped."""
-        for i in ids:
-            if piece := self.push(i):
-                yield piece
-        if piece := self.flush():
-            yield piece
 
 
 # ---- GGUF vocabularies ----

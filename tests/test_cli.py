@@ -140,7 +140,7 @@ def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 class FakeDecoder:
-    def add(self, token: int) -> str:
+    def push(self, token: int) -> str:
         return f"<{token}>"
 
     def flush(self) -> str:
@@ -150,7 +150,7 @@ class FakeDecoder:
 class FakeModel:
     def __init__(self, backend: str):
         self.backend = backend
-        self.tokenizer = types.SimpleNamespace(encode=lambda s: list(range(len(s))), stream_decoder=FakeDecoder)
+        self.tokenizer = types.SimpleNamespace(encode=lambda s: list(range(len(s))), stream=FakeDecoder)
         self.stats = {"load_s": 1.5, "prefill_s": 0.5, "prefill_tokens": 5, "decode_s": 2.0, "decode_tokens": 8}
         self.calls: list[tuple] = []
 
@@ -181,8 +181,8 @@ def test_run_model_streams_text_and_timings(monkeypatch: pytest.MonkeyPatch) -> 
         pos = r.stderr.index(want, pos)
 
 
-def test_run_accepts_a_stream_push_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tokenizers spelled `stream().push(id)` stream the same way as `stream_decoder().add(id)`."""
+def test_run_without_model_stats_times_decode_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with no stats still streams its text, and run times decode with its own clock."""
     model = FakeModel("reference")
     push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
     model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
