@@ -1,0 +1,118 @@
+// Portability layer: every kernel source includes this and compiles unchanged under NVRTC
+// (CUDA), hiprtc and hipcc (HIP). Measured facts behind each rule (ROCm 5.2, CUDA 13):
+//  - HIP has no __shfl_*_sync; __shfl_xor / __shfl_down take no mask there.
+//  - the warp (wavefront) is 64 lanes on gfx9 (gfx90a) and 32 on gfx10+ (gfx1030).
+//  - bf16 exists on HIP only as a class whose header breaks under hiprtc, and hip_fp16.h must
+//    not be included under hiprtc: 16-bit floats are kept as raw `unsigned short` bits here
+//    and converted with integer operations, so no vendor fp16/bf16 header is needed at all.
+#ifndef GRAPHIR_COMMON_CUH
+#define GRAPHIR_COMMON_CUH
+
+#if defined(__HIPCC__) && !defined(__HIPCC_RTC__)
+#include <hip/hip_runtime.h>
+#endif
+
+#ifndef WARP_SIZE
+#if defined(__HIP_PLATFORM_AMD__) || defined(__AMDGCN_WAVEFRONT_SIZE)
+#define WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#else
+#define WARP_SIZE 32
+#endif
+#endif
+
+#ifndef MAX_THREADS
+#define MAX_THREADS 1024  // block-wide reductions size their scratch for this many threads
+#endif
+
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#if defined(__HIPCC__)
+#define SHFL_XOR(v, lane) __shfl_xor((v), (lane))
+#else
+#define SHFL_XOR(v, lane) __shfl_xor_sync(0xffffffffu, (v), (lane))
+#endif
+
+#define DEVICE static __device__ __forceinline__
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math.h (absent under NVRTC)
+
+// ---------------------------------------------------------------- 16-bit floats as bits
+DEVICE float bf16_to_f32(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+DEVICE u16 f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40);
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+DEVICE float f16_to_f32(u16 h) {
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    unsigned int exp = (h >> 10) & 0x1fu;
+    unsigned int man = h & 0x3ffu;
+    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));  // inf, nan
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in f32
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+DEVICE u16 f32_to_f16(float f) {  // round to nearest even, overflow to inf (IEEE, as numpy)
+    unsigned int u = __float_as_uint(f);
+    unsigned int sign = (u >> 16) & 0x8000u;
+    unsigned int a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (u16)(sign | 0x7e00u);  // nan
+    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // rounds to >= 65520: inf
+    if (a < 0x38800000u) {  // below 2^-14: subnormal or zero, round(|f| * 2^24) ties to even
+        float m = __uint_as_float(a) * 16777216.0f;
+        return (u16)(sign | (unsigned int)rintf(m));
+    }
+    unsigned int r = a + 0xfffu + ((a >> 13) & 1u);  // round mantissa to 10 bits, ties to even
+    return (u16)(sign | ((r - 0x38000000u) >> 13));
+}
+
+// ---------------------------------------------------------------- reductions
+DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP_SIZE / 2; o > 0; o >>= 1) v += SHFL_XOR(v, o);
+    return v;
+}
+
+DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP_SIZE / 2; o > 0; o >>= 1) v = fmaxf(v, SHFL_XOR(v, o));
+    return v;
+}
+
+// Sum over the whole block; every thread gets the result. `scratch` holds MAX_THREADS/WARP_SIZE floats.
+DEVICE float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+DEVICE float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+// ---------------------------------------------------------------- run-time error flag
+// Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of
+// range. They record the first violation instead: flag[0] = code (the step's number + 1, set by
+// the host per launch), flag[1] = the offending value. The host reads the flag once per call.
+DEVICE void report_error(int* flag, int code, int value) {
+    if (atomicCAS(flag, 0, code) == 0) flag[1] = value;
+}
+
+#endif  // GRAPHIR_COMMON_CUH

@@ -1,0 +1,32 @@
+"""CuPy, imported once with a one-line error when it is missing, and whether a GPU is present."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+from graphir.errors import BackendError
+
+INSTALL_HINT = "pip install -e '.[gpu]' (CuPy for CUDA 13: cupy-cuda13x)"
+
+
+@functools.cache
+def cupy() -> ModuleType:
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise BackendError(f"the gpu backend needs CuPy, which is not installed ({e}); {INSTALL_HINT}") from None
+    return cp
+
+
+def available() -> bool:
+    """True when CuPy imports and sees at least one device (what backend='auto' asks)."""
+    try:
+        cp = cupy()
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "not here"
+        return False
+
+
+def is_hip() -> bool:
+    return bool(getattr(cupy().cuda.runtime, "is_hip", False))
