@@ -10,13 +10,28 @@ from graphir.errors import BackendError
 BACKENDS = {
     "reference": "graphir.backends.reference",
     "cpu": "graphir.backends.cpu",
+    "gpu": "graphir.backends.gpu",
 }
+AUTO = "auto"  # gpu when CuPy sees a device, else cpu
+
+
+def resolve_backend(name: str) -> str:
+    """The backend `name` stands for: "auto" picks gpu when CuPy sees a device, else cpu."""
+    if name != AUTO:
+        return name
+    from graphir.backends.gpu.device import available
+
+    return "gpu" if available() else "cpu"
 
 
 def get_backend(name: str) -> ModuleType:
+    name = resolve_backend(name)
     if name not in BACKENDS:
-        raise BackendError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        raise BackendError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}, {AUTO}")
     try:
-        return importlib.import_module(BACKENDS[name])
+        module = importlib.import_module(BACKENDS[name])
     except ImportError as e:
         raise BackendError(f"backend {name!r} is not available here: {e}") from e
+    if name == "gpu":
+        module.device.cupy()  # a missing CuPy is a one-line error here, not at the first call
+    return module

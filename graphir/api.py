@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from graphir.backends.registry import get_backend
+from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.errors import InputError, LoadError
 from graphir.generate import check_sampling, generate, make_sampler
@@ -84,7 +84,8 @@ class Model:
             raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
         if self._state is None:
-            self._state = new_state(self.graph("decode"))
+            backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
+            self._state = backend_state(self.graph("decode"))
         out, start = [], 0
         for m in self.chunks(len(ids)):
             pos = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
@@ -182,7 +183,8 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "reference
     `dtype` None keeps the file's weight types; "f32" (or f16, bf16, q8_0, ...) converts them.
     `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX)."""
     t0 = time.perf_counter()
-    get_backend(backend)  # an unknown backend fails before any file is read
+    backend = resolve_backend(backend)  # "auto": gpu when CuPy sees a device, else cpu
+    get_backend(backend)  # an unknown or unavailable backend fails before any file is read
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
     config, weights, tokenizer, eos, source = _resolve(str(spec), dtype)

@@ -17,7 +17,10 @@ What is measured (time.perf_counter, one process, in this order):
   arena_bytes             sum of the arenas of the model's lowered Programs (CPU backend)
   weight_bytes            bytes of weights one decode token reads: every weight once (a tied embedding
                           once, as the head); an untied embedding only its one looked-up row
-  bandwidth_bytes_s       a large numpy copy (read + write bytes over the best time)
+  bandwidth_bytes_s       a large copy (read + write bytes over the best time): numpy on the host, or a
+                          device-to-device CuPy copy of 1 GiB for the gpu backend
+  device_memory_bytes     gpu backend: bytes CuPy's memory pool holds at the end (weights, arenas, caches,
+                          scratch): the peak, since the pool never returns memory; 0 on other backends
   bandwidth_limit_tok_s   weight_bytes / bandwidth: decode can not beat this at batch 1
 
 When llama-cpp-python is importable and the model is a GGUF file, the same measurements run with
@@ -86,6 +89,40 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
+
+
+def measure_device_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device CuPy copy (read + write), best of `repeats`, after a warm-up
+    (the first timings of an idle GPU run at low clocks)."""
+    import cupy as cp
+
+    src = cp.ones(megabytes * (1 << 20) // 4, cp.float32)
+    dst = cp.empty_like(src)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(3):
+        dst[...] = src
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        dst[...] = src
+        stop.record()
+        stop.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return 2 * src.nbytes / best
+
+
+def device_memory_bytes() -> int:
+    import cupy as cp
+
+    return int(cp.get_default_memory_pool().total_bytes())
+
+
+def gpu_name() -> str:
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def peak_rss_bytes() -> int:
@@ -177,6 +214,10 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "defaul
     first_in_process = not _first_run_done
     _first_run_done = True
 
+    from graphir.backends.registry import resolve_backend
+
+    backend = resolve_backend(backend)
+    on_gpu = backend == "gpu"
     t0 = time.perf_counter()
     model = load(spec, backend=backend, passes=passes)
     load_s = time.perf_counter() - t0
@@ -195,7 +236,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "defaul
     rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
     arena, n_programs = arena_bytes(model)
     weight_bytes = decode_weight_bytes(model)
-    bandwidth = measure_bandwidth(bandwidth_mb)
+    bandwidth = measure_device_bandwidth() if on_gpu else measure_bandwidth(bandwidth_mb)
+    device_bytes = device_memory_bytes() if on_gpu else 0
 
     p_best, p_med = _rates(prefill_tokens, prefill_times)
     d_best, d_med = _rates(decode_tokens, decode_times)
@@ -209,7 +251,9 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "defaul
         "decode_tok_s_best": d_best, "decode_tok_s_median": d_med,
         "peak_rss_bytes": rss, "arena_bytes": arena, "programs": n_programs, "weight_bytes": weight_bytes,
         "bandwidth_bytes_s": bandwidth, "bandwidth_limit_tok_s": limit, "decode_fraction_of_limit": d_best / limit,
-        "machine": machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device_memory_bytes": device_bytes,
+        "machine": {**machine(), **({"gpu": gpu_name()} if on_gpu else {})},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "llama_cpp": None, "llama_cpp_note": "",
     }
     del model
@@ -290,6 +334,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("decode tok/s, median", "decode_tok_s_median", lambda v: f"{v:.1f}"),
     ("peak RSS", "peak_rss_bytes", _mib),
     ("arena (all Programs)", "arena_bytes", _mib),
+    ("device memory (gpu, peak)", "device_memory_bytes", _mib),
     ("weight bytes per decode token", "weight_bytes", _mib),
     ("copy bandwidth (read + write)", "bandwidth_bytes_s", lambda v: f"{v / 1e9:.2f} GB/s"),
     ("bandwidth-limit tok/s", "bandwidth_limit_tok_s", lambda v: f"{v:.1f}"),
@@ -299,8 +344,9 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:
     m = result["machine"]
+    gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
     lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
-             f"numba threads {m['numba_threads']}; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}",
+             f"numba threads {m['numba_threads']}{gpu}; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}",
              f"date: {result['date']}"]
     if command:
         lines.append(f"command: {command}")

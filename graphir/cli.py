@@ -167,13 +167,10 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
 
 # ---------------------------------------------------------------- run
 def _default_backend() -> str:
-    """cpu once it can lower graphs, else the numpy reference."""
-    from graphir.backends.registry import get_backend
+    """auto: gpu when CuPy sees a device, else cpu."""
+    from graphir.backends.registry import resolve_backend
 
-    try:
-        return "cpu" if hasattr(get_backend("cpu"), "lower") else "reference"
-    except GraphirError:
-        return "reference"
+    return resolve_backend("auto")
 
 
 @main.command("run")
@@ -186,7 +183,8 @@ def _default_backend() -> str:
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95, show_default=True, help="1 disables")
 @click.option("--seed", type=int, default=None, help="sampling seed (default: fresh each run)")
-@click.option("--backend", default=None, help="reference, cpu, ... (default: cpu if available, else reference)")
+@click.option("--backend", default=None, help="reference, cpu, gpu or auto (default: auto, gpu when CuPy sees a "
+              "device, else cpu)")
 @click.option("--passes", "pipeline", default="default", show_default=True,
               help="pass pipeline applied before lowering ('' for none; see `graphir passes`)")
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
@@ -341,7 +339,7 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 # ---------------------------------------------------------------- bench
 @main.command("bench")
 @click.argument("model", default=DEFAULT_MODEL)
-@click.option("--backend", default="cpu", show_default=True, help="reference, cpu, ...")
+@click.option("--backend", default="auto", show_default=True, help="reference, cpu, gpu or auto (gpu if present)")
 @click.option("--passes", "pipeline", default="default", show_default=True,
               help="pass pipeline applied before lowering ('' for none)")
 @click.option("--prefill", type=click.IntRange(min=1), default=512, show_default=True,
@@ -367,8 +365,10 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     import shlex
     import sys
 
+    from graphir.backends.registry import resolve_backend
     from graphir.bench import bench, render
 
+    backend = resolve_backend(backend)
     click.echo(f"benchmarking {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     try:
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,

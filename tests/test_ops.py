@@ -14,6 +14,7 @@ from collections.abc import Callable
 import gguf
 import numpy as np
 import pytest
+from _gpu_helpers import gpu_only
 from graphir.backends.registry import get_backend
 
 from graphir import g
@@ -37,9 +38,10 @@ def covers(*ops: str) -> Callable:
     return deco
 
 
-# Every formula test runs on every backend CI can run: the reference defines the ops, and the
-# compiled CPU backend must meet the same independent formulas at the same tolerances.
-BACKENDS = ["reference", "cpu"]
+# Every formula test runs on every backend: the reference defines the ops, and the compiled
+# backends must meet the same independent formulas at the same tolerances. The gpu runs are the
+# GPU suite (marker `gpu`), skipped where CuPy sees no device.
+BACKENDS = ["reference", "cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])]
 _backend = {"name": "reference"}
 
 

@@ -119,6 +119,7 @@ class Lowering:
         self.errflag = cp.zeros(2, np.int32)
         self.code = 0
         self.scratch_buffers: list[Any] = []
+        self.messages: dict[int, str] = {}  # error code -> message template ({value} is the bad value)
 
     def scratch(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         """A device buffer owned by the Program, for temporaries of one node (fixed address)."""
@@ -126,7 +127,11 @@ class Lowering:
         self.scratch_buffers.append(buf)
         return buf
 
-    def code_arg(self) -> np.int32:
+    def code_arg(self, message: str) -> np.int32:
+        """The kernel argument `code` for the current node, with the message the host raises when a
+        kernel reports a bad run-time value: `message` may use {value}, e.g.
+        "get_rows: id {value} out of range 0..511"."""
+        self.messages[self.code] = message
         return i32(self.code)
 
 

@@ -1,0 +1,68 @@
+// Elementwise ops over f32: binary ops with broadcasting, unary activations, scale, swiglu.
+// Every kernel is a grid-stride loop over the output's elements, so any size works with any grid.
+#include "common.cuh"
+
+#define GRID_STRIDE(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+                               i += (long long)gridDim.x * blockDim.x)
+
+// y = a OP b, where b is broadcast onto a. a is contiguous with its shape collapsed (on the host) to
+// [d0, d1, d2, d3]; b is read at i0*s0 + i1*s1 + i2*s2 + i3*s3 (stride 0 on broadcast axes).
+#define DEFINE_BINARY(name, expr)                                                                     \
+    extern "C" __global__ void binary_##name(const float* __restrict__ a, const float* __restrict__ b, \
+                                             float* __restrict__ y, long long n, int d1, int d2, int d3, \
+                                             int s0, int s1, int s2, int s3) {                        \
+        GRID_STRIDE(i, n) {                                                                           \
+            long long r = i;                                                                          \
+            const int i3 = (int)(r % d3); r /= d3;                                                    \
+            const int i2 = (int)(r % d2); r /= d2;                                                    \
+            const int i1 = (int)(r % d1);                                                             \
+            const long long i0 = r / d1;                                                              \
+            const float x = a[i];                                                                     \
+            const float z = b[i0 * s0 + (long long)i1 * s1 + (long long)i2 * s2 + (long long)i3 * s3]; \
+            y[i] = (expr);                                                                            \
+        }                                                                                             \
+    }
+
+DEFINE_BINARY(add, x + z)
+DEFINE_BINARY(sub, x - z)
+DEFINE_BINARY(mul, x * z)
+DEFINE_BINARY(div, x / z)
+
+DEVICE float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// tanh-approximated gelu, as the op table defines it
+DEVICE float gelu_f(float x) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+// log(1 + e^x) = max(x, 0) + log1p(e^-|x|): never overflows (numpy's logaddexp(0, x))
+DEVICE float softplus_f(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+
+#define DEFINE_UNARY(name, expr)                                                                          \
+    extern "C" __global__ void unary_##name(const float* __restrict__ in, float* __restrict__ y, long long n) { \
+        GRID_STRIDE(i, n) {                                                                               \
+            const float x = in[i];                                                                        \
+            y[i] = (expr);                                                                                \
+        }                                                                                                 \
+    }
+
+DEFINE_UNARY(neg, -x)
+DEFINE_UNARY(exp, expf(x))
+DEFINE_UNARY(silu, x / (1.0f + expf(-x)))  // e^-x = inf for very negative x gives -0, the right limit
+DEFINE_UNARY(gelu, gelu_f(x))
+DEFINE_UNARY(sigmoid, sigmoid_f(x))
+DEFINE_UNARY(softplus, softplus_f(x))
+
+extern "C" __global__ void scale_f32(const float* __restrict__ in, float* __restrict__ y, long long n, float s,
+                                     float b) {
+    GRID_STRIDE(i, n) y[i] = in[i] * s + b;
+}
+
+extern "C" __global__ void swiglu_split_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                            float* __restrict__ y, long long n) {
+    GRID_STRIDE(i, n) {
+        const float x = a[i];
+        y[i] = x / (1.0f + expf(-x)) * b[i];
+    }
+}

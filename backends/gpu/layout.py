@@ -1,0 +1,68 @@
+"""Layouts on the GPU: which views alias their source, and index maps collapsed for the kernels.
+
+Every value a gpu Program holds is C-contiguous (an arena slot, a State, a weight, or a
+contiguous alias at an element offset). A view whose elements are not contiguous in its
+source's row-major order (a real permute, a strided view) is materialized by a gather kernel
+into its own arena slot, every call, so kernels only ever see contiguous inputs.
+"""
+
+from __future__ import annotations
+
+from graphir.builder import contiguous_strides
+from graphir.errors import BackendError
+from graphir.ir import Graph, Node
+from graphir.ops import OPS
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, offset) in source elements
+
+
+def view_layout(n: Node) -> Layout:
+    """A view node's elements as (shape, strides, offset) over its source's row-major order."""
+    src = n.src[0].shape
+    if n.op == "view":
+        return tuple(n.params["shape"]), tuple(n.params["strides"]), n.params["offset"]
+    if n.op == "reshape":
+        return tuple(n.shape), contiguous_strides(n.shape), 0
+    cs = contiguous_strides(src)
+    if n.op == "permute":
+        return tuple(n.shape), tuple(cs[a] for a in n.params["axes"]), 0
+    if n.op == "transpose":
+        return tuple(n.shape), cs[:-2] + (cs[-1], cs[-2]), 0
+    raise BackendError(f"{n.op} is not a view op")
+
+
+def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Row-major contiguous, ignoring the strides of size-1 axes (they are never stepped)."""
+    if 0 in shape:
+        return True
+    return all(s == c for n, s, c in zip(shape, strides, contiguous_strides(shape)) if n != 1)
+
+
+def views_to_copy(graph: Graph) -> set[int]:
+    """ids of view nodes that need a gather into their own slot (not contiguous over their source)."""
+    return {id(n) for n in graph.nodes() if OPS[n.op].view and not is_contiguous(*view_layout(n)[:2])}
+
+
+def collapse(shape: tuple[int, ...], strides: tuple[int, ...], max_dims: int, what: str) -> tuple[list[int], list[int]]:
+    """Merge adjacent axes whose strides compose (outer stride == inner stride * inner size), drop
+    size-1 axes, and left-pad with (1, 0) to exactly `max_dims` axes."""
+    dims: list[list[int]] = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == s * n:
+            dims[-1] = [dims[-1][0] * n, s]
+        else:
+            dims.append([n, s])
+    if len(dims) > max_dims:
+        raise BackendError(f"{what}: index map {list(shape)} strides {list(strides)} needs {len(dims)} axes; "
+                           f"the gpu kernels take at most {max_dims}")
+    dims = [[1, 0]] * (max_dims - len(dims)) + dims
+    return [d[0] for d in dims], [d[1] for d in dims]
+
+
+def broadcast_strides(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides (in b's elements) that read b broadcast onto a: 0 along b's size-1 axes."""
+    b = (1,) * (len(a_shape) - len(b_shape)) + tuple(b_shape)
+    cs = contiguous_strides(b)
+    return tuple(0 if nb == 1 else s for nb, s in zip(b, cs))

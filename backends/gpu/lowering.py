@@ -1,0 +1,310 @@
+"""Which kernels each op lowers to on the GPU. Every op in the op table has a rule here
+(tests/test_gpu_backend.py walks the table); there is no host fallback inside a Program.
+
+Rules follow the signature at the bottom of launch.py. The matmul, attention and recurrent
+families live in their own modules beside their .cu files; the small ops are here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from graphir.errors import BackendError
+from graphir.ir import Node
+
+from . import attention, matmul, recurrent
+from .launch import Launch, Lowering, cdiv, dev, f32, i32
+from .layout import broadcast_strides, collapse, view_layout
+
+BLOCK = 256  # threads of the grid-stride elementwise kernels
+TNAME = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
+
+
+def grid_for(n: int) -> int:
+    return max(1, min(cdiv(n, BLOCK), 1 << 16))  # grid-stride loops cover the rest
+
+
+def row_block(ncols: int) -> int:
+    """Threads for one-block-per-row kernels: a multiple of 64 (a wavefront on gfx9), up to 1024."""
+    return max(64, min(1024, cdiv(ncols, 64) * 64))
+
+
+def tname(a: Any) -> str:
+    return TNAME[np.dtype(a.dtype)]
+
+
+# ---------------------------------------------------------------- elementwise
+def _binary(op: str) -> Callable:
+    def rule(lw: Lowering, n: Node, ins: list, outs: list, p: dict) -> list:
+        a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
+        return [binary_launch(op, a, b, y)]
+    return rule
+
+
+def binary_launch(op: str, a: Any, b: Any, y: Any) -> Launch:
+    dims, strides = collapse(a.shape, broadcast_strides(a.shape, b.shape), 4, f"{op} broadcast")
+    args = (a, b, y, np.int64(a.size), i32(dims[1]), i32(dims[2]), i32(dims[3]), *map(i32, strides))
+    return Launch("elementwise.cu", f"binary_{op}", grid_for(a.size), BLOCK, args)
+
+
+def _unary(op: str) -> Callable:
+    def rule(lw, n, ins, outs, p):
+        x, y = dev(ins[0]), outs[0]
+        return [Launch("elementwise.cu", f"unary_{op}", grid_for(x.size), BLOCK, (x, y, np.int64(x.size)))]
+    return rule
+
+
+def _scale(lw, n, ins, outs, p):
+    x, y = dev(ins[0]), outs[0]
+    return [Launch("elementwise.cu", "scale_f32", grid_for(x.size), BLOCK,
+                   (x, y, np.int64(x.size), f32(p["s"]), f32(p["b"])))]
+
+
+def _swiglu_split(lw, n, ins, outs, p):
+    a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
+    return [Launch("elementwise.cu", "swiglu_split_f32", grid_for(a.size), BLOCK, (a, b, y, np.int64(a.size)))]
+
+
+# ---------------------------------------------------------------- norms and row reductions
+def _rows(x: Any) -> tuple[int, int]:
+    ncols = x.shape[-1] if x.ndim else 1
+    return (x.size // ncols if ncols else 0), ncols
+
+
+def rms_norm_launch(x: Any, w: Any | None, y: Any, eps: float) -> Launch:
+    rows, ncols = _rows(x)
+    args = (x, w if w is not None else x, y, i32(ncols), f32(eps), i32(w is not None))
+    return Launch("norm.cu", "rms_norm_f32", rows, row_block(ncols), args)
+
+
+def _is_row_weight(w: Any, ncols: int) -> bool:
+    return w.size == ncols and w.shape[-1] == ncols  # [ncols] or [1, .., ncols]: one weight per column
+
+
+def _rms_norm(lw, n, ins, outs, p):
+    return [rms_norm_launch(dev(ins[0]), None, outs[0], p["eps"])]
+
+
+def _row_norm(kernel: str) -> Callable:
+    def rule(lw, n, ins, outs, p):
+        x, y = dev(ins[0]), outs[0]
+        rows, ncols = _rows(x)
+        return [Launch("norm.cu", kernel, rows, row_block(ncols), (x, y, i32(ncols), f32(p["eps"])))]
+    return rule
+
+
+def _add_rms_norm_mul(lw, n, ins, outs, p):
+    a, b, w = dev(ins[0]), dev(ins[1]), dev(ins[2])
+    y_norm, y_sum = outs
+    rows, ncols = _rows(a)
+    if a.shape == b.shape and _is_row_weight(w, ncols):
+        args = (a, b, w, y_norm, y_sum, i32(ncols), f32(p["eps"]))
+        return [Launch("norm.cu", "add_rms_norm_mul_f32", rows, row_block(ncols), args)]
+    # other broadcasts: the same math from the unfused kernels
+    normed = lw.scratch(a.shape)
+    return [binary_launch("add", a, b, y_sum), rms_norm_launch(y_sum, None, normed, p["eps"]),
+            binary_launch("mul", normed, w, y_norm)]
+
+
+def _reduce_rows(mean: bool) -> Callable:
+    def rule(lw, n, ins, outs, p):
+        x, y = dev(ins[0]), outs[0]
+        rows, ncols = _rows(x)
+        mul = 1.0 / ncols if mean else 1.0
+        return [Launch("reduce.cu", "sum_rows_f32", rows, row_block(ncols), (x, y, i32(ncols), f32(mul)))]
+    return rule
+
+
+def _argmax(lw, n, ins, outs, p):
+    x, y = dev(ins[0]), outs[0]
+    rows, ncols = _rows(x)
+    return [Launch("reduce.cu", "argmax_f32", rows, row_block(ncols), (x, y, i32(ncols)))]
+
+
+def _top_k(lw, n, ins, outs, p):
+    x, y = dev(ins[0]), outs[0]
+    rows, ncols = _rows(x)
+    return [Launch("reduce.cu", "top_k_f32", rows, row_block(ncols), (x, y, i32(ncols), i32(p["k"])))]
+
+
+def _softmax(lw, n, ins, outs, p):
+    x, y = dev(ins[0]), outs[0]
+    rows, ncols = _rows(x)
+    mask = dev(ins[1]) if len(ins) > 1 else None
+    ms = broadcast_strides(x.shape, mask.shape) if mask is not None else (0,) * x.ndim
+    dims, strides = collapse(x.shape[:-1], ms[:-1], 3, "softmax mask")
+    args = (x, mask if mask is not None else x, y, i32(ncols), f32(p["scale"]), i32(mask is not None),
+            i32(dims[1]), i32(dims[2]), *map(i32, strides), i32(ms[-1] if ms else 0))
+    return [Launch("reduce.cu", "softmax_f32", rows, row_block(ncols), args)]
+
+
+# ---------------------------------------------------------------- rope
+def _inv_freq(lw: Lowering, p: dict) -> Any:
+    half = p["n_dims"] // 2
+    host = p["theta"] ** (-np.arange(half, dtype=np.float64) * 2.0 / p["n_dims"])  # as the reference
+    buf = lw.scratch((half,), np.float64)
+    buf.set(host)
+    return buf
+
+
+def rope_launch(lw: Lowering, x: Any, pos: Any, y: Any, p: dict) -> Launch:
+    n_tok, n_heads, head_dim = x.shape
+    n_dims = p["n_dims"]
+    work = n_tok * n_heads * (n_dims // 2 + head_dim - n_dims)
+    args = (x, pos, _inv_freq(lw, p), y, i32(n_tok), i32(n_heads), i32(head_dim), i32(n_dims),
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]))
+    return Launch("rope.cu", "rope_f32", grid_for(work), BLOCK, args)
+
+
+def _rope(lw, n, ins, outs, p):
+    return [rope_launch(lw, dev(ins[0]), ins[1], outs[0], p)]
+
+
+def _rms_norm_mul_rope(lw, n, ins, outs, p):
+    x, w, pos, y = dev(ins[0]), dev(ins[1]), ins[2], outs[0]
+    if _is_row_weight(w, x.shape[-1]):
+        steps = [rms_norm_launch(x, w, y, p["eps"])]
+    else:
+        normed = lw.scratch(x.shape)
+        steps = [rms_norm_launch(x, None, normed, p["eps"]), binary_launch("mul", normed, w, y)]
+    return steps + [rope_launch(lw, y, pos, y, p)]  # in place: each thread reads its pair, then writes it
+
+
+def _rope_set_rows(lw, n, ins, outs, p):
+    cache, x, pos, rows = ins[0], dev(ins[1]), ins[2], ins[3]
+    n_tok, n_heads, head_dim = x.shape
+    cap = cache.shape[0]
+    code = lw.code_arg(f"rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; the KV capacity)")
+    args = (cache, x, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), i32(cap), lw.errflag, code)
+    return [Launch("rope.cu", f"rope_set_rows_{tname(cache)}", grid_for(x.size), BLOCK, args)]
+
+
+# ---------------------------------------------------------------- data movement
+def copy_launch(src: Any, dst: Any, layout: tuple | None = None, what: str = "copy") -> Launch:
+    """dst (contiguous) = src gathered through layout (shape, strides, offset) over src's flat elements."""
+    shape, strides, offset = layout if layout is not None else (dst.shape, None, 0)
+    if strides is None:
+        from graphir.builder import contiguous_strides
+
+        strides = contiguous_strides(tuple(shape))
+    dims, ss = collapse(tuple(shape), tuple(strides), 6, what)
+    args = (src, dst, np.int64(dst.size), np.int64(offset), *map(i32, dims[1:]), *map(np.int64, ss))
+    return Launch("copy.cu", f"copy_{tname(src)}_{tname(dst)}", grid_for(dst.size), BLOCK, args)
+
+
+def _view_copy(lw, n, ins, outs, p):
+    return [copy_launch(dev(ins[0]), outs[0], view_layout(n), f"{n.op} gather")]
+
+
+def _cont(lw, n, ins, outs, p):
+    return [copy_launch(dev(ins[0]), outs[0])]
+
+
+def _cast(lw, n, ins, outs, p):
+    return [copy_launch(dev(ins[0]), outs[0], what="cast")]
+
+
+def _assign(lw, n, ins, outs, p):
+    return [copy_launch(dev(ins[1]), ins[0], what="assign")]
+
+
+def _concat(lw, n, ins, outs, p):
+    a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
+    axis = p["axis"] % a.ndim
+    outer = math.prod(a.shape[:axis])
+    inner = math.prod(a.shape[axis + 1:])
+    kernel = "concat_b2" if a.dtype.itemsize == 2 else "concat_b4"
+    args = (a, b, y, np.int64(y.size), i32(a.shape[axis]), i32(b.shape[axis]), i32(inner))
+    return [Launch("copy.cu", kernel, grid_for(max(y.size, 1)), BLOCK, args)] if outer * inner else []
+
+
+def _set_rows(lw, n, ins, outs, p):
+    dst, src, rows = ins[0], dev(ins[1]), ins[2]
+    cap = dst.shape[0]
+    row = dst.size // cap if cap else 0
+    code = lw.code_arg(f"set_rows: row index out of range 0..{cap - 1} (got {{value}})")
+    args = (dst, src, rows, i32(src.shape[0]), np.int64(row), i32(cap), lw.errflag, code)
+    return [Launch("copy.cu", f"set_rows_{tname(dst)}", grid_for(max(src.size, 1)), BLOCK, args)] if src.size else []
+
+
+RULES: dict[str, Callable] = {
+    **{op: _binary(op) for op in ("add", "sub", "mul", "div")},
+    **{op: _unary(op) for op in ("neg", "exp", "silu", "gelu", "sigmoid", "softplus")},
+    "scale": _scale,
+    "swiglu_split": _swiglu_split,
+    "rms_norm": _rms_norm,
+    "l2_norm": _row_norm("l2_norm_f32"),
+    "norm": _row_norm("layer_norm_f32"),
+    "add_rms_norm_mul": _add_rms_norm_mul,
+    "rms_norm_mul_rope": _rms_norm_mul_rope,
+    "sum_rows": _reduce_rows(False),
+    "mean": _reduce_rows(True),
+    "argmax": _argmax,
+    "top_k": _top_k,
+    "softmax": _softmax,
+    "rope": _rope,
+    "rope_set_rows": _rope_set_rows,
+    "view": _view_copy,
+    "reshape": _view_copy,
+    "permute": _view_copy,
+    "transpose": _view_copy,
+    "cont": _cont,
+    "cast": _cast,
+    "concat": _concat,
+    "set_rows": _set_rows,
+    "assign": _assign,
+    "mul_mat": matmul.lower_mul_mat,
+    "get_rows": matmul.lower_get_rows,
+    "flash_attn": attention.lower_flash_attn,
+    "ssm_conv": recurrent.lower_ssm_conv,
+    "ssm_conv_silu": recurrent.lower_ssm_conv_silu,
+    "gated_delta_net": recurrent.lower_gated_delta_net,
+    "gated_delta_net_raw": recurrent.lower_gated_delta_net_raw,
+}
+
+# Inputs a rule takes as f16 (numpy float16 State or activations); every other f16 input is cast to
+# f32 scratch first, and an f16 result of any other op is computed in f32 and cast.
+F16_INPUTS: dict[str, tuple[int, ...]] = {
+    "set_rows": (0,), "rope_set_rows": (0,), "assign": (0,), "flash_attn": (1, 2),
+    "view": (0,), "reshape": (0,), "permute": (0,), "transpose": (0,), "cont": (0,), "cast": (0,), "concat": (0, 1),
+}
+F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})
+# ops handled by the Program itself, not by a rule
+STRUCTURAL = frozenset({"input", "param", "state", "const", "item"})
+
+
+def has_rule(op: str) -> bool:
+    return op in RULES or op in STRUCTURAL
+
+
+def lower_node(lw: Lowering, n: Node, ins: list, outs: list | None) -> list:
+    """The node's steps, with f16 inputs and outputs converted around rules that work in f32."""
+    rule = RULES.get(n.op)
+    if outs is not None and all(o.size == 0 for o in outs):
+        return []  # an empty result: nothing to compute
+    if rule is None:
+        raise BackendError(f"gpu backend: no lowering for op {n.op!r} (node {n.describe()})")
+    pre, post = [], []
+    ok16 = F16_INPUTS.get(n.op, ())
+    ins = list(ins)
+    for i, x in enumerate(ins):
+        if i not in ok16 and getattr(x, "dtype", None) == np.float16:
+            tmp = lw.scratch(x.shape, np.float32)
+            pre.append(copy_launch(x, tmp, what="f16 input"))
+            ins[i] = tmp
+    if outs is not None and n.op not in F16_OUTPUTS:
+        outs = list(outs)
+        for k, o in enumerate(outs):
+            if o.dtype == np.float16:
+                tmp = lw.scratch(o.shape, np.float32)
+                post.append(copy_launch(tmp, o, what="f16 result"))
+                outs[k] = tmp
+    return pre + rule(lw, n, ins, outs, n.params.as_dict()) + post
+
+
+__all__ = ["RULES", "lower_node", "has_rule"]

@@ -1,0 +1,60 @@
+// Norms over the last axis: one block per row, the row's statistics reduced in f32 across the block.
+#include "common.cuh"
+
+// y = x / sqrt(mean(x^2) + eps) [* w]
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ y, int ncols, float eps, int has_w) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const long long row = blockIdx.x;
+    const float* xr = x + row * ncols;
+    float* yr = y + row * ncols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) ss += xr[c] * xr[c];
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)ncols + eps);
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) yr[c] = has_w ? xr[c] * inv * w[c] : xr[c] * inv;
+}
+
+// s = a + b; y_sum = s; y_norm = rms_norm(s) * w: the residual add fused with the next block's norm
+extern "C" __global__ void add_rms_norm_mul_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                                const float* __restrict__ w, float* __restrict__ y_norm,
+                                                float* __restrict__ y_sum, int ncols, float eps) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const long long off = (long long)blockIdx.x * ncols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) {
+        const float s = a[off + c] + b[off + c];
+        y_sum[off + c] = s;  // read back below by the same thread: no barrier needed
+        ss += s * s;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)ncols + eps);
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) y_norm[off + c] = y_sum[off + c] * inv * w[c];
+}
+
+// y = x / sqrt(sum(x^2) + eps)
+extern "C" __global__ void l2_norm_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float eps) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const long long off = (long long)blockIdx.x * ncols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) ss += x[off + c] * x[off + c];
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss + eps);
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) y[off + c] = x[off + c] * inv;
+}
+
+// y = (x - mean) / sqrt(var + eps), the variance of the centred values (two passes: exact for large means)
+extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float eps) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const long long off = (long long)blockIdx.x * ncols;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) s += x[off + c];
+    const float mean = block_sum(s, red) / (float)ncols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) {
+        const float d = x[off + c] - mean;
+        ss += d * d;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)ncols + eps);
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) y[off + c] = (x[off + c] - mean) * inv;
+}

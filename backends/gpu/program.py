@@ -1,0 +1,201 @@
+"""Lowering a graph to a GPU Program: fixed kernel launches over one device arena.
+
+lower():  verify -> fold Param-only subgraphs -> plan the arena by liveness (views that are not
+contiguous get slots of their own) -> bind every node to its launches, all arguments fixed.
+
+A call copies the Inputs into their persistent device buffers with one host-to-device copy,
+clears the error flag, runs the launches and returns the outputs (numpy, or CuPy arrays with
+`device=True`). Nothing is allocated, compiled or looked up per call, and no launch argument
+depends on an Input's value: the same launches replay at every position, which is what lets the
+replay issue capture a Program into a CUDA graph unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from graphir.dtypes import numpy_dtype
+from graphir.errors import BackendError
+from graphir.ir import Graph, Node
+from graphir.lowering import ParamRef, fold_params
+from graphir.memplan import MemPlan, plan_memory, result_types
+from graphir.ops import OPS
+from graphir.program import check_inputs, check_state
+from graphir.verify import verify
+from graphir.weights import Weights
+
+from .device import cupy
+from .launch import GpuParam, Lowering
+from .layout import view_layout, views_to_copy
+from .lowering import lower_node
+
+INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
+
+
+class GpuProgram:
+    def __init__(self, graph: Graph, weights: Weights | None):
+        t0 = time.perf_counter()
+        cp = cupy()
+        self.graph = verify(graph)
+        self.weights = weights if weights is not None else Weights()
+        self.order = graph.nodes()
+        self.ids = graph.ids()
+        self.folded = fold_params(graph, self.weights)
+        self.copies = views_to_copy(graph)
+        self.plan: MemPlan = plan_memory(graph, self.copies)
+        self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
+        self._init_inputs()
+        self.lw = Lowering(self.weights)
+        self._bound_state: tuple[int, ...] | None = None
+        self._mirrors: dict[str, Any] = {}  # device copies of numpy State buffers
+        self._steps: list[Any] = []
+        self._outputs: dict[str, Any] = {}
+        self._code_node: dict[int, Node] = {}
+        self.lower_s = time.perf_counter() - t0
+
+    def _init_inputs(self) -> None:
+        """All Inputs live in one device buffer, filled from one pinned host buffer per call."""
+        cp = cupy()
+        offsets, at = {}, 0
+        for n in self.graph.inputs:
+            offsets[n.name] = at
+            at += -(-max(numpy_dtype(n.dtype).itemsize * n.numel, 1) // INPUT_ALIGN) * INPUT_ALIGN
+        self._input_bytes = max(at, INPUT_ALIGN)
+        self._input_dev = cp.empty(self._input_bytes, np.uint8)
+        self._input_pinned = cp.cuda.alloc_pinned_memory(self._input_bytes)  # async-copyable host memory
+        host = self._input_host = np.frombuffer(self._input_pinned, np.uint8, self._input_bytes)
+        self.input_host: dict[str, np.ndarray] = {}
+        self.input_buffers: dict[str, Any] = {}
+        for n in self.graph.inputs:
+            npd = numpy_dtype(n.dtype)
+            nbytes = npd.itemsize * n.numel
+            o = offsets[n.name]
+            self.input_host[n.name] = host[o:o + nbytes].view(npd).reshape(n.shape)
+            self.input_buffers[n.name] = self._input_dev[o:o + nbytes].view(npd).reshape(n.shape)
+
+    # ---------------------------------------------------------------- binding
+    def _slot_array(self, n: Node, k: int) -> Any:
+        slot = self.plan.slots[(id(n), k)]
+        shape, dt = result_types(n)[k]
+        npd = numpy_dtype(dt)
+        count = int(np.prod(shape))
+        return self.arena[slot.offset:slot.offset + count * npd.itemsize].view(npd).reshape(shape)
+
+    def _leaf(self, n: Node, state: Mapping[str, Any]) -> Any:
+        cp = cupy()
+        if n.op == "input":
+            return self.input_buffers[n.name]
+        if n.op == "state":
+            return state[n.name]
+        if n.op == "param":
+            return GpuParam(ParamRef(n, self.weights))
+        return cp.asarray(np.asarray(n.params["value"], numpy_dtype(n.dtype)).reshape(n.shape))  # const
+
+    def _bind(self, state: Mapping[str, Any]) -> None:
+        cp = cupy()
+        env: dict[int, Any] = {}
+        steps: list[Any] = []
+        for i, n in enumerate(self.order):
+            d = OPS[n.op]
+            if n.is_leaf:
+                env[id(n)] = self._leaf(n, state)
+            elif id(n) in self.folded:
+                f = self.folded[id(n)]
+                env[id(n)] = GpuParam(f) if isinstance(f, ParamRef) else cp.asarray(f)
+            elif n.op == "item":
+                env[id(n)] = env[id(n.src[0])][n.params["index"]]
+            elif d.view and id(n) not in self.copies:  # a contiguous alias at an element offset
+                src = env[id(n.src[0])]
+                src = src.f32() if isinstance(src, GpuParam) else src
+                _, _, offset = view_layout(n)
+                env[id(n)] = src.reshape(-1)[offset:offset + n.numel].reshape(n.shape)
+            else:
+                ins = [env[id(s)] for s in n.src]
+                outs = None if d.writes else [self._slot_array(n, k) for k in range(len(result_types(n)))]
+                self.lw.code = i + 1
+                self._code_node[i + 1] = n
+                steps += lower_node(self.lw, n, ins, outs)
+                env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
+        self._steps = steps
+        self._outputs = {name: env[id(n)] for name, n in self.graph.outputs.items()}
+
+    # ---------------------------------------------------------------- running
+    def _device_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, np.ndarray]]]:
+        """State as device arrays. numpy buffers get device mirrors, uploaded now and written back
+        after the call (the path tests and the reference comparison use; models keep State on the device)."""
+        cp = cupy()
+        dev_state, back = {}, []
+        for n in self.graph.states:
+            buf = state[n.name]
+            if isinstance(buf, np.ndarray):
+                m = self._mirrors.get(n.name)
+                if m is None or m.shape != buf.shape or m.dtype != buf.dtype:
+                    m = self._mirrors[n.name] = cp.empty(buf.shape, buf.dtype)
+                m.set(buf)
+                back.append((m, buf))
+                buf = m
+            dev_state[n.name] = buf
+        return dev_state, back
+
+    def __call__(self, inputs: Mapping[str, np.ndarray], state: dict[str, Any] | None = None,
+                 device: bool = False) -> dict[str, Any]:
+        """Run once. State buffers (CuPy or numpy) are updated in place. `device=True` returns the
+        outputs as CuPy arrays (copies, safe across calls) instead of numpy."""
+        cp = cupy()
+        feeds = check_inputs(self.graph, inputs)
+        state = state if state is not None else {}
+        check_state(self.graph, state)  # shape and dtype: numpy and CuPy buffers alike
+        dev_state, back = self._device_state(state)
+        key = tuple(id(dev_state[n.name]) for n in self.graph.states)
+        if key != self._bound_state:
+            self._bind(dev_state)
+            self._bound_state = key
+        for name, arr in feeds.items():
+            self.input_host[name][...] = arr
+        stream = cp.cuda.get_current_stream()
+        self._input_dev.set(self._input_host, stream=stream)  # one host-to-device copy for all Inputs
+        self.lw.errflag.fill(0)
+        for step in self._steps:
+            step()
+        if device:
+            outs = {name: _as_array(v).copy() for name, v in self._outputs.items()}
+        else:
+            outs = {name: _as_array(v).get() for name, v in self._outputs.items()}
+        self._raise_if_flagged()
+        for m, buf in back:
+            m.get(out=buf)
+        return outs
+
+    def _raise_if_flagged(self) -> None:
+        code, value = (int(v) for v in self.lw.errflag.get())
+        if code:
+            n = self._code_node[code]
+            msg = self.lw.messages.get(code, "bad run-time value {value}").format(value=value)
+            raise BackendError(f"gpu backend, node %{self.ids[id(n)]} {n.describe()}: {msg}")
+
+    def report(self) -> dict[str, float]:
+        return {
+            "nodes": len(self.order),
+            "steps": len(self._steps),
+            "arena_bytes": self.plan.arena_bytes,
+            "unplanned_bytes": self.plan.naive_bytes,
+            "lower_s": self.lower_s,
+        }
+
+
+def _as_array(v: Any) -> Any:
+    return v.f32() if isinstance(v, GpuParam) else v
+
+
+def new_state(graph: Graph) -> dict[str, Any]:
+    """Zeroed State buffers on the device (KV caches, conv and recurrent states)."""
+    cp = cupy()
+    return {n.name: cp.zeros(n.shape, numpy_dtype(n.dtype)) for n in graph.states}
+
+
+def lower(graph: Graph, weights: Weights | None = None, **options: Any) -> GpuProgram:
+    return GpuProgram(graph, weights)

@@ -1,0 +1,89 @@
+// Rotary position embedding. The angle pos * freq_scale * inv_freq[i] is formed and rotated in
+// double precision, as the op table's reference does: at position 4000 an f32 angle is already
+// off by ~2e-4 rad, more than the 1e-5 the tests allow; rope is a tiny share of a step.
+#include "common.cuh"
+
+// The rotation of element j of a head (j < n_dims). Pairs: neox (i, i + half), norm (2i, 2i + 1).
+// Returns the rotated value of element j, reading its partner from `head`.
+DEVICE float rope_elem(const float* head, int j, int n_dims, int neox, double ang) {
+    const int half = n_dims / 2;
+    int i, first, second;
+    if (neox) {
+        i = j < half ? j : j - half;
+        first = i;
+        second = i + half;
+    } else {
+        i = j / 2;
+        first = 2 * i;
+        second = 2 * i + 1;
+    }
+    const double c = cos(ang), s = sin(ang);
+    const double a = head[first], b = head[second];
+    return (float)(j == first ? a * c - b * s : a * s + b * c);
+}
+
+DEVICE int pair_index(int j, int n_dims, int neox) {
+    const int half = n_dims / 2;
+    return neox ? (j < half ? j : j - half) : j / 2;
+}
+
+// y[t, h, j] for x [n_tok, n_heads, head_dim]. y may alias x (in-place rope after a fused norm):
+// one thread owns both elements of a pair, reading both before writing either.
+extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos, const double* __restrict__ inv_freq,
+                                    float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox,
+                                    double freq_scale) {
+    const int half = n_dims / 2;
+    const int per_head = half + (head_dim - n_dims);  // one thread per pair, one per pass-through element
+    const long long n = (long long)n_tok * n_heads * per_head;
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < n; g += (long long)gridDim.x * blockDim.x) {
+        const int k = (int)(g % per_head);
+        const long long th = g / per_head;  // t * n_heads + h
+        const int t = (int)(th / n_heads);
+        const float* xh = x + th * head_dim;
+        float* yh = y + th * head_dim;
+        if (k >= half) {  // dims past n_dims pass through
+            const int j = n_dims + (k - half);
+            yh[j] = xh[j];
+            continue;
+        }
+        const int first = neox ? k : 2 * k, second = neox ? k + half : 2 * k + 1;
+        const double ang = (double)pos[t] * freq_scale * inv_freq[k];
+        const float r0 = rope_elem(xh, first, n_dims, neox, ang);
+        const float r1 = rope_elem(xh, second, n_dims, neox, ang);
+        yh[first] = r0;
+        yh[second] = r1;
+    }
+}
+
+// cache[rows[t], :] = rope(x, pos)[t] for x [n_tok, n_heads, head_dim]: roped K written straight into
+// the KV cache (f32 or f16). A row outside 0..cap-1 is reported, never written.
+#define DEFINE_ROPE_SET_ROWS(name, T, STORE)                                                                       \
+    extern "C" __global__ void name(T* cache, const float* __restrict__ x, const int* __restrict__ pos,             \
+                                    const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok,  \
+                                    int n_heads, int head_dim, int n_dims, int neox, double freq_scale, int cap,   \
+                                    int* errflag, int code) {                                                      \
+        const long long row_elems = (long long)n_heads * head_dim;                                                 \
+        const long long n = n_tok * row_elems;                                                                     \
+        for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < n;                                \
+             g += (long long)gridDim.x * blockDim.x) {                                                             \
+            const int t = (int)(g / row_elems);                                                                    \
+            const long long e = g % row_elems;                                                                     \
+            const int j = (int)(e % head_dim);                                                                     \
+            const int r = rows[t];                                                                                 \
+            if (r < 0 || r >= cap) {                                                                               \
+                report_error(errflag, code, r);                                                                    \
+                continue;                                                                                          \
+            }                                                                                                      \
+            const float* xh = x + (g - j);                                                                         \
+            float v = xh[j];                                                                                       \
+            if (j < n_dims) {                                                                                      \
+                const double ang = (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)];            \
+                v = rope_elem(xh, j, n_dims, neox, ang);                                                           \
+            }                                                                                                      \
+            cache[(long long)r * row_elems + e] = STORE(v);                                                        \
+        }                                                                                                          \
+    }
+
+DEVICE float store_f32(float v) { return v; }
+DEFINE_ROPE_SET_ROWS(rope_set_rows_f32, float, store_f32)
+DEFINE_ROPE_SET_ROWS(rope_set_rows_f16, u16, f32_to_f16)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU suite in one command, on a machine with a CUDA (or ROCm) GPU and the project installed
+# (pip install -e '.[gpu,test]'): the GPU tests, compute-sanitizer on the op tests, the kernel and
+# model benchmarks, then a short table. Usage: bash benchmarks/gpu_suite.sh [quick]
+# Writes logs to ${OUT:-/tmp/gpu_suite}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+QUICK=${1:-}
+status=()
+
+run() {  # name, command...: run, log to OUT_DIR/name.log, remember pass/fail
+    local name=$1; shift
+    local t0=$SECONDS
+    "$@" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    status+=("$(printf '%-28s %-5s %4ds' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)))")
+    tail -n 25 "$OUT_DIR/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops.py tests/test_gpu_backend.py \
+    tests/test_gpu_matmul.py tests/test_gpu_attention.py tests/test_gpu_recurrent.py
+if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
+    for tool in memcheck racecheck; do
+        run "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+            python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_ops.py -k "gpu"
+    done
+fi
+run bench-gemv python3 benchmarks/bench_gpu_gemv.py ${QUICK:+--quick}
+run bench-attention python3 benchmarks/bench_gpu_attention.py ${QUICK:+--quick}
+run bench-smollm2 python3 -m graphir bench smollm2-135m --backend gpu --prefill 512 --prompt 128 \
+    --decode 128 --repeats 3 --no-llama-cpp
+echo "---------------- GPU suite summary ($(date -u +%F))"
+printf '%s\n' "${status[@]}"

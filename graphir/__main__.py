@@ -1,0 +1,5 @@
+"""`python -m graphir` is the `graphir` command."""
+
+from graphir.cli import main
+
+main()

@@ -1,0 +1,180 @@
+"""The gpu backend: every op has a lowering, layouts, auto selection and errors (run everywhere),
+and whole models against the reference backend (the GPU suite, marker `gpu`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _gpu_helpers import HAS_GPU, gpu_only
+from graphir.backends.gpu import layout
+from graphir.backends.gpu.lowering import has_rule
+from graphir.backends.registry import get_backend, resolve_backend
+
+import graphir
+from graphir import g
+from graphir.errors import BackendError, InputError
+from graphir.ir import Graph
+from graphir.ops import OPS
+
+
+# ---------------------------------------------------------------- coverage and structure (no GPU needed)
+def test_every_op_has_a_gpu_lowering():
+    missing = sorted(name for name in OPS if not has_rule(name))
+    assert not missing, f"ops with no gpu lowering (a Program must never fall back to the host): {missing}"
+
+
+@pytest.mark.parametrize("shape,strides,want", [
+    ((3, 4), (4, 1), True), ((3, 4), (1, 3), False), ((1, 4), (99, 1), True), ((4, 1), (1, 7), True),
+    ((2, 3, 2), (0, 4, 1), False), ((0, 5), (1, 1), True), ((3, 4), (13, 2), False)])
+def test_is_contiguous(shape, strides, want):
+    assert layout.is_contiguous(shape, strides) is want
+
+
+def test_views_to_copy_picks_only_non_contiguous_views():
+    x = g.input("x", (3, 4, 5))
+    keep = g.reshape(x, shape=(12, 5))  # contiguous: aliases
+    moved = g.permute(x, axes=(2, 0, 1))  # a real permute: gathered
+    unit = g.permute(g.input("y", (1, 4)), axes=(1, 0))  # moves a size-1 axis only: aliases
+    graph = Graph({"a": g.add(keep, keep), "b": g.exp(moved), "c": g.exp(unit)})
+    copies = layout.views_to_copy(graph)
+    assert id(moved) in copies and id(keep) not in copies and id(unit) not in copies
+
+
+@pytest.mark.parametrize("shape,strides,dims,out", [
+    ((2, 3, 4), (12, 4, 1), [1, 1, 1, 24], [0, 0, 0, 1]),  # contiguous collapses to one axis
+    ((2, 3, 4), (0, 4, 1), [1, 1, 2, 12], [0, 0, 0, 1]),  # broadcast outer axis stays separate
+    ((5, 1, 7), (7, 0, 1), [1, 1, 1, 35], [0, 0, 0, 1]),  # size-1 axes drop out
+    ((4, 6), (1, 4), [1, 1, 4, 6], [0, 0, 1, 4]),  # a transpose does not merge
+])
+def test_collapse(shape, strides, dims, out):
+    assert layout.collapse(shape, strides, 4, "t") == (dims, out)
+
+
+def test_collapse_refuses_too_many_axes():
+    with pytest.raises(BackendError, match="at most 2"):
+        layout.collapse((2, 3, 4), (1, 100, 1000), 2, "gather")
+
+
+def test_auto_backend_is_gpu_only_with_a_device():
+    assert resolve_backend("auto") == ("gpu" if HAS_GPU else "cpu")
+    assert resolve_backend("cpu") == "cpu"
+
+
+def test_unknown_backend_lists_auto():
+    with pytest.raises(BackendError, match="auto"):
+        get_backend("tpu")
+
+
+def test_missing_cupy_is_one_clear_line(monkeypatch):
+    import builtins
+
+    from graphir.backends.gpu import device
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kw):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kw)
+
+    device.cupy.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    try:
+        with pytest.raises(BackendError, match=r"pip install -e '\.\[gpu\]'") as e:
+            get_backend("gpu")
+        assert "\n" not in str(e.value)
+        assert device.available() is False
+    finally:
+        monkeypatch.undo()
+        device.cupy.cache_clear()
+
+
+# ---------------------------------------------------------------- whole models (GPU suite)
+REL = 1e-3  # of max |logit|: gpu vs reference (f32 math, different summation orders and fusions)
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+
+
+def assert_close(ours: np.ndarray, ref: np.ndarray, rel: float, what: str) -> None:
+    assert ours.shape == ref.shape, what
+    err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
+    assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel} * max |logit| {scale:.3g}"
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("passes", ["", "default"])
+@pytest.mark.parametrize("spec", TINY)
+def test_tiny_models_gpu_equal_reference(spec, passes):
+    gpu = graphir.load(spec, backend="gpu", passes=passes, ctx=64)
+    ref = graphir.load(spec, backend="reference", ctx=64)
+    ids = list(np.random.default_rng(0).integers(0, 256, 45))  # prefill chunks 32 + 8 + 5 x 1
+    assert_close(gpu.logits(ids), ref.logits(ids), REL, f"{spec} prefill")
+    for t in (7, 200, 65):
+        assert_close(gpu.feed([t]), ref.feed([t]), REL, f"{spec} decode at {gpu.n_past}")
+
+
+@pytest.fixture(scope="module")
+def smol_gpu():
+    if not HAS_GPU:
+        pytest.skip("no GPU here")
+    try:
+        return graphir.load("smollm2-135m", backend="gpu", passes="default")
+    except graphir.LoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_smollm2_logits_gpu_equal_reference(smol_gpu):
+    ref = graphir.load("smollm2-135m", backend="reference")
+    ids = smol_gpu.tokenizer.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert_close(smol_gpu.logits(ids), ref.logits(ids), REL, "smollm2 prefill")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there"])
+def test_smollm2_greedy_text_gpu_equals_cpu(smol_gpu, prompt):
+    cpu = graphir.load("smollm2-135m", backend="cpu", passes="default")
+    ids = cpu.tokenizer.encode(prompt)
+    got = list(smol_gpu.generate(ids, 32, stop_at_eos=False))
+    want = list(cpu.generate(ids, 32, stop_at_eos=False))
+    assert got == want, f"{prompt!r}: gpu {cpu.tokenizer.decode(got)!r} vs cpu {cpu.tokenizer.decode(want)!r}"
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_bad_token_id_is_a_project_error_and_the_process_survives():
+    model = graphir.load("random:llama-tiny", backend="gpu", ctx=16)
+    graph = model.graph("decode")
+    program = get_backend("gpu").lower(graph, model.weights)
+    state = get_backend("gpu").new_state(graph)
+    feeds = {"tokens": np.array([10**6], np.int32), "pos": np.array([0], np.int32),
+             "kv_idx": np.array([0], np.int32), "kv_len": np.array([1], np.int32)}
+    with pytest.raises(BackendError, match="get_rows: id 1000000 out of range"):
+        program(feeds, state)
+    with pytest.raises(BackendError, match=r"row index out of range 0\.\.15 \(got 16"):
+        program({**feeds, "tokens": np.array([3], np.int32), "kv_idx": np.array([16], np.int32)}, state)
+    ok = program({**feeds, "tokens": np.array([3], np.int32)}, state)["logits"]  # the context is not poisoned
+    assert np.isfinite(ok).all()
+    with pytest.raises(InputError):  # ids are checked on the host before anything runs
+        model.logits([model.config.n_vocab])
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_device_outputs_and_device_state():
+    cp = pytest.importorskip("cupy")
+    model = graphir.load("random:qwen3-tiny", backend="gpu", ctx=16)
+    graph = model.graph("decode")
+    program = get_backend("gpu").lower(graph, model.weights)
+    state = get_backend("gpu").new_state(graph)
+    assert all(isinstance(v, cp.ndarray) for v in state.values())
+    feeds = {"tokens": np.array([5], np.int32), "pos": np.array([0], np.int32),
+             "kv_idx": np.array([0], np.int32), "kv_len": np.array([1], np.int32)}
+    dev = program(feeds, state, device=True)["logits"]
+    host = program(feeds, state)["logits"]
+    assert isinstance(dev, cp.ndarray)
+    np.testing.assert_array_equal(dev.get(), host)
+    k0 = next(v for k, v in state.items() if k.endswith("k_cache"))
+    assert float(cp.abs(k0[0]).max()) > 0 and float(cp.abs(k0[1:]).max()) == 0  # row 0 written in place
