@@ -45,7 +45,7 @@ class Launch:
         self.grid = grid if isinstance(grid, tuple) else (grid,)
         self.block = block if isinstance(block, tuple) else (block,)
         for a in args:
-            if isinstance(a, (int, float, bool)):  # CuPy would pick the C type: make it explicit
+            if type(a) in (int, float, bool):  # CuPy would pick the C type: make it explicit (np scalars pass)
                 raise TypeError(f"kernel {name}: pass sizes as np.int32/np.float32, got {type(a).__name__} {a!r}")
         self.args = tuple(args)
         self.shared = shared

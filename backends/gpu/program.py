@@ -55,6 +55,9 @@ class GpuProgram:
         self._steps: list[Any] = []
         self._outputs: dict[str, Any] = {}
         self._code_node: dict[int, Node] = {}
+        if not self.graph.states:  # nothing to wait for: bind now, so a bad graph fails at lowering
+            self._bind({})
+            self._bound_state = ()
         self.lower_s = time.perf_counter() - t0
 
     def _init_inputs(self) -> None:

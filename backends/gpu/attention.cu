@@ -1,0 +1,442 @@
+// flash_attn (graphir/ops.py): causal, windowed, GQA attention over a KV cache whose valid
+// length kv_len and query positions are read on the device, so one launch serves every call.
+//
+//   attn_decode_*   split-K flash decoding for a few queries: grid (split, kv head x head chunk,
+//                   query). Each block scores the rows of its split for every q head of one GQA
+//                   group (each K/V row is read once per kv head), keeps an online softmax per
+//                   row group, and writes a partial (max, sum, acc[dv]) per (query, head, split).
+//   attn_combine    merges the partials of the active splits into the output.
+//   attn_prefill_*  many queries: a block takes QT queries x one GQA head chunk, streams K/V tiles
+//                   through shared memory (converted to f32 once) and skips tiles outside the
+//                   union of its queries' visible ranges.
+//
+// Layout inside a block: T consecutive lanes ("row group") share one K/V row (decode) or one
+// query (prefill); lane t owns the 4-element vectors n*T + t (n < NV) of a row, so a group's
+// lanes read consecutive 16-byte pieces (coalesced; broadcast in shared memory) and a dot
+// product needs log2(T) shuffles. T divides 32, so groups never straddle a warp (32 or 64).
+// Scores are in the log2 domain: q is pre-scaled by scale*log2(e) and exp2f is used throughout.
+#include "common.cuh"
+
+#ifndef ATTN_DECODE_THREADS
+#define ATTN_DECODE_THREADS 128
+#endif
+#ifndef ATTN_PREFILL_THREADS
+#define ATTN_PREFILL_THREADS 128  // 2 blocks per SM at ~200 registers: one loads a tile while the other computes
+#endif
+#ifndef ATTN_COMBINE_THREADS
+#define ATTN_COMBINE_THREADS 128
+#endif
+#ifndef ATTN_MAX_SPLITS
+#define ATTN_MAX_SPLITS 1024  // the combine kernel keeps one weight per split in shared memory
+#endif
+#ifndef ATTN_TILE_FLOATS
+#define ATTN_TILE_FLOATS 4096  // prefill K tile rows x DK (and the same for V): 2 x 16 KiB of shared memory
+#endif
+
+struct alignas(16) vf4 {
+    float x, y, z, w;
+};
+struct alignas(8) vh4 {  // four f16 as raw bits: 8-byte loads, converted after the load lands
+    unsigned int lo, hi;
+};
+
+// f16 -> f32 with the hardware conversion (one instruction, exact for every f16 value incl.
+// subnormals, inf and nan): the integer version in common.cuh costs ~8 instructions per element,
+// and the decode loop converts 2*d elements per K/V row at full memory bandwidth.
+#if defined(__HIPCC__)
+DEVICE float h2f(unsigned int h) { return (float)__builtin_bit_cast(_Float16, (u16)h); }
+#else
+DEVICE float h2f(unsigned int h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
+    return f;
+}
+#endif
+
+DEVICE vf4 zero4() { return vf4{0.0f, 0.0f, 0.0f, 0.0f}; }
+DEVICE vf4 to_f32(vf4 r) { return r; }
+DEVICE vf4 to_f32(vh4 r) { return vf4{h2f(r.lo & 0xffffu), h2f(r.lo >> 16), h2f(r.hi & 0xffffu), h2f(r.hi >> 16)}; }
+
+// Elements e..e+3 of a row of n elements, raw, zeros at and past n. VEC: n % 4 == 0 and rows
+// aligned (checked at lowering), so one vector load; otherwise element by element.
+template <bool VEC>
+DEVICE vf4 load_raw(const float* __restrict__ row, int e, int n) {
+    if (VEC) return e < n ? *(const vf4*)(row + e) : zero4();
+    vf4 r;
+    r.x = e < n ? row[e] : 0.0f;
+    r.y = e + 1 < n ? row[e + 1] : 0.0f;
+    r.z = e + 2 < n ? row[e + 2] : 0.0f;
+    r.w = e + 3 < n ? row[e + 3] : 0.0f;
+    return r;
+}
+
+template <bool VEC>
+DEVICE vh4 load_raw(const u16* __restrict__ row, int e, int n) {
+    if (VEC) return e < n ? *(const vh4*)(row + e) : vh4{0u, 0u};
+    unsigned int a = e < n ? row[e] : 0u, b = e + 1 < n ? row[e + 1] : 0u;
+    unsigned int c = e + 2 < n ? row[e + 2] : 0u, d = e + 3 < n ? row[e + 3] : 0u;
+    return vh4{a | (b << 16), c | (d << 16)};
+}
+
+template <typename KV> struct RawOf;
+template <> struct RawOf<float> { typedef vf4 type; };
+template <> struct RawOf<u16> { typedef vh4 type; };
+
+template <int T>
+DEVICE float group_sum(float v) {  // xor butterfly within T aligned lanes: every lane gets the same bits
+#pragma unroll
+    for (int o = T / 2; o > 0; o >>= 1) v += SHFL_XOR(v, o);
+    return v;
+}
+
+DEVICE int cdiv_i(int a, int b) { return (a + b - 1) / b; }
+
+// Rows [lo, hi) query position p may see among the first L rows (all <= cap). Empty: hi <= lo.
+DEVICE void visible_range(int p, int L, int window, int& lo, int& hi) {
+    if (p < 0) {  // sees no key (j <= p is impossible)
+        lo = 0, hi = 0;
+        return;
+    }
+    hi = p < L ? p + 1 : L;
+    lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;  // p >= 0, window > 0: no overflow
+}
+
+// Split s of n_split covers rows [s*chunk, min((s+1)*chunk, L)): chunk follows the actual kv_len
+// (never below min_chunk), so short contexts use few splits and long ones use them all.
+// attn_combine uses the same formula to know which splits wrote a partial.
+DEVICE int split_chunk(int L, int n_split, int min_chunk) {
+    int c = cdiv_i(L, n_split);
+    return c > min_chunk ? c : min_chunk;
+}
+
+// Scores one K/V row for the GB heads of a group and folds it into their online softmax.
+// Every lane runs the shuffles (warp-uniform control flow); only `take` rows are folded in.
+// The running max only moves up, so acc and l are rescaled only when a row raises it.
+template <int GB, int NV, int T>
+DEVICE void attend_row(const vf4 (&qr)[GB][NV], const vf4 (&kr)[NV], const vf4 (&vr)[NV], int ng, bool take,
+                       float (&m)[GB], float (&l)[GB], vf4 (&acc)[GB][NV]) {
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (g < ng) {  // ng is block-uniform
+            float s = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NV; ++n)
+                s += qr[g][n].x * kr[n].x + qr[g][n].y * kr[n].y + qr[g][n].z * kr[n].z + qr[g][n].w * kr[n].w;
+            s = group_sum<T>(s);
+            if (take) {
+                if (s > m[g]) {
+                    const float c = exp2f(m[g] - s);  // 0 on the first row (m = -inf)
+                    l[g] *= c;
+#pragma unroll
+                    for (int n = 0; n < NV; ++n) {
+                        acc[g][n].x *= c, acc[g][n].y *= c, acc[g][n].z *= c, acc[g][n].w *= c;
+                    }
+                    m[g] = s;
+                }
+                const float pr = exp2f(s - m[g]);
+                l[g] += pr;
+#pragma unroll
+                for (int n = 0; n < NV; ++n) {
+                    acc[g][n].x += pr * vr[n].x, acc[g][n].y += pr * vr[n].y;
+                    acc[g][n].z += pr * vr[n].z, acc[g][n].w += pr * vr[n].w;
+                }
+            }
+        }
+    }
+}
+
+// q rows of the block's heads, pre-scaled, in the lane's vectors (zeros past d).
+template <int GB, int NV, int T>
+DEVICE void load_q(const float* __restrict__ q, long long qrow0, int d, int ng, int t, float scale2, bool active,
+                   vf4 (&qr)[GB][NV]) {
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+            const int e = (n * T + t) * 4;
+            vf4 r = zero4();
+            if (active && g < ng) r = load_raw<false>(q + qrow0 + (long long)g * d, e, d);
+            qr[g][n] = vf4{r.x * scale2, r.y * scale2, r.z * scale2, r.w * scale2};
+        }
+    }
+}
+
+// ---------------------------------------------------------------- decode: split-K
+template <typename KV, int GB, int NV, int T, bool VEC>
+DEVICE void attn_decode(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+                        const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
+                        float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
+                        int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
+                        int code) {
+    typedef typename RawOf<KV>::type Raw;
+    constexpr int NT = ATTN_DECODE_THREADS, RG = NT / T, DK = T * NV * 4;
+    __shared__ float sm_m[RG][GB], sm_l[RG][GB];
+    __shared__ vf4 sm_acc[RG][DK / 4];
+
+    const int tid = threadIdx.x, t = tid % T, rg = tid / T;
+    const int s = blockIdx.x, qi = blockIdx.z;
+    const int kvh = blockIdx.y / n_gch, gc = blockIdx.y % n_gch;
+    const int G = hq / hk, h0 = kvh * G + gc * GB;
+    const int ng = G - gc * GB < GB ? G - gc * GB : GB;
+
+    const int L = kv_len[0];
+    if (L < 0 || L > cap) {  // attn_combine writes zeros
+        if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
+        return;
+    }
+    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int s0 = s * chunk;
+    if (s0 >= L) return;  // inactive split: attn_combine does not read it
+    const int s1 = s0 + chunk < L ? s0 + chunk : L;
+
+    int lo, hi;
+    visible_range(pos[qi], L, window, lo, hi);
+    lo = lo > s0 ? lo : s0;
+    hi = hi < s1 ? hi : s1;
+    const long long pbase = ((long long)qi * hq + h0) * n_split + s;  // partial of head h0 + g: pbase + g*n_split
+    if (lo >= hi) {  // nothing visible here: a neutral partial (combine never reads its acc)
+        if (tid < ng) part_m[pbase + (long long)tid * n_split] = NEG_INF, part_l[pbase + (long long)tid * n_split] = 0.0f;
+        return;
+    }
+
+    vf4 qr[GB][NV];
+    load_q<GB, NV, T>(q, ((long long)qi * hq + h0) * d, d, ng, t, scale2, true, qr);
+    float m[GB], l[GB];
+    vf4 acc[GB][NV];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        m[g] = NEG_INF, l[g] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) acc[g][n] = zero4();
+    }
+
+    // Row group rg takes rows lo + rg, lo + rg + RG, ...; the next row's raw K/V is loaded before
+    // the current one is used, so two rows per group are in flight. The trip count is the same
+    // for every group (shuffles need the whole warp); rows at or past hi are never loaded.
+    const long long kstride = (long long)hk * d, vstride = (long long)hk * dv;
+    const KV* kb = k + (long long)kvh * d;
+    const KV* vb = v + (long long)kvh * dv;
+    Raw nk[NV], nv[NV];
+    int j = lo + rg;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+        const int e = (n * T + t) * 4;
+        nk[n] = j < hi ? load_raw<VEC>(kb + j * kstride, e, d) : Raw{};
+        nv[n] = j < hi ? load_raw<VEC>(vb + j * vstride, e, dv) : Raw{};
+    }
+    for (int base = lo; base < hi; base += RG, j += RG) {
+        vf4 kr[NV], vr[NV];
+#pragma unroll
+        for (int n = 0; n < NV; ++n) kr[n] = to_f32(nk[n]), vr[n] = to_f32(nv[n]);
+        const int jn = j + RG;
+        if (jn < hi) {
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {
+                const int e = (n * T + t) * 4;
+                nk[n] = load_raw<VEC>(kb + jn * kstride, e, d);
+                nv[n] = load_raw<VEC>(vb + jn * vstride, e, dv);
+            }
+        }
+        attend_row<GB, NV, T>(qr, kr, vr, ng, j < hi, m, l, acc);
+    }
+
+    // Merge the RG row groups: rescale each to the block max, sum through shared memory.
+    if (t == 0) {
+#pragma unroll
+        for (int g = 0; g < GB; ++g) sm_m[rg][g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
+        float M = NEG_INF;
+        for (int r = 0; r < RG; ++r) M = fmaxf(M, sm_m[r][g]);
+        const float f = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - M);  // a group that saw no row adds nothing
+#pragma unroll
+        for (int n = 0; n < NV; ++n)
+            sm_acc[rg][n * T + t] = vf4{acc[g][n].x * f, acc[g][n].y * f, acc[g][n].z * f, acc[g][n].w * f};
+        if (t == 0) sm_l[rg][g] = l[g] * f;
+        __syncthreads();
+        const float* sa = (const float*)&sm_acc[0][0];
+        float* pa = part_acc + (pbase + (long long)g * n_split) * dv;
+        for (int e = tid; e < dv; e += NT) {
+            float a = 0.0f;
+            for (int r = 0; r < RG; ++r) a += sa[r * DK + e];
+            pa[e] = a;
+        }
+        if (tid == 0) {
+            float ls = 0.0f;
+            for (int r = 0; r < RG; ++r) ls += sm_l[r][g];
+            part_m[pbase + (long long)g * n_split] = M;
+            part_l[pbase + (long long)g * n_split] = ls;
+        }
+        __syncthreads();  // sm_acc is rewritten for the next head
+    }
+}
+
+// out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q).
+extern "C" __global__ void attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                                        const float* __restrict__ part_acc, const int* __restrict__ kv_len,
+                                        float* __restrict__ out, int hq, int dv, int cap, int n_split,
+                                        int min_chunk) {
+    constexpr int NT = ATTN_COMBINE_THREADS;
+    __shared__ float w[ATTN_MAX_SPLITS];
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const int tid = threadIdx.x;
+    const long long row = (long long)blockIdx.y * hq + blockIdx.x;
+    float* o = out + row * dv;
+    const int L = kv_len[0];
+    if (L <= 0 || L > cap) {  // empty cache, or a bad kv_len the decode kernel reported
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int na = cdiv_i(L, chunk);  // <= n_split
+    const long long base = row * n_split;
+    float M = NEG_INF;
+    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
+    M = block_max(M, red);
+    if (M == NEG_INF) {  // no visible key for this query
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    float ls = 0.0f;
+    for (int s = tid; s < na; s += NT) {
+        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
+        w[s] = ws;
+        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
+    }
+    ls = block_sum(ls, red);  // its barriers also publish w[]
+    const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
+    for (int e = tid; e < dv; e += NT) {
+        float a = 0.0f;
+        for (int s = 0; s < na; ++s)
+            if (w[s] != 0.0f) a += w[s] * part_acc[(base + s) * dv + e];  // empty splits' acc is never written
+        o[e] = a * inv;
+    }
+}
+
+// ---------------------------------------------------------------- prefill
+template <typename KV, int GB, int NV, int T, bool VEC>
+DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+                         const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ out,
+                         int n_q, int hq, int hk, int d, int dv, int cap, float scale2, int window, int n_gch,
+                         int* errflag, int code) {
+    constexpr int NT = ATTN_PREFILL_THREADS, QT = NT / T, DK = T * NV * 4, BK = ATTN_TILE_FLOATS / DK;
+    __shared__ vf4 sm_k[BK][DK / 4], sm_v[BK][DK / 4];
+    __shared__ int blo, bhi;
+
+    const int tid = threadIdx.x, t = tid % T, rg = tid / T;
+    const int qi = blockIdx.x * QT + rg;
+    const int kvh = blockIdx.y / n_gch, gc = blockIdx.y % n_gch;
+    const int G = hq / hk, h0 = kvh * G + gc * GB;
+    const int ng = G - gc * GB < GB ? G - gc * GB : GB;
+    const bool active = qi < n_q;
+
+    const int L = kv_len[0];
+    const bool bad = L < 0 || L > cap;
+    if (bad && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) report_error(errflag, code, L);
+    int lo = 0, hi = 0;
+    if (active && !bad) visible_range(pos[qi], L, window, lo, hi);
+    if (tid == 0) blo = 0x7fffffff, bhi = 0;
+    __syncthreads();
+    if (t == 0 && lo < hi) atomicMin(&blo, lo), atomicMax(&bhi, hi);
+    __syncthreads();
+    const int jlo = blo, jhi = bhi;  // union of the block's visible ranges (empty when bad)
+
+    vf4 qr[GB][NV];
+    load_q<GB, NV, T>(q, ((long long)qi * hq + h0) * d, d, ng, t, scale2, active, qr);
+    float m[GB], l[GB];
+    vf4 acc[GB][NV];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        m[g] = NEG_INF, l[g] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) acc[g][n] = zero4();
+    }
+
+    const long long kstride = (long long)hk * d, vstride = (long long)hk * dv;
+    const KV* kb = k + (long long)kvh * d;
+    const KV* vb = v + (long long)kvh * dv;
+    const int kvec = (d + 3) / 4, vvec = (dv + 3) / 4;
+    for (int j0 = jlo; j0 < jhi; j0 += BK) {
+        const int rows = jhi - j0 < BK ? jhi - j0 : BK;  // rows j0.. < jhi <= L <= cap
+        for (int i = tid; i < rows * kvec; i += NT) {
+            const int r = i / kvec, c = i - r * kvec;
+            sm_k[r][c] = to_f32(load_raw<VEC>(kb + (j0 + r) * kstride, c * 4, d));
+        }
+        for (int i = tid; i < rows * vvec; i += NT) {
+            const int r = i / vvec, c = i - r * vvec;
+            sm_v[r][c] = to_f32(load_raw<VEC>(vb + (j0 + r) * vstride, c * 4, dv));
+        }
+        __syncthreads();
+        for (int r = 0; r < rows; ++r) {
+            const int j = j0 + r;
+            vf4 kr[NV], vr[NV];
+#pragma unroll
+            for (int n = 0; n < NV; ++n) {  // columns past d (dv) were never written: read as zeros
+                const int c = n * T + t;
+                kr[n] = c < kvec ? sm_k[r][c] : zero4();
+                vr[n] = c < vvec ? sm_v[r][c] : zero4();
+            }
+            attend_row<GB, NV, T>(qr, kr, vr, ng, j >= lo && j < hi, m, l, acc);
+        }
+        __syncthreads();  // the tile is overwritten next
+    }
+
+    if (!active) return;
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // no visible key: 0
+        float* o = out + ((long long)qi * hq + h0 + g) * dv;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+            const int e = (n * T + t) * 4;
+            const float a[4] = {acc[g][n].x, acc[g][n].y, acc[g][n].z, acc[g][n].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (e + c < dv) o[e + c] = a[c] * inv;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- specializations
+// Name suffix: KV dtype, DK (the largest head dim served: max(d, dv) <= DK) and GB (q heads per
+// block; a GQA group is cut into chunks of GB). NV (4-element vectors per lane) sets T = DK/(4*NV).
+// q and acc take GB*NV*4 registers each, so NV shrinks as GB grows: decode (memory bound) keeps
+// registers near 128 for 4 blocks per SM of 128 threads (ptxas: GB=4, NV=4 needed 224), prefill
+// (compute bound) keeps NV=4 where it fits for fewer shuffles per score. `_any` takes any d, dv
+// <= 256 and any alignment (element loads), one head per block: the fallback.
+// attention.py mirrors NVP (it sizes the prefill grid): keep the two in step.
+#define ATTN_DEFINE(KVNAME, KVT, DK, GB, NVD, NVP, VEC, SUFFIX)                                                    \
+    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
+        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
+        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
+        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
+        attn_decode<KVT, GB, NVD, (DK) / (4 * (NVD)), VEC>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,    \
+                                                            hk, d, dv, cap, n_split, min_chunk, scale2, window,   \
+                                                            n_gch, errflag, code);                                \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_PREFILL_THREADS) attn_prefill_##KVNAME##SUFFIX(            \
+        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* out, int n_q,       \
+        int hq, int hk, int d, int dv, int cap, float scale2, int window, int n_gch, int* errflag, int code) {    \
+        attn_prefill<KVT, GB, NVP, (DK) / (4 * (NVP)), VEC>(q, k, v, pos, kv_len, out, n_q, hq, hk, d, dv, cap,   \
+                                                             scale2, window, n_gch, errflag, code);               \
+    }
+
+//                                    DK   GB NVD NVP
+#define ATTN_DEFINE_KV(KVNAME, KVT)                                   \
+    ATTN_DEFINE(KVNAME, KVT, 64, 1, 4, 4, true, _d64_g1)              \
+    ATTN_DEFINE(KVNAME, KVT, 64, 4, 2, 4, true, _d64_g4)              \
+    ATTN_DEFINE(KVNAME, KVT, 64, 8, 1, 2, true, _d64_g8)              \
+    ATTN_DEFINE(KVNAME, KVT, 128, 1, 4, 4, true, _d128_g1)            \
+    ATTN_DEFINE(KVNAME, KVT, 128, 4, 2, 4, true, _d128_g4)            \
+    ATTN_DEFINE(KVNAME, KVT, 128, 8, 1, 2, true, _d128_g8)            \
+    ATTN_DEFINE(KVNAME, KVT, 256, 1, 4, 4, true, _d256_g1)            \
+    ATTN_DEFINE(KVNAME, KVT, 256, 4, 2, 4, true, _d256_g4)            \
+    ATTN_DEFINE(KVNAME, KVT, 256, 8, 2, 2, true, _d256_g8)            \
+    ATTN_DEFINE(KVNAME, KVT, 256, 1, 4, 4, false, _any)
+
+ATTN_DEFINE_KV(f32, float)
+ATTN_DEFINE_KV(f16, u16)

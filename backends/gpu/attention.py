@@ -1,0 +1,106 @@
+"""flash_attn on the GPU: split-K flash decoding for a few queries, a tiled causal kernel for prefill.
+
+Both paths read positions and kv_len on the device (attention.cu), so a lowered Program serves
+every position. The path and every launch argument are chosen here from shapes only:
+
+- decode (n_q <= DECODE_MAX_QUERIES): `attn_decode_*` over a fixed grid of n_split splits per
+  (query, kv head, head chunk), then `attn_combine`. A split's row count is
+  max(MIN_CHUNK, ceil(kv_len / n_split)), computed on the device, so the work follows the actual
+  context and splits past kv_len exit at once.
+- prefill: `attn_prefill_*`, QT queries x one GQA head chunk per block, K/V tiles in shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from graphir.errors import BackendError
+
+from .launch import Launch, Lowering, cdiv, f32, i32
+
+FILE = "attention.cu"
+DECODE_MAX_QUERIES = 4  # above this, prefill (K/V tiles shared by many queries) reads less
+DECODE_THREADS = 128  # ATTN_DECODE_THREADS
+PREFILL_THREADS = 128  # ATTN_PREFILL_THREADS
+COMBINE_THREADS = 128  # ATTN_COMBINE_THREADS
+MAX_SPLITS = 1024  # ATTN_MAX_SPLITS (combine's shared weights)
+MAX_HEAD_DIM = 256
+# Decode grid: about TARGET_BLOCKS blocks when every split is busy (H200: 132 SMs x 4 resident
+# blocks of 128 threads at ~120 registers, two waves), and at least MIN_CHUNK rows per split so a
+# block's fixed cost (q load, merge, partial write of GB*dv floats) stays small next to its rows.
+TARGET_BLOCKS = 1024
+MIN_CHUNK = 128
+LOG2E = 1.4426950408889634
+
+
+def _kv_name(a: Any) -> str:
+    dt = np.dtype(a.dtype)
+    if dt == np.float32:
+        return "f32"
+    if dt in (np.float16, np.uint16):  # f16 as numpy/cupy float16 or as raw bits
+        return "f16"
+    raise BackendError(f"flash_attn: the gpu backend reads K/V as f32 or f16, got {dt}")
+
+
+def _aligned(a: Any, n: int) -> bool:
+    return a.size == 0 or int(a.data.ptr) % n == 0
+
+
+def _variant(kv: str, d: int, dv: int, group: int, k: Any, v: Any) -> tuple[str, int, int, int]:
+    """(kernel suffix, DK, GB, prefill NV) for these shapes; mirrors ATTN_DEFINE_KV in attention.cu."""
+    width = 16 if kv == "f32" else 8  # one vector load: 4 elements
+    if d % 4 or dv % 4 or not (_aligned(k, width) and _aligned(v, width)):
+        return "_any", 256, 1, 4
+    dk = 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
+    gb = 1 if group == 1 else 4 if group <= 4 else 8
+    return f"_d{dk}_g{gb}", dk, gb, 2 if gb == 8 else 4
+
+
+def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    q, k, v, pos, kv_len = ins
+    out = outs[0]
+    n_q, hq, d = q.shape
+    cap, hk, dv = v.shape
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise BackendError(f"flash_attn: head dims d={d}, dv={dv}: the gpu backend supports up to {MAX_HEAD_DIM}")
+    kv = _kv_name(k)
+    if _kv_name(v) != kv:
+        raise BackendError(f"flash_attn: k is {k.dtype} and v is {v.dtype}: the gpu backend needs one K/V dtype")
+    if n_q == 0 or hq == 0 or dv == 0:
+        return []
+    group = hq // hk
+    suffix, dk, gb, nvp = _variant(kv, d, dv, group, k, v)
+    n_gch = cdiv(group, gb)
+    window = int(p.get("window", 0))
+    window = window if 0 < window < 2**31 else 0  # a window past any i32 position restricts nothing
+    scale2 = f32(float(p["scale"]) * LOG2E)  # scores in the log2 domain (exp2f)
+    code = lw.code_arg(f"flash_attn: kv_len {{value}} outside 0..{cap} (the KV capacity)")
+    common = (i32(hq), i32(hk), i32(d), i32(dv), i32(cap))
+
+    if n_q > DECODE_MAX_QUERIES:
+        qt = PREFILL_THREADS // (dk // (4 * nvp))  # queries per block: one row group of T lanes each
+        return [Launch(FILE, f"attn_prefill_{kv}{suffix}", (cdiv(n_q, qt), hk * n_gch), PREFILL_THREADS,
+                       (q, k, v, pos, kv_len, out, i32(n_q), *common, scale2, i32(window), i32(n_gch),
+                        lw.errflag, code))]
+
+    n_split = decode_splits(cap, n_q * hk * n_gch)
+    part_m = lw.scratch((n_q * hq * n_split,))
+    part_l = lw.scratch((n_q * hq * n_split,))
+    part_acc = lw.scratch((n_q * hq * n_split * dv,))
+    return [
+        Launch(FILE, f"attn_decode_{kv}{suffix}", (n_split, hk * n_gch, n_q), DECODE_THREADS,
+               (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
+                i32(window), i32(n_gch), lw.errflag, code)),
+        Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
+               (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
+    ]
+
+
+def decode_splits(cap: int, blocks_per_split: int, target_blocks: int | None = None) -> int:
+    """Splits per (query, kv head, head chunk): enough for ~target_blocks blocks at full context,
+    no more than cap needs at MIN_CHUNK rows each."""
+    target = TARGET_BLOCKS if target_blocks is None else target_blocks
+    return max(1, min(MAX_SPLITS, math.ceil(cap / MIN_CHUNK), target // max(1, blocks_per_split)))

@@ -1,0 +1,217 @@
+"""mul_mat and get_rows on the GPU: which kernel each case lowers to (kernels in matmul.cu, get_rows.cu).
+
+mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
+  - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
+    `gemv_<fmt>` (`gemv1_<fmt>` at m == 1) reads the weight's blocks once for all m tokens and
+    dequantizes in registers. Capturable.
+  - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
+    scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
+    one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
+  - anything else (w an activation, or with batch axes): `matmul_batched_f32`, a plain dot per
+    output with w's batch axes broadcast through zero strides.
+get_rows(table, ids): `get_rows_<fmt>`, one block per id; a bad id is reported through the error flag.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from graphir.dtypes import dtype as dtype_info
+from graphir.errors import BackendError
+
+from . import kernels
+from .device import cupy
+from .launch import GpuParam, HostLibraryCall, Launch, Lowering, cdiv, i32
+
+SUPPORTED = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
+GEMV_MAX_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: more tokens than this take the prefill path
+GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
+GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
+SCRATCH_KEY = ("gpu", "dequant_scratch")
+
+# Per quantized format: (elements per block, units per block) as in quant.cuh's traits; the
+# dequant kernel runs one thread per unit. Float formats run one thread per value.
+_UNITS = {"q4_0": (32, 4), "q4_1": (32, 4), "q5_0": (32, 4), "q5_1": (32, 4), "q8_0": (32, 4),
+          "q4_k": (256, 8), "q5_k": (256, 8), "q6_k": (256, 32), "iq4_xs": (256, 16)}
+_MAX_GRID = 1 << 20  # grid-stride kernels: enough blocks to fill any device
+
+_fallback_derived: dict[tuple, Any] = {}  # scratch holder when a Lowering has no weight store
+
+
+def _row_bytes(fmt: str, n_in: int) -> int:
+    return dtype_info(fmt).row_bytes(n_in)
+
+
+def _check_fmt(fmt: str, what: str) -> None:
+    if fmt not in SUPPORTED:
+        raise BackendError(f"{what}: weight dtype {fmt} is not supported by the gpu backend "
+                           f"(supported: {', '.join(SUPPORTED)})")
+
+
+# ---------------------------------------------------------------- mul_mat
+def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    w, x, y = ins[0], ins[1], outs[0]
+    if isinstance(w, GpuParam) and len(w.shape) == 2:
+        _check_fmt(w.dtype, "mul_mat")
+        n_out, n_in = w.shape
+        m = math.prod(x.shape[:-1])
+        if m == 0 or n_out == 0:
+            return []
+        if x.dtype != np.float32:
+            raise BackendError(f"mul_mat: x must be float32 on the gpu backend with a Param weight, got {x.dtype}")
+        x2, y2 = x.reshape(m, n_in), y.reshape(m, n_out)
+        if m <= GEMV_MAX_TOKENS:
+            return _gemv_steps(lw, w, x2, y2)
+        return [_prefill_step(lw, w, x2, y2)]
+    return _batched_steps(lw, w, x, y)
+
+
+def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
+    m, n_in = x2.shape
+    n_out = w.shape[0]
+    steps: list = []
+    if x2.data.ptr % 16:  # the GEMV reads x with 16-byte loads: stage it in an aligned buffer
+        buf = lw.scratch((m, n_in))
+        steps.append(Launch("matmul.cu", "copy_f32", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
+                            (x2, buf, np.int64(m * n_in))))
+        x2 = buf
+    name = f"gemv1_{w.dtype}" if m == 1 else f"gemv_{w.dtype}"
+    steps.append(Launch("matmul.cu", name, cdiv(n_out, GEMV_ROWS_PER_BLOCK), GEMV_THREADS,
+                        (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
+    return steps
+
+
+def _derived(lw: Lowering) -> dict:
+    return lw.weights.derived if lw.weights is not None else _fallback_derived
+
+
+def _largest_matrix(lw: Lowering) -> int:
+    """Elements of the store's largest 2-D non-f32 weight (the ones prefill dequantizes)."""
+    if lw.weights is None:
+        return 0
+    sizes = [math.prod(wt.shape) for wt in lw.weights.values() if len(wt.shape) == 2 and wt.dtype != "f32"]
+    return max(sizes, default=0)
+
+
+def _ensure_scratch(lw: Lowering, need: int) -> None:
+    """One f32 dequant buffer per weight store, at least `need` elements. It is allocated once for
+    the largest matrix of the store and only replaced by a larger one (a stacked weight): steps
+    look it up at call time, so every Program uses the current one and the old one is freed."""
+    derived = _derived(lw)
+    buf = derived.get(SCRATCH_KEY)
+    if buf is not None and buf.size >= need:
+        return
+    size = max(need, _largest_matrix(lw) if buf is None else 0)
+    derived[SCRATCH_KEY] = None
+    del buf  # free the smaller buffer before allocating the larger one
+    derived[SCRATCH_KEY] = cupy().empty(size, np.float32)
+
+
+def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCall:
+    cp = cupy()
+    fmt = w.dtype
+    n_out, n_in = w.shape
+    if fmt == "f32":
+        wt = w.raw.T
+        return HostLibraryCall(lambda: cp.matmul(x2, wt, out=y2), f"mul_mat prefill f32 {n_out}x{n_in} (cuBLAS)")
+    need = n_out * n_in
+    _ensure_scratch(lw, need)
+    derived = _derived(lw)
+    kern = kernels.get("matmul.cu", f"dequant_{fmt}")
+    if fmt in _UNITS:
+        qk, upb = _UNITS[fmt]
+        work = n_out * (n_in // qk) * upb
+    else:
+        work = need
+    grid = (min(cdiv(work, 256), _MAX_GRID),)
+    args_head = (w.raw, np.int64(_row_bytes(fmt, n_in)))
+    tail = (i32(n_out), i32(n_in))
+
+    def run() -> None:
+        wf = derived[SCRATCH_KEY][:need].reshape(n_out, n_in)
+        kern(grid, (256,), args_head + (wf,) + tail)
+        cp.matmul(x2, wf.T, out=y2)
+
+    return HostLibraryCall(run, f"mul_mat prefill {fmt} {n_out}x{n_in} (dequant + cuBLAS)")
+
+
+def _merge_batch(wb: tuple[int, ...], xb: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Drop size-1 batch axes and merge neighbours that broadcast alike (w's axis equal to x's, or
+    1): both operands stay contiguous over the merged axes, so the kernel needs one stride each."""
+    mw: list[int] = []
+    mx: list[int] = []
+    kinds: list[bool] = []
+    for a, b in zip(wb, xb):
+        if b == 1:
+            continue
+        kind = a == b
+        if kinds and kinds[-1] == kind:
+            mw[-1] *= a
+            mx[-1] *= b
+        else:
+            mw.append(a)
+            mx.append(b)
+            kinds.append(kind)
+    return mw, mx
+
+
+def _batched_steps(lw: Lowering, w: Any, x: Any, y: Any) -> list:
+    wa = w.f32() if isinstance(w, GpuParam) else w
+    for name, a in (("w", wa), ("x", x)):
+        if a.dtype not in (np.float32, np.float16) or not a.flags.c_contiguous:
+            raise BackendError(f"mul_mat: {name} must be a C-contiguous float32 or float16 array on the gpu "
+                               f"backend, got {a.dtype} {'contiguous' if a.flags.c_contiguous else 'strided'}")
+    sw, sx = tuple(wa.shape), tuple(x.shape)
+    n_out, n_in, n = sw[-2], sw[-1], sx[-2]
+    wb, xb = sw[:-2], sx[:-2]
+    if len(wb) > len(xb):
+        raise BackendError(f"mul_mat: w {list(sw)} has more batch axes than x {list(sx)}")
+    wb = (1,) * (len(xb) - len(wb)) + wb
+    for a, b in zip(wb, xb):
+        if a not in (1, b):
+            raise BackendError(f"mul_mat: w batch axes {list(sw[:-2])} do not broadcast onto x's {list(xb)}")
+    if y.size == 0:
+        return []
+    if all(a == 1 for a in wb):  # one w for every batch: x's batch axes are just more rows
+        mw, mx, n = [], [], math.prod(sx[:-1])
+    else:
+        mw, mx = _merge_batch(wb, xb)
+    if len(mx) > 2:
+        raise BackendError(f"mul_mat: w {list(sw)} x {list(sx)} needs {len(mx)} batch axes after merging; "
+                           "the gpu backend handles at most 2")
+    mw, mx = [1] * (2 - len(mx)) + mw, [1] * (2 - len(mx)) + mx
+    # element strides of the (merged) batch axes, 0 where w broadcasts
+    sw1 = n_out * n_in if mw[1] > 1 else 0
+    sw0 = n_out * n_in * mw[1] if mw[0] > 1 else 0
+    sx1 = n * n_in
+    sx0 = n * n_in * mx[1]
+    total = mx[0] * mx[1] * n * n_out
+    return [Launch("matmul.cu", "matmul_batched_f32", min(cdiv(total, 256), _MAX_GRID), 256,
+                   (wa, x, y, i32(mx[0]), i32(mx[1]), i32(n), i32(n_out), i32(n_in), np.int64(sw0), np.int64(sw1),
+                    np.int64(sx0), np.int64(sx1), i32(wa.dtype == np.float16), i32(x.dtype == np.float16)))]
+
+
+# ---------------------------------------------------------------- get_rows
+def lower_get_rows(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    table, ids, out = ins[0], ins[1], outs[0]
+    if isinstance(table, GpuParam):
+        fmt, raw = table.dtype, table.raw
+        _check_fmt(fmt, "get_rows")
+    elif table.dtype == np.float32:
+        fmt, raw = "f32", table
+    elif table.dtype == np.float16:
+        fmt, raw = "f16", table.view(np.uint16)
+    else:
+        raise BackendError(f"get_rows: table must be float32 or float16 on the gpu backend, got {table.dtype}")
+    if not isinstance(table, GpuParam) and not table.flags.c_contiguous:
+        raise BackendError("get_rows: the table must be C-contiguous on the gpu backend")
+    rows, dim = table.shape
+    n_ids = ids.shape[0]
+    if n_ids == 0 or dim == 0:
+        return []
+    code = lw.code_arg(f"get_rows: id {{value}} out of range 0..{rows - 1}")
+    return [Launch("get_rows.cu", f"get_rows_{fmt}", n_ids, 256,
+                   (raw, np.int64(_row_bytes(fmt, dim)), ids, out, i32(rows), i32(dim), lw.errflag, code))]

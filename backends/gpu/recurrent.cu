@@ -1,0 +1,252 @@
+// Recurrent layers of Gated DeltaNet models (Qwen3.5): the causal depthwise conv step and the
+// gated delta rule. Neither sees run-time indices, so neither takes an error flag. Both read their
+// input state and write the new state to a separate buffer (the graph assigns it back later).
+#include "common.cuh"
+
+// ================================================================ ssm_conv
+// y[t, c] = sum_j w[c, j] * xx[t + j, c] with xx = [state; x] (K-1 + n rows), then new_state =
+// the last K-1 rows of xx. One thread per (channel, run of CONV_TOKENS tokens): the thread loads
+// the K-1 rows before its run into a register window and slides it, so every x element is read
+// about once per run, loads are coalesced across channels, and a prefill is parallel over tokens
+// as well as channels (a decode step is one run per channel).
+#define CONV_BLOCK 128  // threads (channels) per block; recurrent.py mirrors these two
+#define CONV_TOKENS 8   // tokens per thread
+
+// KMAX bounds the kernel width k (run-time); register arrays are indexed only with unrolled,
+// compile-time indices (a run-time index would put them in local memory).
+template <int KMAX, bool SILU>
+DEVICE void ssm_conv_body(const float* __restrict__ x, const float* __restrict__ state,
+                          const float* __restrict__ w, float* __restrict__ y,
+                          float* __restrict__ new_state, int n, int channels, int k) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const int hist = k - 1;  // rows of state
+    const size_t C = (size_t)channels;
+
+    if (blockIdx.y == 0) {  // new_state[r] = xx[n + r]; plain copies, so bit-exact
+        for (int r = 0; r < hist; ++r) {
+            const int s = n + r;
+            new_state[r * C + c] = s < hist ? state[s * C + c] : x[(size_t)(s - hist) * C + c];
+        }
+    }
+
+    float wr[KMAX - 1], win[KMAX - 1];
+#pragma unroll
+    for (int j = 0; j < KMAX - 1; ++j) wr[j] = j < hist ? w[c * (size_t)k + j] : 0.0f;
+    const float w_last = w[c * (size_t)k + hist];  // tap of the current token
+
+    const int t0 = blockIdx.y * CONV_TOKENS;
+#pragma unroll
+    for (int j = 0; j < KMAX - 1; ++j) {  // win[j] = xx[t0 + j]; xx row r >= hist is x row r - hist < t0 <= n - 1
+        const int r = t0 + j;
+        float v = 0.0f;
+        if (j < hist) v = r < hist ? state[r * C + c] : x[(size_t)(r - hist) * C + c];
+        win[j] = v;
+    }
+
+#pragma unroll
+    for (int i = 0; i < CONV_TOKENS; ++i) {
+        const int t = t0 + i;
+        if (t < n) {
+            const float xt = x[(size_t)t * C + c];  // xx[t + hist]
+            float acc = 0.0f;  // taps in order j = 0..k-1, as the reference sums them
+#pragma unroll
+            for (int j = 0; j < KMAX - 1; ++j)
+                if (j < hist) acc += wr[j] * win[j];
+            acc += w_last * xt;
+            if (SILU) acc = acc / (1.0f + expf(-acc));  // expf(-acc) = inf gives -0, silu's limit
+            y[(size_t)t * C + c] = acc;
+#pragma unroll
+            for (int j = 0; j < KMAX - 1; ++j) {  // slide: win[j] = xx[t + 1 + j]
+                const int nxt = j + 1 < KMAX - 1 ? j + 1 : j;
+                win[j] = j + 1 < hist ? win[nxt] : xt;
+            }
+        }
+    }
+}
+
+#define DEFINE_SSM_CONV(KMAX)                                                                           \
+    extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_k##KMAX(                          \
+        const float* __restrict__ x, const float* __restrict__ state, const float* __restrict__ w,      \
+        float* __restrict__ y, float* __restrict__ new_state, int n, int channels, int k) {             \
+        ssm_conv_body<KMAX, false>(x, state, w, y, new_state, n, channels, k);                          \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_silu_k##KMAX(                     \
+        const float* __restrict__ x, const float* __restrict__ state, const float* __restrict__ w,      \
+        float* __restrict__ y, float* __restrict__ new_state, int n, int channels, int k) {             \
+        ssm_conv_body<KMAX, true>(x, state, w, y, new_state, n, channels, k);                           \
+    }
+
+DEFINE_SSM_CONV(4)
+DEFINE_SSM_CONV(8)
+DEFINE_SSM_CONV(16)
+
+// ================================================================ gated delta rule
+// Per v-head h (k-head kh = h / (hv / hk)), token by token:
+//   S *= exp(g_t);  kv = k_t^T S;  S += k_t (beta_t (v_t - kv))^T;  o_t = (scale q_t)^T S
+// S is [dk, dv] f32. It is read once into registers, kept there across all tokens, and written
+// once to new_state. Layout: a block owns GDN_TILE columns of one head's S; each column is split
+// over GDN_SPLIT threads by rows (thread part p holds rows p, p + SPLIT, p + 2 SPLIT, ...), so
+// k^T S and q^T S are per-thread partial dots finished with two xor shuffles. Within a 32-lane
+// group lane = part * GDN_COLS + column: the shuffle partners (xor 8, 16) stay in the group for
+// 32- and 64-wide warps, and one row load by the group reads 4 rows x 8 consecutive columns,
+// i.e. whole 32-byte sectors. At dk = dv = 128 a thread holds 32 state values and a decode
+// step of 16 heads runs 128 blocks of 64 threads (spread over the SMs, not queued on a few).
+#define GDN_BLOCK 64  // recurrent.py mirrors GDN_BLOCK, GDN_SPLIT and GDN_TILE
+#define GDN_SPLIT 4
+#define GDN_GROUP 32
+#define GDN_COLS (GDN_GROUP / GDN_SPLIT)   // 8 columns per 32-lane group
+#define GDN_TILE (GDN_BLOCK / GDN_SPLIT)   // 16 columns per block
+
+DEVICE float gdn_softplus(float z) {  // log(1 + e^z) = max(z, 0) + log1p(e^-|z|): no overflow (numpy's logaddexp)
+    return fmaxf(z, 0.0f) + log1pf(expf(-fabsf(z)));
+}
+
+template <int N>
+DEVICE float gdn_sum(const float* a) {  // pairwise sum of N (1, 2 or 4) partial sums
+    return N == 1 ? a[0] : N == 2 ? a[0] + a[1] : (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// Loads token t's k, q (scaled), v and gates into gdn_body's prefetch registers pk, pq, pv, pa, pb.
+#define GDN_FETCH(t)                                                                                    \
+    do {                                                                                                \
+        const float* kt = k + ((size_t)(t) * hk + kh) * dk;                                             \
+        const float* qt = q + ((size_t)(t) * hk + kh) * dk;                                             \
+        _Pragma("unroll") for (int j = 0; j < STAGE; ++j) {                                             \
+            const int e = tid + GDN_BLOCK * j;                                                          \
+            pk[j] = e < dk ? kt[e] : 0.0f;                                                              \
+            pq[j] = e < dk ? qt[e] * scale : 0.0f;                                                      \
+        }                                                                                               \
+        const size_t th = (size_t)(t) * hv + h;                                                         \
+        pv = live ? v[th * dv + col] : 0.0f;                                                            \
+        if (RAW) {                                                                                      \
+            const float z = gate0[th] + dt_bias[(size_t)(t) * d_st + (size_t)h * d_sh];                 \
+            pa = expf(a_neg[(size_t)(t) * a_st + (size_t)h * a_sh] * gdn_softplus(z));                  \
+            pb = 1.0f / (1.0f + expf(-gate1[th]));                                                      \
+        } else {                                                                                        \
+            pa = expf(gate0[th]);                                                                       \
+            pb = gate1[th];                                                                             \
+        }                                                                                               \
+    } while (0)
+
+// ROWS: state rows per thread, so dk <= ROWS * GDN_SPLIT. Rows past dk hold 0 and see k = q = 0
+// (staged zeros), so the token loop needs no row guards. RAW: gate0/gate1 are alpha/b and the
+// gates are a_neg * softplus(alpha + dt_bias), sigmoid(b); else they are g/beta themselves.
+// a_neg and dt_bias are read at t * a_st + h * a_sh (strides 0 on broadcast axes).
+template <int ROWS, bool RAW>
+DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                     const float* __restrict__ gate0, const float* __restrict__ gate1,
+                     const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
+                     const float* __restrict__ state, float* __restrict__ o, float* __restrict__ new_state,
+                     int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh) {
+    constexpr int DK = ROWS * GDN_SPLIT;  // staged length of k_t, q_t (zero padded past dk)
+    constexpr int STAGE = (DK + GDN_BLOCK - 1) / GDN_BLOCK;  // elements of k_t / q_t each thread stages
+    constexpr int NACC = ROWS < 4 ? ROWS : 4;
+    // Double buffered: token t uses buffer t & 1, so one barrier per token suffices (a thread can
+    // only overwrite a buffer after every thread passed the next barrier, i.e. finished reading it).
+    __shared__ float sk[2][DK];
+    __shared__ float sq[2][DK];
+
+    const int tid = threadIdx.x;
+    const int lane = tid % GDN_GROUP;
+    const int part = lane / GDN_COLS;
+    const int col = blockIdx.x * GDN_TILE + (tid / GDN_GROUP) * GDN_COLS + lane % GDN_COLS;
+    const int h = blockIdx.y;
+    const int kh = h / (hv / hk);
+    const bool live = col < dv;  // dead columns still run: they take part in the shuffles
+
+    const float* S0 = state + (size_t)h * dk * dv + col;
+    float s[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+        const int i = part + GDN_SPLIT * m;
+        s[m] = (live && i < dk) ? S0[(size_t)i * dv] : 0.0f;
+    }
+
+    // Token t's inputs, loaded into registers one token ahead so their latency hides behind the
+    // previous token's arithmetic.
+    float pk[STAGE], pq[STAGE], pv = 0.0f, pa = 0.0f, pb = 0.0f;
+    if (n > 0) GDN_FETCH(0);
+
+    for (int t = 0; t < n; ++t) {
+        const int buf = t & 1;
+#pragma unroll
+        for (int j = 0; j < STAGE; ++j) {
+            const int e = tid + GDN_BLOCK * j;
+            if (e < DK) {
+                sk[buf][e] = pk[j];
+                sq[buf][e] = pq[j];
+            }
+        }
+        const float decay = pa, beta = pb, vt = pv;
+        __syncthreads();
+        if (t + 1 < n) GDN_FETCH(t + 1);
+
+        // NACC independent partial sums: a single chain of ROWS dependent FMAs would make every
+        // token wait ROWS x the FMA latency (the token loop is latency-bound, not throughput-bound).
+        float part_kv[NACC];
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) part_kv[a] = 0.0f;
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+            s[m] *= decay;
+            part_kv[m % NACC] += sk[buf][part + GDN_SPLIT * m] * s[m];
+        }
+        float kv = gdn_sum<NACC>(part_kv);
+        kv += SHFL_XOR(kv, GDN_COLS);
+        kv += SHFL_XOR(kv, 2 * GDN_COLS);
+        const float delta = beta * (vt - kv);
+        float part_o[NACC];
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) part_o[a] = 0.0f;
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+            const int i = part + GDN_SPLIT * m;
+            s[m] += sk[buf][i] * delta;
+            part_o[m % NACC] += sq[buf][i] * s[m];
+        }
+        float acc = gdn_sum<NACC>(part_o);
+        acc += SHFL_XOR(acc, GDN_COLS);
+        acc += SHFL_XOR(acc, 2 * GDN_COLS);
+        if (part == 0 && live) o[((size_t)t * hv + h) * dv + col] = acc;
+    }
+
+    float* S1 = new_state + (size_t)h * dk * dv + col;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+        const int i = part + GDN_SPLIT * m;
+        if (live && i < dk) S1[(size_t)i * dv] = s[m];
+    }
+}
+
+// grid (cdiv(dv, GDN_TILE), hv), block GDN_BLOCK; the same arguments for both variants (the plain
+// one ignores a_neg, dt_bias and their strides). The explicit min-blocks 1 of __launch_bounds__
+// stopped ptxas (sm_90) spilling the r16 variant at 72 registers.
+#define DEFINE_GDN(ROWS)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_r##ROWS(                 \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ a_neg,   \
+        const float* __restrict__ dt_bias, const float* __restrict__ state, float* __restrict__ o,      \
+        float* __restrict__ new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,    \
+        int a_sh, int d_st, int d_sh) {                                                                 \
+        gdn_body<ROWS, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
+                              scale, a_st, a_sh, d_st, d_sh);                                           \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_raw_r##ROWS(             \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ alpha, const float* __restrict__ b, const float* __restrict__ a_neg,  \
+        const float* __restrict__ dt_bias, const float* __restrict__ state, float* __restrict__ o,      \
+        float* __restrict__ new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,    \
+        int a_sh, int d_st, int d_sh) {                                                                 \
+        gdn_body<ROWS, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
+                             scale, a_st, a_sh, d_st, d_sh);                                            \
+    }
+
+#undef GDN_FETCH
+
+DEFINE_GDN(2)   // dk <= 8
+DEFINE_GDN(4)   // dk <= 16
+DEFINE_GDN(8)   // dk <= 32
+DEFINE_GDN(16)  // dk <= 64
+DEFINE_GDN(32)  // dk <= 128 (Qwen3.5)
+DEFINE_GDN(64)  // dk <= 256

@@ -1,0 +1,122 @@
+"""Lowering rules for the recurrent ops of Gated DeltaNet layers (recurrent.cu).
+
+ssm_conv / ssm_conv_silu: one thread per (channel, run of CONV_TOKENS tokens), a register window
+of the kernel's K-1 taps. gated_delta_net / gated_delta_net_raw: the f32 state stays in
+registers for the whole call (read once, written once), a token loop inside the kernel; the raw
+variant computes g = a_neg * softplus(alpha + dt_bias) and beta = sigmoid(b) in the kernel.
+Every rule reads its input state and writes the new state into its own output (the graph's
+`assign` copies it back), so the input State is never written here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from graphir.errors import BackendError
+
+from .launch import Launch, Lowering, cdiv, dev, f32, i32
+
+SOURCE = "recurrent.cu"
+CONV_BLOCK = 128  # recurrent.cu CONV_BLOCK
+CONV_TOKENS = 8  # recurrent.cu CONV_TOKENS
+CONV_KMAX = (4, 8, 16)  # ssm_conv_k{KMAX} specializations: the kernel width k <= KMAX
+GDN_BLOCK = 64  # recurrent.cu GDN_BLOCK
+GDN_TILE = 16  # state columns per block (GDN_BLOCK / GDN_SPLIT)
+GDN_SPLIT = 4  # threads per state column
+GDN_ROWS = (2, 4, 8, 16, 32, 64)  # gated_delta_net_r{ROWS}: dk <= ROWS * GDN_SPLIT
+
+
+def _f32(node: Any, what: str, a: Any) -> Any:
+    """`a` as a C-contiguous float32 device array, or a BackendError naming the node."""
+    a = dev(a)
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise BackendError(f"{_name(node)}: {what} must be a C-contiguous float32 array on the gpu backend, "
+                           f"got {a.dtype} (contiguous: {a.flags.c_contiguous})")
+    return a
+
+
+def _name(node: Any) -> str:
+    return f"{getattr(node, 'op', 'node')} {getattr(node, 'name', '') or ''}".strip()
+
+
+# ---------------------------------------------------------------- ssm_conv
+def _conv(lw: Lowering, node: Any, ins: list, outs: list, silu: bool) -> list:
+    x, state, w = (_f32(node, nm, a) for nm, a in zip(("x", "state", "w"), ins))
+    y, new_state = (_f32(node, nm, a) for nm, a in zip(("y", "new_state"), outs))
+    n, channels = x.shape
+    k = w.shape[1]
+    if w.shape[0] != channels or state.shape != (k - 1, channels) or k < 2:
+        raise BackendError(f"{_name(node)}: x {list(x.shape)}, state {list(state.shape)}, w {list(w.shape)} "
+                           f"are not [n, C], [K-1, C], [C, K] with K >= 2")
+    kmax = next((m for m in CONV_KMAX if k <= m), None)
+    if kmax is None:
+        raise BackendError(f"{_name(node)}: conv kernel width {k} > {CONV_KMAX[-1]}, the largest the gpu "
+                           f"backend's ssm_conv supports")
+    if channels == 0:
+        return []
+    name = f"ssm_conv{'_silu' if silu else ''}_k{kmax}"
+    # n == 0 still runs one token run: it copies state into new_state.
+    grid = (cdiv(channels, CONV_BLOCK), max(1, cdiv(n, CONV_TOKENS)))
+    return [Launch(SOURCE, name, grid, CONV_BLOCK, (x, state, w, y, new_state, i32(n), i32(channels), i32(k)))]
+
+
+def lower_ssm_conv(lw: Lowering, node: Any, ins: list, outs: list, p: dict) -> list:
+    return _conv(lw, node, ins, outs, silu=False)
+
+
+def lower_ssm_conv_silu(lw: Lowering, node: Any, ins: list, outs: list, p: dict) -> list:
+    return _conv(lw, node, ins, outs, silu=True)
+
+
+# ---------------------------------------------------------------- gated delta rule
+def _broadcast_strides(node: Any, what: str, a: Any, n: int, hv: int) -> tuple[np.int32, np.int32]:
+    """Element strides (per token, per v-head) of `a` broadcast onto [n, hv]: 0 on axes of size 1."""
+    shape = (1,) * (2 - a.ndim) + tuple(a.shape) if a.ndim <= 2 else None
+    if shape is None or shape[0] not in (1, n) or shape[1] not in (1, hv):
+        raise BackendError(f"{_name(node)}: {what} {list(a.shape)} does not broadcast onto [tokens, v_heads]="
+                           f"{[n, hv]}")
+    return i32(shape[1] if shape[0] == n and n > 1 else 0), i32(1 if shape[1] == hv and hv > 1 else 0)
+
+
+def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any, a_neg: Any, dt_bias: Any,
+         state: Any, outs: list, p: dict, raw: bool) -> list:
+    o, new_state = (_f32(node, nm, a) for nm, a in zip(("o", "new_state"), outs))
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != n or hk == 0 or hv % hk or state.shape != (hv, dk, dv):
+        raise BackendError(f"{_name(node)}: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, state "
+                           f"{list(state.shape)} are not [n, hk, dk], [n, hk, dk], [n, hv, dv], [hv, dk, dv] "
+                           f"with hv a multiple of hk")
+    for what, a in (("g" if not raw else "alpha", gate0), ("beta" if not raw else "b", gate1)):
+        if a.shape != (n, hv):
+            raise BackendError(f"{_name(node)}: {what} {list(a.shape)} must be [tokens, v_heads]={[n, hv]}")
+    rows = next((r for r in GDN_ROWS if dk <= r * GDN_SPLIT), None)
+    if rows is None:
+        raise BackendError(f"{_name(node)}: d_k {dk} > {GDN_ROWS[-1] * GDN_SPLIT}, the largest the gpu "
+                           f"backend's gated_delta_net keeps in registers")
+    if hv == 0 or dv == 0 or dk == 0:
+        return []
+    if raw:
+        a_st, a_sh = _broadcast_strides(node, "a_neg", a_neg, n, hv)
+        d_st, d_sh = _broadcast_strides(node, "dt_bias", dt_bias, n, hv)
+    else:  # unused by the plain kernel: any valid pointers
+        a_neg, dt_bias = gate0, gate0
+        a_st = a_sh = d_st = d_sh = i32(0)
+    name = f"gated_delta_net{'_raw' if raw else ''}_r{rows}"
+    args = (q, k, v, gate0, gate1, a_neg, dt_bias, state, o, new_state, i32(n), i32(hk), i32(hv), i32(dk), i32(dv),
+            f32(p["scale"]), a_st, a_sh, d_st, d_sh)
+    return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
+
+
+def lower_gated_delta_net(lw: Lowering, node: Any, ins: list, outs: list, p: dict) -> list:
+    names = ("q", "k", "v", "g", "beta", "state")
+    q, k, v, g, beta, state = (_f32(node, nm, a) for nm, a in zip(names, ins))
+    return _gdn(lw, node, q, k, v, g, beta, None, None, state, outs, p, raw=False)
+
+
+def lower_gated_delta_net_raw(lw: Lowering, node: Any, ins: list, outs: list, p: dict) -> list:
+    names = ("q", "k", "v", "alpha", "b", "a_neg", "dt_bias", "state")
+    q, k, v, alpha, b, a_neg, dt_bias, state = (_f32(node, nm, a) for nm, a in zip(names, ins))
+    return _gdn(lw, node, q, k, v, alpha, b, a_neg, dt_bias, state, outs, p, raw=True)

@@ -1,0 +1,284 @@
+"""flash_attn on the gpu backend (backends/gpu/attention.py, attention.cu) against the reference backend.
+
+Two runners: "graph" lowers a one-node Graph with get_backend("gpu") (the whole backend path);
+"rule" calls lower_flash_attn directly on fixed device buffers and replays its steps, so the
+kernels are checked even where the Program glue is not. Rows at and past kv_len hold 1e3 garbage
+(never read: with it the output would be nowhere near the reference), positions are repeated
+and out of order, caps are not multiples of the split size, and one lowered program is replayed
+at many kv_len values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from graphir.backends.registry import get_backend
+
+from graphir import g
+from graphir.errors import BackendError
+from graphir.ir import Graph
+
+try:
+    from graphir.backends.gpu.device import available
+except ImportError:  # pragma: no cover - the package always has it; keep collection safe
+    def available() -> bool:
+        return False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
+
+GARBAGE = 1e3
+
+
+def _graph(n_q, hq, cap, hk, d, dv, kvdtype, scale, window, state=False):
+    leaf = g.state if state else g.input
+    node = g.flash_attn(g.input("q", (n_q, hq, d)), leaf("k", (cap, hk, d), kvdtype), leaf("v", (cap, hk, dv), kvdtype),
+                        g.input("pos", (n_q,), "i32"), g.input("len", (1,), "i32"), scale=scale, window=window)
+    return Graph({"out": node})
+
+
+class Case:
+    """Shapes of one flash_attn node; `run(...)` evaluates it on a runner, `ref(...)` on the reference."""
+
+    def __init__(self, n_q, hq, hk, d, dv, cap, kvdtype, window, scale=None):
+        self.n_q, self.hq, self.hk, self.d, self.dv, self.cap = n_q, hq, hk, d, dv, cap
+        self.kvdtype, self.window = kvdtype, window
+        self.scale = 1.0 / math.sqrt(d) if scale is None else scale
+        self.graph = _graph(n_q, hq, cap, hk, d, dv, kvdtype, self.scale, window)
+        self.reference = get_backend("reference").lower(self.graph, None)
+
+    def data(self, rng, kv_len):
+        npdt = np.float32 if self.kvdtype == "f32" else np.float16
+        q = (rng.standard_normal((self.n_q, self.hq, self.d)) * 1.5).astype(np.float32)
+        k = rng.standard_normal((self.cap, self.hk, self.d)).astype(npdt)
+        v = rng.standard_normal((self.cap, self.hk, self.dv)).astype(npdt)
+        k[kv_len:], v[kv_len:] = GARBAGE, -GARBAGE
+        return q, k, v
+
+    def feeds(self, q, k, v, pos, kv_len):
+        return {"q": q, "k": k, "v": v, "pos": np.asarray(pos, np.int32), "len": np.array([kv_len], np.int32)}
+
+    def ref(self, *args):
+        return self.reference(self.feeds(*args))["out"]
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+class GraphRunner:
+    def __init__(self, case: Case):
+        self.case, self.program = case, get_backend("gpu").lower(case.graph, None)
+
+    def __call__(self, *args):
+        return _host(self.program(self.case.feeds(*args))["out"])
+
+
+class RuleRunner:
+    """lower_flash_attn on persistent device buffers: new values are copied in, pointers never change."""
+
+    def __init__(self, case: Case):
+        import cupy as cp
+        from graphir.backends.gpu.attention import lower_flash_attn
+        from graphir.backends.gpu.launch import Lowering
+
+        c = self.case = case
+        kvdt = np.float32 if c.kvdtype == "f32" else np.float16
+        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), cp.zeros((c.cap, c.hk, c.d), kvdt),
+                     cp.zeros((c.cap, c.hk, c.dv), kvdt), cp.zeros((c.n_q,), np.int32), cp.zeros((1,), np.int32)]
+        self.out = cp.full((c.n_q, c.hq, c.dv), np.nan, np.float32)
+        self.lw = Lowering(None)
+        self.lw.code = 1
+        self.steps = lower_flash_attn(self.lw, None, self.bufs, [self.out], {"scale": c.scale, "window": c.window})
+
+    def __call__(self, *args):
+        for buf, host in zip(self.bufs, self.case.feeds(*args).values()):
+            buf.set(np.ascontiguousarray(host))
+        self.lw.errflag.fill(0)
+        for step in self.steps:
+            step()
+        flag = self.lw.errflag.get()
+        if flag[0]:
+            raise BackendError(self.lw.messages[int(flag[0])].format(value=int(flag[1])))
+        return self.out.get()
+
+
+@pytest.fixture(params=["rule", "graph"])
+def runner(request):
+    return {"rule": RuleRunner, "graph": GraphRunner}[request.param]
+
+
+def close(got, want, tol=1e-5):
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _positions(rng, n_q, kv_len):
+    """Non-contiguous, repeated, out of order; some past kv_len, one at 0."""
+    top = max(kv_len + 3, 1)
+    pos = rng.integers(0, top, n_q).astype(np.int32)
+    pos[: min(n_q, 3)] = [kv_len - 1 if kv_len else 0, 0, kv_len // 2][: min(n_q, 3)]
+    if n_q > 4:
+        pos[3] = pos[0]  # repeated
+    return pos
+
+
+# ---------------------------------------------------------------- decode (split-K)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [0, 3, 5])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+@pytest.mark.parametrize("d", [8, 64, 128])
+def test_decode(runner, group, window, kvdtype, d):
+    rng = np.random.default_rng(group * 100 + window * 10 + d)
+    cap = {8: 37, 64: 1025, 128: 300}[d]
+    case = Case(1, 2 * group, 2, d, d, cap, kvdtype, window)
+    run = runner(case)  # one program for every kv_len
+    for kv_len in sorted({0, 1, 20, cap - 1, cap}):
+        q, k, v = case.data(rng, kv_len)
+        for p in {max(kv_len - 1, 0), kv_len // 3, kv_len + 5}:  # the newest row, an older one, past the end
+            pos = np.array([p], np.int32)
+            close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_decode_replay_many_kv_len(runner, kvdtype):
+    """One lowered program, many contexts: every split-count boundary (128-row chunks) and the cap."""
+    rng = np.random.default_rng(7)
+    cap = 1025
+    case = Case(1, 8, 2, 64, 64, cap, kvdtype, 0)
+    run = runner(case)
+    q, k, v = case.data(rng, cap)
+    for kv_len in [0, 1, 2, 3, 5, 31, 64, 127, 128, 129, 255, 256, 257, 513, 640, 1000, 1023, 1024, 1025]:
+        k2, v2 = k.copy(), v.copy()
+        k2[kv_len:], v2[kv_len:] = GARBAGE, -GARBAGE
+        pos = np.array([kv_len - 1], np.int32)
+        close(run(q, k2, v2, pos, kv_len), case.ref(q, k2, v2, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_decode_several_queries(runner, kvdtype):
+    """n_q = 3 stays on the decode path: a query per grid z, positions repeated and out of order."""
+    rng = np.random.default_rng(3)
+    case = Case(3, 12, 4, 16, 16, 700, kvdtype, 0)
+    run = runner(case)
+    for kv_len in [0, 1, 20, 700]:
+        q, k, v = case.data(rng, kv_len)
+        pos = np.array([kv_len - 1, 0, kv_len - 1], np.int32)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("hq,hk", [(16, 2), (24, 2), (5, 5), (6, 1)])
+def test_decode_gqa_chunks(runner, hq, hk):
+    """Groups of 8 (one chunk of GB=8), 12 (two chunks, the second half full), 1 and 6."""
+    rng = np.random.default_rng(hq)
+    case = Case(1, hq, hk, 128, 128, 2000, "f16", 0)
+    run = runner(case)
+    for kv_len in [1, 777, 2000]:
+        q, k, v = case.data(rng, kv_len)
+        pos = np.array([kv_len - 1], np.int32)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+def test_decode_long_window(runner):
+    """A sliding window far from row 0: most splits see nothing and must add nothing."""
+    rng = np.random.default_rng(11)
+    case = Case(1, 4, 1, 64, 64, 5000, "f32", 300)
+    run = runner(case)
+    for kv_len, p in [(5000, 4999), (5000, 2500), (4000, 3999), (129, 128), (5000, 10**6)]:
+        q, k, v = case.data(rng, kv_len)
+        pos = np.array([p], np.int32)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+# ---------------------------------------------------------------- prefill
+@pytest.mark.parametrize("n_q", [7, 129, 513])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill(runner, n_q, group, kvdtype):
+    d = {7: 8, 129: 64, 513: 128}[n_q]
+    window = {1: 0, 3: 3, 4: 5}[group]
+    rng = np.random.default_rng(n_q + group)
+    cap = {7: 37, 129: 1025, 513: 600}[n_q]
+    case = Case(n_q, 2 * group, 2, d, d, cap, kvdtype, window)
+    run = runner(case)
+    for kv_len in sorted({0, 1, 20, cap}):
+        q, k, v = case.data(rng, kv_len)
+        pos = _positions(rng, n_q, kv_len)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_causal_block(runner, window):
+    """The usual prompt: positions start..start+n-1 after `start` cached rows, kv_len = start + n."""
+    rng = np.random.default_rng(5)
+    n_q, start = 300, 211
+    case = Case(n_q, 8, 2, 128, 128, 1024, "f16", window)
+    run = runner(case)
+    kv_len = start + n_q
+    q, k, v = case.data(rng, kv_len)
+    pos = np.arange(start, start + n_q, dtype=np.int32)
+    close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+    pos0 = np.arange(n_q, dtype=np.int32)  # and from an empty cache
+    close(run(q, k, v, pos0, n_q), case.ref(q, k, v, pos0, n_q))
+
+
+@pytest.mark.parametrize("hq,hk,d,dv", [(24, 2, 64, 64), (16, 2, 256, 256), (4, 2, 64, 32), (3, 1, 6, 10),
+                                        (2, 1, 250, 130)])
+@pytest.mark.parametrize("n_q", [1, 70])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_head_shapes(runner, hq, hk, d, dv, n_q, kvdtype):
+    """Group 12 (two head chunks), head dim 256, dv != d, and odd dims (the element-load fallback)."""
+    rng = np.random.default_rng(d + dv + n_q)
+    case = Case(n_q, hq, hk, d, dv, 333, kvdtype, 0)
+    run = runner(case)
+    for kv_len in [1, 150, 333]:
+        q, k, v = case.data(rng, kv_len)
+        pos = _positions(rng, n_q, kv_len)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+def test_no_visible_key_gives_zero(runner):
+    rng = np.random.default_rng(2)
+    for n_q in (2, 9):
+        case = Case(n_q, 4, 1, 8, 8, 16, "f32", 5, scale=0.7)
+        run = runner(case)
+        q, k, v = case.data(rng, 10)
+        pos = np.full(n_q, 30, np.int32)  # sees 26..30, but only 0..9 are valid
+        pos[1] = -1  # sees nothing at all
+        out = run(q, k, v, pos, 10)
+        np.testing.assert_array_equal(out, 0.0)
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("n_q", [1, 9])
+def test_kv_len_past_capacity_raises(runner, n_q):
+    rng = np.random.default_rng(4)
+    case = Case(n_q, 4, 2, 16, 16, 37, "f32", 0)
+    run = runner(case)
+    q, k, v = case.data(rng, 37)
+    pos = np.full(n_q, 36, np.int32)
+    with pytest.raises(BackendError, match=r"flash_attn: kv_len 38 outside 0\.\.37 \(the KV capacity\)"):
+        run(q, k, v, pos, 38)
+    with pytest.raises(BackendError, match=r"kv_len -1 outside 0\.\.37"):
+        run(q, k, v, pos, -1)
+    close(run(q, k, v, pos, 37), case.ref(q, k, v, pos, 37))  # the program still works afterwards
+
+
+def test_head_dim_past_256_is_refused():
+    case_graph = _graph(1, 2, 8, 1, 264, 264, "f32", 0.1, 0)
+    with pytest.raises(BackendError, match="up to 256"):
+        get_backend("gpu").lower(case_graph, None)
+
+
+def test_kv_cache_as_state():
+    """K/V as State buffers (how models hold the cache), f16."""
+    rng = np.random.default_rng(9)
+    cap, kv_len = 400, 321
+    graph = _graph(1, 8, cap, 2, 64, 64, "f16", 0.125, 0, state=True)
+    case = Case(1, 8, 2, 64, 64, cap, "f16", 0, scale=0.125)
+    q, k, v = case.data(rng, kv_len)
+    pos = np.array([kv_len - 1], np.int32)
+    program = get_backend("gpu").lower(graph, None)
+    got = _host(program({"q": q, "pos": pos, "len": np.array([kv_len], np.int32)}, {"k": k, "v": v})["out"])
+    close(got, case.ref(q, k, v, pos, kv_len))

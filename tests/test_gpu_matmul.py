@@ -1,0 +1,251 @@
+"""mul_mat and get_rows on the gpu backend (backends/gpu/matmul.py, matmul.cu, get_rows.cu, quant.cuh).
+
+Every weight format, at decode sizes (m <= 8 tokens: our GEMV, m == 1 its own kernel), just past
+them (m = 9, 33: dequant + cuBLAS) and at awkward shapes (511 rows, 1025 rows, 7 rows of 3
+super-blocks, 1025 columns of a float weight), against the reference backend and against a
+float64 product of graphir.quant's dequantized weights with an error bound scaled by sum |x||w|.
+get_rows is compared bit for bit. A "rule" runner calls the lowering rules directly on device
+buffers (an x that is not 16-byte aligned; steps replayed), so the kernels are checked even where
+the Program glue is not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from graphir.backends.registry import get_backend
+
+from graphir import g
+from graphir.errors import BackendError
+from graphir.ir import Graph
+from graphir.lowering import ParamRef
+from graphir.quant import dequantize, random_quantized
+from graphir.weights import Weight, Weights
+
+try:
+    from graphir.backends.gpu.device import available
+except ImportError:  # pragma: no cover - the package always has it; keep collection safe
+    def available() -> bool:
+        return False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
+
+FORMATS = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"]
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
+FLOATS = ("f32", "f16", "bf16")
+TOKENS = [1, 3, 8, 9, 33]  # GEMV_MAX_TOKENS is 8: 9 and 33 take the dequant + cuBLAS path
+
+
+def _shapes(fmt: str) -> list[tuple[int, int]]:
+    if fmt in K_QUANTS:
+        return [(511, 512), (7, 256 * 3)]
+    if fmt in FLOATS:
+        return [(511, 512), (1025, 64), (7, 1025)]  # 1025 columns: rows not whole 16-byte pieces
+    return [(511, 512), (1025, 64)]
+
+
+CASES = [(fmt, shape, m) for fmt in FORMATS for shape in _shapes(fmt) for m in TOKENS]
+
+
+def _raw(rng: np.random.Generator, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
+    return random_quantized(rng, fmt, shape)  # floats: normal values in the storage type
+
+
+def _weights(**items: tuple[str, np.ndarray, tuple[int, ...]]) -> Weights:
+    return Weights({k: Weight(dt, tuple(shape), raw) for k, (dt, raw, shape) in items.items()})
+
+
+def _run(backend: str, outputs, inputs: dict, weights: Weights | None = None) -> dict:
+    return get_backend(backend).lower(Graph(outputs), weights)(inputs, {})
+
+
+def _check_product(got: np.ndarray, x: np.ndarray, wf: np.ndarray, batch_w: bool = False) -> None:
+    """got == x @ wf^T in f32 arithmetic: within 1e-5 of sum |x||w| per output (an f32 dot of a
+    few thousand terms is within ~1e-6 of it), so a wrong value, scale or offset cannot pass."""
+    xd, wd = x.astype(np.float64), wf.astype(np.float64)
+    want = np.matmul(xd, np.swapaxes(wd, -1, -2))
+    bound = np.matmul(np.abs(xd), np.swapaxes(np.abs(wd), -1, -2)) * 1e-5 + 1e-6
+    assert got.shape == want.shape and got.dtype == np.float32
+    err = np.abs(got.astype(np.float64) - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), f"at {worst}: got {got[worst]}, want {want[worst]} (bound {bound[worst]:.3g})"
+
+
+# ---------------------------------------------------------------- mul_mat through the backend
+@pytest.mark.parametrize("fmt,shape,m", CASES, ids=[f"{f}-{s[0]}x{s[1]}-m{m}" for f, s, m in CASES])
+def test_mul_mat_formats(fmt, shape, m, rng):
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, shape)
+    wf = dequantize(raw, fmt, shape)
+    assert np.isfinite(wf).all() and np.abs(wf).max() > 0
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    weights = _weights(w=(fmt, raw, shape))
+    node = g.mul_mat(g.param("w", shape, fmt), g.input("x", x.shape))
+    got = _run("gpu", {"y": node}, {"x": x}, weights)["y"]
+    want_ref = _run("reference", {"y": node}, {"x": x}, weights)["y"]
+    np.testing.assert_allclose(got, want_ref, rtol=1e-4, atol=1e-3)
+    _check_product(got, x, wf)
+
+
+@pytest.mark.parametrize("fmt,n_in", [("q8_0", 64), ("q4_0", 64), ("bf16", 64), ("f16", 64), ("q4_k", 256),
+                                      ("q6_k", 256)])
+def test_mul_mat_vocab_sized(fmt, n_in, rng):
+    shape = (151936, n_in)  # Qwen3's vocabulary: a grid far larger than the device
+    raw = _raw(rng, fmt, shape)
+    wf = dequantize(raw, fmt, shape)
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    got = _run("gpu", {"y": g.mul_mat(g.param("w", shape, fmt), g.input("x", x.shape))}, {"x": x},
+               _weights(w=(fmt, raw, shape)))["y"]
+    _check_product(got, x, wf)
+
+
+@pytest.mark.parametrize("m", [1, 5, 12])
+def test_mul_mat_program_replays_with_new_inputs(m, rng):
+    """One lowered Program, called with different x: every call reads the new tokens (nothing stale)."""
+    shape = (300, 512)
+    raw = _raw(rng, "q4_k", shape)
+    wf = dequantize(raw, "q4_k", shape)
+    prog = get_backend("gpu").lower(Graph({"y": g.mul_mat(g.param("w", shape, "q4_k"), g.input("x", (m, 512)))}),
+                                    _weights(w=("q4_k", raw, shape)))
+    for _ in range(3):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        _check_product(prog({"x": x})["y"], x, wf)
+
+
+def test_mul_mat_tokens_with_batch_axes_take_the_gemv(rng):
+    """x [2, 3, n_in] against a 2-D weight: 6 token rows, one GEMV (w's rows broadcast)."""
+    shape = (65, 256)
+    raw = _raw(rng, "q5_k", shape)
+    x = rng.standard_normal((2, 3, 256)).astype(np.float32)
+    got = _run("gpu", {"y": g.mul_mat(g.param("w", shape, "q5_k"), g.input("x", x.shape))}, {"x": x},
+               _weights(w=("q5_k", raw, shape)))["y"]
+    _check_product(got, x, dequantize(raw, "q5_k", shape))
+
+
+def test_prefill_scratch_is_one_buffer_per_weight_store(rng):
+    """Two Programs over one store share the dequant scratch, sized for the largest matrix."""
+    from graphir.backends.gpu.matmul import SCRATCH_KEY
+
+    small, big = (33, 256), (700, 512)
+    raws = {"a": _raw(rng, "q8_0", small), "b": _raw(rng, "q6_k", big)}
+    weights = _weights(a=("q8_0", raws["a"], small), b=("q6_k", raws["b"], big))
+    x1 = rng.standard_normal((20, 256)).astype(np.float32)
+    x2 = rng.standard_normal((40, 512)).astype(np.float32)
+    p1 = get_backend("gpu").lower(Graph({"y": g.mul_mat(g.param("a", small, "q8_0"), g.input("x", x1.shape))}),
+                                  weights)
+    p2 = get_backend("gpu").lower(Graph({"y": g.mul_mat(g.param("b", big, "q6_k"), g.input("x", x2.shape))}),
+                                  weights)
+    for i in range(2):  # alternate: each call dequantizes its own weight into the shared buffer
+        _check_product(p1({"x": x1})["y"], x1, dequantize(raws["a"], "q8_0", small))
+        _check_product(p2({"x": x2})["y"], x2, dequantize(raws["b"], "q6_k", big))
+        if i == 0:  # Programs bind (and lower) on their first call
+            first = weights.derived[SCRATCH_KEY]
+            assert first.size >= math.prod(big)  # sized for the largest matrix at once, never regrown
+    assert weights.derived[SCRATCH_KEY] is first
+    assert sum(1 for k in weights.derived if "dequant_scratch" in k) == 1
+
+
+# ---------------------------------------------------------------- batched and activation weights
+@pytest.mark.parametrize("sw,sx", [((3, 1, 5, 16), (3, 4, 7, 16)), ((5, 16), (2, 7, 16)), ((1, 5, 16), (4, 1, 16)),
+                                   ((2, 3, 1, 16), (2, 3, 1, 16)), ((7, 33), (9, 33)), ((2, 1, 4, 8), (2, 3, 4, 8))])
+def test_mul_mat_activation_weights(sw, sx, rng):
+    w = rng.standard_normal(sw).astype(np.float32)
+    x = rng.standard_normal(sx).astype(np.float32)
+    got = _run("gpu", {"y": g.mul_mat(g.input("w", sw), g.input("x", sx))}, {"w": w, "x": x})["y"]
+    _check_product(got, x, w)
+
+
+def test_mul_mat_param_with_batch_axes(rng):
+    shape = (2, 5, 64)
+    raw = _raw(rng, "q8_0", shape)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    got = _run("gpu", {"y": g.mul_mat(g.param("w", shape, "q8_0"), g.input("x", x.shape))}, {"x": x},
+               _weights(w=("q8_0", raw, shape)))["y"]
+    _check_product(got, x, dequantize(raw, "q8_0", shape))
+
+
+def test_mul_mat_too_many_batch_axes_is_a_clear_error(rng):
+    sw, sx = (2, 1, 3, 1, 4, 6), (2, 5, 3, 7, 4, 6)
+    node = g.mul_mat(g.input("w", sw), g.input("x", sx))
+    w, x = rng.standard_normal(sw).astype(np.float32), rng.standard_normal(sx).astype(np.float32)
+    with pytest.raises(BackendError, match="at most 2"):
+        _run("gpu", {"y": node}, {"w": w, "x": x})
+
+
+# ---------------------------------------------------------------- the rules on raw device buffers
+def _param(fmt: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "w"):
+    from graphir.backends.gpu.launch import GpuParam
+
+    weights = _weights(**{name: (fmt, raw, shape)})
+    return GpuParam(ParamRef(None, weights, raw, fmt, shape, ("param", name))), weights
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_k", "bf16"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_rule_unaligned_x_and_replay(fmt, m, rng):
+    """x at a 4-byte offset (the GEMV reads x in 16-byte pieces: the rule stages it), steps replayed."""
+    import cupy as cp
+    from graphir.backends.gpu.launch import Lowering
+    from graphir.backends.gpu.matmul import lower_mul_mat
+
+    shape = (77, 512)
+    raw = _raw(rng, fmt, shape)
+    gp, weights = _param(fmt, raw, shape)
+    lw = Lowering(weights)
+    base = cp.zeros(m * 512 + 1, np.float32)
+    x_dev = base[1:].reshape(m, 512)
+    assert x_dev.data.ptr % 16
+    y_dev = cp.zeros((m, 77), np.float32)
+    steps = lower_mul_mat(lw, None, [gp, x_dev], [y_dev], {})
+    for _ in range(2):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        x_dev[...] = cp.asarray(x)
+        for s in steps:
+            s()
+        _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
+
+
+# ---------------------------------------------------------------- get_rows
+def _get_rows_cases() -> list[tuple[str, int, int]]:
+    cases = []
+    for fmt in FORMATS:
+        if fmt in K_QUANTS:
+            cases += [(fmt, 37, 256), (fmt, 5, 768)]
+        elif fmt in FLOATS:
+            cases += [(fmt, 37, 7), (fmt, 9, 1), (fmt, 5, 1025)]
+        else:
+            cases += [(fmt, 37, 64), (fmt, 513, 96)]
+    return cases
+
+
+@pytest.mark.parametrize("fmt,rows,dim", _get_rows_cases())
+def test_get_rows_formats(fmt, rows, dim, rng):
+    raw = _raw(rng, fmt, (rows, dim))
+    table = dequantize(raw, fmt, (rows, dim))
+    ids = np.array([0, rows - 1, 3 % rows, 3 % rows, 1 % rows, rows // 2], np.int32)
+    node = g.get_rows(g.param("emb", (rows, dim), fmt), g.input("ids", ids.shape, "i32"))
+    got = _run("gpu", {"y": node}, {"ids": ids}, _weights(emb=(fmt, raw, (rows, dim))))["y"]
+    assert got.dtype == np.float32 and got.shape == (len(ids), dim)
+    np.testing.assert_array_equal(got, table[ids])  # decoding is exact: bit for bit
+
+
+def test_get_rows_activation_table(rng):
+    t = rng.standard_normal((9, 5)).astype(np.float32)
+    ids = np.array([8, 0, 4], np.int32)
+    got = _run("gpu", {"y": g.get_rows(g.input("t", t.shape), g.input("ids", (3,), "i32"))}, {"t": t, "ids": ids})["y"]
+    np.testing.assert_array_equal(got, t[ids])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "f32"])
+@pytest.mark.parametrize("bad", [-1, 37, 1 << 30])
+def test_get_rows_bad_id_is_an_error(fmt, bad, rng):
+    dim = 256
+    raw = _raw(rng, fmt, (37, dim))
+    node = g.get_rows(g.param("emb", (37, dim), fmt), g.input("ids", (3,), "i32"))
+    prog = get_backend("gpu").lower(Graph({"y": node}), _weights(emb=(fmt, raw, (37, dim))))
+    with pytest.raises(BackendError, match=rf"get_rows: id {bad} out of range 0\.\.36"):
+        prog({"ids": np.array([0, bad, 2], np.int32)})
+    good = np.array([36, 0, 2], np.int32)  # the same Program still works afterwards
+    np.testing.assert_array_equal(prog({"ids": good})["y"], dequantize(raw, fmt, (37, dim))[good])
