@@ -108,7 +108,10 @@ def measure_device_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
         stop.record()
         stop.synchronize()
         best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    return 2 * src.nbytes / best
+    nbytes = src.nbytes
+    del src, dst
+    cp.get_default_memory_pool().free_all_blocks()  # give the copy's buffers back
+    return 2 * nbytes / best
 
 
 def device_memory_bytes() -> int:
@@ -236,8 +239,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "defaul
     rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
     arena, n_programs = arena_bytes(model)
     weight_bytes = decode_weight_bytes(model)
+    device_bytes = device_memory_bytes() if on_gpu else 0  # before the bandwidth copy adds its 2 GiB
     bandwidth = measure_device_bandwidth() if on_gpu else measure_bandwidth(bandwidth_mb)
-    device_bytes = device_memory_bytes() if on_gpu else 0
 
     p_best, p_med = _rates(prefill_tokens, prefill_times)
     d_best, d_med = _rates(decode_tokens, decode_times)
@@ -342,6 +345,9 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+OPTIONAL = frozenset({"device_memory_bytes"})  # rows shown only when the result has them (non-zero)
+
+
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:
     m = result["machine"]
     gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
@@ -362,6 +368,8 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     columns = ["metric", "graphir"] + (["llama.cpp (same run)"] if other else [])
     rows = []
     for label, key, fmt in ROWS:
+        if key in OPTIONAL and not result.get(key):
+            continue  # e.g. device memory off the gpu backend
         row = [label, fmt(result[key])]
         if other:
             row.append(fmt(other[key]) if key in other else "")

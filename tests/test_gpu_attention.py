@@ -78,19 +78,26 @@ class GraphRunner:
 class RuleRunner:
     """lower_flash_attn on persistent device buffers: new values are copied in, pointers never change."""
 
-    def __init__(self, case: Case):
+    def __init__(self, case: Case, kv_offset: int = 0):
         import cupy as cp
         from graphir.backends.gpu.attention import lower_flash_attn
         from graphir.backends.gpu.launch import Lowering
 
         c = self.case = case
         kvdt = np.float32 if c.kvdtype == "f32" else np.float16
-        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), cp.zeros((c.cap, c.hk, c.d), kvdt),
-                     cp.zeros((c.cap, c.hk, c.dv), kvdt), cp.zeros((c.n_q,), np.int32), cp.zeros((1,), np.int32)]
+
+        def kv(width):  # kv_offset elements past an aligned address
+            n = c.cap * c.hk * width
+            return cp.zeros(n + kv_offset, kvdt)[kv_offset:].reshape(c.cap, c.hk, width)
+
+        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), kv(c.d), kv(c.dv), cp.zeros((c.n_q,), np.int32),
+                     cp.zeros((1,), np.int32)]
+        self.steps = None
         self.out = cp.full((c.n_q, c.hq, c.dv), np.nan, np.float32)
         self.lw = Lowering(None)
         self.lw.code = 1
         self.steps = lower_flash_attn(self.lw, None, self.bufs, [self.out], {"scale": c.scale, "window": c.window})
+        self.kernels = [st.name for st in self.steps]
 
     def __call__(self, *args):
         for buf, host in zip(self.bufs, self.case.feeds(*args).values()):
@@ -188,6 +195,47 @@ def test_decode_long_window(runner):
     for kv_len, p in [(5000, 4999), (5000, 2500), (4000, 3999), (129, 128), (5000, 10**6)]:
         q, k, v = case.data(rng, kv_len)
         pos = np.array([p], np.int32)
+        close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+DECODE_VARIANTS = {"f16": ["row", "tile", "tile2", "tile4", "tile8"], "f32": ["row", "tile", "tile1", "tile2", "tile4"]}
+
+
+@pytest.mark.parametrize("kvdtype,variant", [(kv, var) for kv, vs in DECODE_VARIANTS.items() for var in vs])
+@pytest.mark.parametrize("splits", ["one_wave", "many"])
+def test_decode_variants(runner, monkeypatch, kvdtype, variant, splits):
+    """Every decode variant on the shape it is tuned for (d 128, GQA group 4, and group 3: a
+    partly used head chunk), with a window, at split counts from the default grid and from many
+    short splits (chunks not multiples of a tile step, most blocks a partial last step)."""
+    from graphir.backends.gpu import attention as A
+
+    monkeypatch.setitem(A.DECODE_VARIANT, kvdtype, variant)
+    if splits == "many":
+        monkeypatch.setattr(A, "TARGET_BLOCKS", 200)
+        monkeypatch.setattr(A, "MIN_CHUNK", 7)
+    rng = np.random.default_rng(len(variant) + (splits == "many"))
+    for hq, window in [(8, 0), (6, 37)]:
+        case = Case(2, hq, 2, 128, 128, 1000, kvdtype, window)
+        run = runner(case)
+        if isinstance(run, RuleRunner):  # the variant asked for is the one that runs
+            want = {"row": "attn_decode_", "tile": "attn_dtile"}.get(variant, f"attn_dtile{variant[4:]}_")
+            assert run.kernels[0].startswith(want), run.kernels
+        for kv_len in [1, 33, 129, 999, 1000]:
+            q, k, v = case.data(rng, kv_len)
+            pos = np.array([kv_len - 1, kv_len // 2], np.int32)
+            close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype,offset", [("f16", 4), ("f16", 1), ("f32", 1)])
+def test_decode_unaligned_kv_falls_back(kvdtype, offset):
+    """K/V not 16-byte aligned (f16: 8 bytes, or 2): the element-load kernel, still exact."""
+    rng = np.random.default_rng(offset)
+    case = Case(1, 8, 2, 128, 128, 300, kvdtype, 0)
+    run = RuleRunner(case, kv_offset=offset)
+    assert run.kernels[0].endswith("_any"), run.kernels
+    for kv_len in [1, 300]:
+        q, k, v = case.data(rng, kv_len)
+        pos = np.array([kv_len - 1], np.int32)
         close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 

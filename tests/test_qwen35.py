@@ -51,10 +51,10 @@ def hf_logits(model, ids) -> np.ndarray:
         return model(torch.tensor([list(ids)])).logits[0].float().numpy()
 
 
-def assert_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-3) -> None:
+def assert_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-3, what: str = "") -> None:
     assert ours.shape == ref.shape
     err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
-    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} * max |logit| {scale:.3g}"
+    assert err <= rel * scale, f"{what} max |diff| {err:.3g} > {rel} * max |value| {scale:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +143,8 @@ def test_decode_token_by_token_equals_one_prefill(loaded):
     step = Runner(*loaded, passes="default")
     got = np.concatenate([step.feed([t]) for t in ids])
     assert_close(got, want, rel=1e-4)
-    for name, buf in whole.state.items():
-        np.testing.assert_allclose(step.state[name], buf, rtol=1e-4, atol=1e-5, err_msg=name)
+    for name, buf in whole.state.items():  # f32 rounding scales with the state's magnitude, as for logits
+        assert_close(step.state[name], buf, rel=1e-4, what=name)
 
 
 def test_prefill_in_chunks_equals_one_prefill(loaded):
@@ -163,7 +163,7 @@ def test_cpu_equals_reference(loaded, passes):
     for t in (5, 77, 1):  # decode steps after the prefill
         assert_close(cpu.feed([t]), ref.feed([t]), rel=1e-4)
     for name, buf in ref.state.items():
-        np.testing.assert_allclose(cpu.state[name], buf, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert_close(cpu.state[name], buf, rel=1e-4, what=name)  # relative to the state's max, as for logits
 
 
 def test_replayed_decode_program_equals_fresh_programs_bitwise(loaded):

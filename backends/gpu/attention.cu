@@ -5,7 +5,10 @@
 //                   query). Each block scores the rows of its split for every q head of one GQA
 //                   group (each K/V row is read once per kv head), keeps an online softmax per
 //                   row group, and writes a partial (max, sum, acc[dv]) per (query, head, split).
-//   attn_combine    merges the partials of the active splits into the output.
+//   attn_dtile*     the same split-K decode with R rows per row group per step (loads of the
+//                   next step overlap this step's math): attention.py's default.
+//   attn_combine, attn_combine_wide
+//                   merge the partials of the active splits into the output.
 //   attn_prefill_*  many queries: a block takes QT queries x one GQA head chunk, streams K/V tiles
 //                   through shared memory (converted to f32 once) and skips tiles outside the
 //                   union of its queries' visible ranges.
@@ -316,6 +319,293 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_m, const 
     }
 }
 
+// ---------------------------------------------------------------- decode: split-K, tiles of rows
+// Same grid, partials and split formula as attn_decode, built for bytes in flight (measured:
+// the row-at-a-time kernel reached 26% of copy bandwidth at 8k f16, latency bound):
+//  - each row group takes R rows per step (rows base + r*RG + rg), so a lane has R K rows and
+//    R V rows of loads outstanding; K for the next step is issued as soon as this step's scores
+//    are formed and V as soon as its products are accumulated, so loads overlap all compute;
+//  - the R scores of a step are folded with one max, one rescale of acc and R exp2f (no serial
+//    compare-rescale chain per row);
+//  - f16 rows are read 16 bytes (8 halves) per lane and load, f32 rows 16 bytes per load.
+// A lane owns NV 4-element vectors of a row; W of them (2 for f16 with NV even, else 1) come
+// from one load: vector n of lane t holds elements tile_elem(n, t) .. +3.
+template <typename KV, int NV> struct TileW { static constexpr int value = 1; };
+template <> struct TileW<u16, 2> { static constexpr int value = 2; };
+template <> struct TileW<u16, 4> { static constexpr int value = 2; };
+
+template <int T, int W>
+DEVICE int tile_elem(int n, int t) { return ((n / W) * T + t) * (4 * W) + (n % W) * 4; }
+
+struct alignas(16) vh8 {  // eight f16 as raw bits: one 16-byte load
+    unsigned int a, b, c, d;
+};
+
+// Raw loads of the W vectors at elements e .. e+4W-1 of one row, zeros past its end (the whole
+// load is in the row or past it: n % (4W) == 0, checked at lowering), and their conversion.
+DEVICE void tload(vf4& r, const float* __restrict__ row, int e, int n) { r = e < n ? *(const vf4*)(row + e) : zero4(); }
+DEVICE void tload(vh4& r, const u16* __restrict__ row, int e, int n) { r = e < n ? *(const vh4*)(row + e) : vh4{0u, 0u}; }
+DEVICE void tload(vh8& r, const u16* __restrict__ row, int e, int n) {
+    r = e < n ? *(const vh8*)(row + e) : vh8{0u, 0u, 0u, 0u};
+}
+DEVICE void tcvt(vf4 r, vf4* o) { o[0] = r; }
+DEVICE void tcvt(vh4 r, vf4* o) { o[0] = to_f32(r); }
+DEVICE void tcvt(vh8 r, vf4* o) { o[0] = to_f32(vh4{r.a, r.b}), o[1] = to_f32(vh4{r.c, r.d}); }
+
+template <typename KV, int W> struct TileRaw { typedef vf4 type; };
+template <> struct TileRaw<u16, 1> { typedef vh4 type; };
+template <> struct TileRaw<u16, 2> { typedef vh8 type; };
+
+template <typename KV, int GB, int NV, int T, int R>
+DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+                             const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
+                             float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
+                             int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
+                             int code) {
+    constexpr int W = TileW<KV, NV>::value, NL = NV / W;  // NL loads per lane per row
+    typedef typename TileRaw<KV, W>::type Raw;
+    constexpr int NT = ATTN_DECODE_THREADS, RG = NT / T, DK = T * NV * 4, STEP = RG * R;
+    __shared__ float sm_m[RG][GB], sm_l[RG][GB];
+    __shared__ vf4 sm_acc[RG][DK / 4];
+
+    const int tid = threadIdx.x, t = tid % T, rg = tid / T;
+    const int s = blockIdx.x, qi = blockIdx.z;
+    const int kvh = blockIdx.y / n_gch, gc = blockIdx.y % n_gch;
+    const int G = hq / hk, h0 = kvh * G + gc * GB;
+    const int ng = G - gc * GB < GB ? G - gc * GB : GB;
+
+    const int L = kv_len[0], p = pos[qi];  // independent loads: one round trip for both
+    if (L < 0 || L > cap) {  // attn_combine_* writes zeros
+        if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
+        return;
+    }
+    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int s0 = s * chunk;
+    if (s0 >= L) return;  // inactive split: the combine does not read it
+    const int s1 = s0 + chunk < L ? s0 + chunk : L;
+
+    int lo, hi;
+    visible_range(p, L, window, lo, hi);
+    lo = lo > s0 ? lo : s0;
+    hi = hi < s1 ? hi : s1;
+    const long long pbase = ((long long)qi * hq + h0) * n_split + s;  // partial of head h0 + g: pbase + g*n_split
+    if (lo >= hi) {  // nothing visible here: a neutral partial (the combine never reads its acc)
+        if (tid < ng) part_m[pbase + (long long)tid * n_split] = NEG_INF, part_l[pbase + (long long)tid * n_split] = 0.0f;
+        return;
+    }
+
+    const long long kstride = (long long)hk * d, vstride = (long long)hk * dv;
+    const KV* kb = k + (long long)kvh * d;
+    const KV* vb = v + (long long)kvh * dv;
+    // First step's K and V are issued before q is read and scaled.
+    Raw rk[R][NL], rv[R][NL];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int j = lo + r * RG + rg;
+#pragma unroll
+        for (int c = 0; c < NL; ++c) {
+            const int e = tile_elem<T, W>(c * W, t);
+            if (j < hi) tload(rk[r][c], kb + j * kstride, e, d); else rk[r][c] = Raw{};
+            if (j < hi) tload(rv[r][c], vb + j * vstride, e, dv); else rv[r][c] = Raw{};
+        }
+    }
+
+    vf4 qr[GB][NV];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+            vf4 x = zero4();
+            if (g < ng) x = load_raw<false>(q + ((long long)qi * hq + h0 + g) * d, tile_elem<T, W>(n, t), d);
+            qr[g][n] = vf4{x.x * scale2, x.y * scale2, x.z * scale2, x.w * scale2};
+        }
+    }
+    float m[GB], l[GB];
+    vf4 acc[GB][NV];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        m[g] = NEG_INF, l[g] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) acc[g][n] = zero4();
+    }
+
+    // The trip count is block-uniform (shuffles need whole warps); rows at or past hi are never
+    // loaded (zeros) and never folded in.
+    for (int base = lo; base < hi; base += STEP) {
+        float sc[R][GB];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            vf4 kr[NV];
+#pragma unroll
+            for (int c = 0; c < NL; ++c) tcvt(rk[r][c], &kr[c * W]);
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                float a = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NV; ++n)
+                    a += qr[g][n].x * kr[n].x + qr[g][n].y * kr[n].y + qr[g][n].z * kr[n].z + qr[g][n].w * kr[n].w;
+                sc[r][g] = a;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int g = 0; g < GB; ++g) sc[r][g] = group_sum<T>(sc[r][g]);
+        }
+        const int nb = base + STEP;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {  // next step's K into the registers just consumed
+            const int j = nb + r * RG + rg;
+#pragma unroll
+            for (int c = 0; c < NL; ++c) {
+                if (j < hi) tload(rk[r][c], kb + j * kstride, tile_elem<T, W>(c * W, t), d); else rk[r][c] = Raw{};
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GB; ++g) {  // scores become probabilities in place
+            float mx = m[g];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (base + r * RG + rg < hi) mx = fmaxf(mx, sc[r][g]);
+            // mx = -inf only when this group has seen no row yet and has none in this step: nothing to fold
+            const float c = mx == NEG_INF ? 1.0f : exp2f(m[g] - mx);  // 0 on the group's first row
+            float ls = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                sc[r][g] = base + r * RG + rg < hi ? exp2f(sc[r][g] - mx) : 0.0f;
+                ls += sc[r][g];
+            }
+            l[g] = l[g] * c + ls;
+            m[g] = mx;
+#pragma unroll
+            for (int n = 0; n < NV; ++n) acc[g][n] = vf4{acc[g][n].x * c, acc[g][n].y * c, acc[g][n].z * c, acc[g][n].w * c};
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            vf4 vr[NV];
+#pragma unroll
+            for (int c = 0; c < NL; ++c) tcvt(rv[r][c], &vr[c * W]);
+            const int j = nb + r * RG + rg;
+#pragma unroll
+            for (int c = 0; c < NL; ++c) {
+                if (j < hi) tload(rv[r][c], vb + j * vstride, tile_elem<T, W>(c * W, t), dv); else rv[r][c] = Raw{};
+            }
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                const float w = sc[r][g];
+#pragma unroll
+                for (int n = 0; n < NV; ++n) {
+                    acc[g][n].x += w * vr[n].x, acc[g][n].y += w * vr[n].y;
+                    acc[g][n].z += w * vr[n].z, acc[g][n].w += w * vr[n].w;
+                }
+            }
+        }
+    }
+
+    // Merge the RG row groups: rescale each to the block max, sum through shared memory.
+    if (t == 0) {
+#pragma unroll
+        for (int g = 0; g < GB; ++g) sm_m[rg][g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
+        float M = NEG_INF;
+        for (int r = 0; r < RG; ++r) M = fmaxf(M, sm_m[r][g]);
+        const float f = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - M);  // a group that saw no row adds nothing
+#pragma unroll
+        for (int n = 0; n < NV; ++n)
+            sm_acc[rg][tile_elem<T, W>(n, t) / 4] = vf4{acc[g][n].x * f, acc[g][n].y * f, acc[g][n].z * f, acc[g][n].w * f};
+        if (t == 0) sm_l[rg][g] = l[g] * f;
+        __syncthreads();
+        const float* sa = (const float*)&sm_acc[0][0];
+        float* pa = part_acc + (pbase + (long long)g * n_split) * dv;
+        for (int e = tid; e < dv; e += NT) {
+            float a = 0.0f;
+            for (int r = 0; r < RG; ++r) a += sa[r * DK + e];
+            pa[e] = a;
+        }
+        if (tid == 0) {
+            float ls = 0.0f;
+            for (int r = 0; r < RG; ++r) ls += sm_l[r][g];
+            part_m[pbase + (long long)g * n_split] = M;
+            part_l[pbase + (long long)g * n_split] = ls;
+        }
+        __syncthreads();  // sm_acc is rewritten for the next head
+    }
+}
+
+// out[qi, h, :] from the partials of the splits that ran, like attn_combine but with the splits
+// spread over CSG thread groups (each a run of 4-element column vectors), so the partials are
+// read with CSG x unroll loads in flight instead of one split after another. grid (hq, n_q).
+#ifndef ATTN_COMBINE_WIDE_THREADS
+#define ATTN_COMBINE_WIDE_THREADS 256
+#endif
+extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_WIDE_THREADS)
+attn_combine_wide(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
+                  const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
+                  int min_chunk) {
+    constexpr int NT = ATTN_COMBINE_WIDE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
+    __shared__ float w[ATTN_MAX_SPLITS];
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    __shared__ vf4 sm[CSG][CW];
+    const int tid = threadIdx.x, cl = tid % CW, sg = tid / CW;
+    const long long row = (long long)blockIdx.y * hq + blockIdx.x;
+    float* o = out + row * dv;
+    const int L = kv_len[0];
+    if (L <= 0 || L > cap) {  // empty cache, or a bad kv_len the decode kernel reported
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int na = cdiv_i(L, chunk);  // <= n_split
+    const long long base = row * n_split;
+    float M = NEG_INF;
+    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
+    M = block_max(M, red);
+    if (M == NEG_INF) {  // no visible key for this query
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    float ls = 0.0f;
+    for (int s = tid; s < na; s += NT) {
+        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
+        w[s] = ws;
+        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
+    }
+    ls = block_sum(ls, red);  // its barriers also publish w[]
+    const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
+    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
+    const int nvec = (dv + 3) / 4;
+    for (int c0 = 0; c0 < nvec; c0 += CW) {  // block-uniform trip count (barriers inside)
+        const int cv = c0 + cl, e = cv * 4;
+        vf4 a = zero4();
+        if (cv < nvec) {
+#pragma unroll 8
+            for (int s = sg; s < na; s += CSG) {
+                const float ws = w[s];
+                const float* src = part_acc + (base + s) * dv;
+                const vf4 x = vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
+                if (ws != 0.0f) {  // empty splits' acc is never written (may hold anything)
+                    a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
+                }
+            }
+        }
+        sm[sg][cl] = a;
+        __syncthreads();
+        if (sg == 0 && cv < nvec) {
+            vf4 r = zero4();
+            for (int i = 0; i < CSG; ++i) r.x += sm[i][cl].x, r.y += sm[i][cl].y, r.z += sm[i][cl].z, r.w += sm[i][cl].w;
+            const float rr[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (e + c < dv) o[e + c] = rr[c] * inv;
+        }
+        __syncthreads();  // sm is rewritten by the next column run
+    }
+}
+
 // ---------------------------------------------------------------- prefill
 template <typename KV, int GB, int NV, int T, bool VEC>
 DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
@@ -404,12 +694,19 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
 // ---------------------------------------------------------------- specializations
 // Name suffix: KV dtype, DK (the largest head dim served: max(d, dv) <= DK) and GB (q heads per
 // block; a GQA group is cut into chunks of GB). NV (4-element vectors per lane) sets T = DK/(4*NV).
-// q and acc take GB*NV*4 registers each, so NV shrinks as GB grows: decode (memory bound) keeps
-// registers near 128 for 4 blocks per SM of 128 threads (ptxas: GB=4, NV=4 needed 224), prefill
-// (compute bound) keeps NV=4 where it fits for fewer shuffles per score. `_any` takes any d, dv
-// <= 256 and any alignment (element loads), one head per block: the fallback.
-// attention.py mirrors NVP (it sizes the prefill grid): keep the two in step.
-#define ATTN_DEFINE(KVNAME, KVT, DK, GB, NVD, NVP, VEC, SUFFIX)                                                    \
+// q and acc take GB*NV*4 registers each. Prefill (compute bound) keeps NV=4 where it fits for
+// fewer shuffles per score. `_any` takes any d, dv <= 256 and any alignment (element loads), one
+// head per block: the fallback. attention.py mirrors NVP (it sizes the prefill grid).
+#define ATTN_DEFINE_PREFILL(KVNAME, KVT, DK, GB, NVP, VEC, SUFFIX)                                                \
+    extern "C" __global__ void __launch_bounds__(ATTN_PREFILL_THREADS) attn_prefill_##KVNAME##SUFFIX(            \
+        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* out, int n_q,       \
+        int hq, int hk, int d, int dv, int cap, float scale2, int window, int n_gch, int* errflag, int code) {    \
+        attn_prefill<KVT, GB, NVP, (DK) / (4 * (NVP)), VEC>(q, k, v, pos, kv_len, out, n_q, hq, hk, d, dv, cap,   \
+                                                             scale2, window, n_gch, errflag, code);               \
+    }
+// The row-at-a-time decode (attn_decode): the fallback for shapes the tile kernels do not take
+// (`_any`), and the d128_g4 "row" variant to time against them (ptxas: GB=4, NV=2: 112 registers).
+#define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NVD, VEC, SUFFIX)                                                    \
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
@@ -417,26 +714,57 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
         attn_decode<KVT, GB, NVD, (DK) / (4 * (NVD)), VEC>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,    \
                                                             hk, d, dv, cap, n_split, min_chunk, scale2, window,   \
                                                             n_gch, errflag, code);                                \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_PREFILL_THREADS) attn_prefill_##KVNAME##SUFFIX(            \
-        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* out, int n_q,       \
-        int hq, int hk, int d, int dv, int cap, float scale2, int window, int n_gch, int* errflag, int code) {    \
-        attn_prefill<KVT, GB, NVP, (DK) / (4 * (NVP)), VEC>(q, k, v, pos, kv_len, out, n_q, hq, hk, d, dv, cap,   \
-                                                             scale2, window, n_gch, errflag, code);               \
     }
 
-//                                    DK   GB NVD NVP
+//                                                DK   GB NVP
 #define ATTN_DEFINE_KV(KVNAME, KVT)                                   \
-    ATTN_DEFINE(KVNAME, KVT, 64, 1, 4, 4, true, _d64_g1)              \
-    ATTN_DEFINE(KVNAME, KVT, 64, 4, 2, 4, true, _d64_g4)              \
-    ATTN_DEFINE(KVNAME, KVT, 64, 8, 1, 2, true, _d64_g8)              \
-    ATTN_DEFINE(KVNAME, KVT, 128, 1, 4, 4, true, _d128_g1)            \
-    ATTN_DEFINE(KVNAME, KVT, 128, 4, 2, 4, true, _d128_g4)            \
-    ATTN_DEFINE(KVNAME, KVT, 128, 8, 1, 2, true, _d128_g8)            \
-    ATTN_DEFINE(KVNAME, KVT, 256, 1, 4, 4, true, _d256_g1)            \
-    ATTN_DEFINE(KVNAME, KVT, 256, 4, 2, 4, true, _d256_g4)            \
-    ATTN_DEFINE(KVNAME, KVT, 256, 8, 2, 2, true, _d256_g8)            \
-    ATTN_DEFINE(KVNAME, KVT, 256, 1, 4, 4, false, _any)
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 64, 1, 4, true, _d64_g1)         \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 64, 4, 4, true, _d64_g4)         \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 64, 8, 2, true, _d64_g8)         \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 128, 1, 4, true, _d128_g1)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 128, 4, 4, true, _d128_g4)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 128, 8, 2, true, _d128_g8)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, true, _d256_g1)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 4, 4, true, _d256_g4)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 8, 2, true, _d256_g8)       \
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, false, _any)          \
+    ATTN_DEFINE_ROW(KVNAME, KVT, 128, 4, 2, true, _d128_g4)           \
+    ATTN_DEFINE_ROW(KVNAME, KVT, 256, 1, 4, false, _any)
 
 ATTN_DEFINE_KV(f32, float)
 ATTN_DEFINE_KV(f16, u16)
+
+// Tiled split-K decode (attn_decode_tile): attn_dtile<R>_<kv><suffix>, same suffixes as above
+// (the tile kernels need VEC loads, so no `_any`). NV here: 2 where q and acc (GB*NV*4 registers
+// each) leave room for R rows of raw K/V, 1 for GB=8 below DK=256. ptxas (sm_90, d128_g4): f16
+// R=2/4/8 use 125/168/254 registers, f32 R=1/2/4 127/139/209: 4, 3 and 2 blocks of 128 threads
+// per SM, i.e. 32, 48 and 64 KiB of K/V loads in flight per SM. RA: R for GB 1 and 4, RB: GB 8.
+// attention.py mirrors this table (TILE_R, TILE_EXTRA, _TILE_NV).
+#define ATTN_DEFINE_TILE(KVNAME, KVT, DK, GB, NV, R, SUFFIX)                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_dtile##R##_##KVNAME##SUFFIX(           \
+        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
+        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
+        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
+        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,   \
+                                                             hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
+                                                             n_gch, errflag, code);                               \
+    }
+//                                                  DK  GB NV
+#define ATTN_DEFINE_TILE_KV(KVNAME, KVT, RA, RB)                     \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 1, 2, RA, _d64_g1)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 4, 2, RA, _d64_g4)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 8, 1, RB, _d64_g8)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 1, 2, RA, _d128_g1)           \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 4, 2, RA, _d128_g4)           \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 8, 1, RB, _d128_g8)           \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 1, 2, RA, _d256_g1)           \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 4, 2, RA, _d256_g4)           \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 8, 2, RB, _d256_g8)
+
+ATTN_DEFINE_TILE_KV(f16, u16, 4, 2)
+ATTN_DEFINE_TILE_KV(f32, float, 2, 1)
+// Other R for the Qwen3/Llama shape (d 128, group 4), to time against the defaults.
+ATTN_DEFINE_TILE(f16, u16, 128, 4, 2, 2, _d128_g4)
+ATTN_DEFINE_TILE(f16, u16, 128, 4, 2, 8, _d128_g4)
+ATTN_DEFINE_TILE(f32, float, 128, 4, 2, 1, _d128_g4)
+ATTN_DEFINE_TILE(f32, float, 128, 4, 2, 4, _d128_g4)

@@ -1,17 +1,28 @@
 """flash_attn on the GPU: split-K flash decoding for a few queries, a tiled causal kernel for prefill.
 
 Both paths read positions and kv_len on the device (attention.cu), so a lowered Program serves
-every position. The path and every launch argument are chosen here from shapes only:
+every position. The path and every launch argument are chosen here from shapes (and the device's
+SM count) only:
 
-- decode (n_q <= DECODE_MAX_QUERIES): `attn_decode_*` over a fixed grid of n_split splits per
-  (query, kv head, head chunk), then `attn_combine`. A split's row count is
+- decode (n_q <= DECODE_MAX_QUERIES): a decode kernel over a fixed grid of n_split splits per
+  (query, kv head, head chunk), then a combine kernel. A split's row count is
   max(MIN_CHUNK, ceil(kv_len / n_split)), computed on the device, so the work follows the actual
-  context and splits past kv_len exit at once.
+  context and splits past kv_len exit at once. n_split is sized so that every block of a full
+  context is resident at once (one wave: SMs x resident blocks of the decode kernel).
+  Variants (DECODE_VARIANT, per KV dtype; `python benchmarks/bench_gpu_attention.py --variants`
+  times them all):
+    "tile<R>"  attn_dtile<R>_*: each row group takes R rows per step, loads of the next step
+               overlap this step's math, one max/rescale per step; + attn_combine_wide.
+    "tile"     the tile kernel with the default R of every shape (TILE_R).
+    "row"      attn_decode_*: the first kernel, one row at a time per row group; + attn_combine.
+  Shapes a variant lacks a kernel for use "tile"; shapes the tile kernels cannot load (d or dv
+  not a multiple of 4, or 8 for f16 tiles, or K/V not 16-byte aligned) use attn_decode_*_any.
 - prefill: `attn_prefill_*`, QT queries x one GQA head chunk per block, K/V tiles in shared memory.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,6 +30,7 @@ import numpy as np
 
 from graphir.errors import BackendError
 
+from . import kernels
 from .launch import Launch, Lowering, cdiv, f32, i32
 
 FILE = "attention.cu"
@@ -26,14 +38,24 @@ DECODE_MAX_QUERIES = 4  # above this, prefill (K/V tiles shared by many queries)
 DECODE_THREADS = 128  # ATTN_DECODE_THREADS
 PREFILL_THREADS = 128  # ATTN_PREFILL_THREADS
 COMBINE_THREADS = 128  # ATTN_COMBINE_THREADS
+COMBINE_WIDE_THREADS = 256  # ATTN_COMBINE_WIDE_THREADS
 MAX_SPLITS = 1024  # ATTN_MAX_SPLITS (combine's shared weights)
 MAX_HEAD_DIM = 256
-# Decode grid: about TARGET_BLOCKS blocks when every split is busy (H200: 132 SMs x 4 resident
-# blocks of 128 threads at ~120 registers, two waves), and at least MIN_CHUNK rows per split so a
-# block's fixed cost (q load, merge, partial write of GB*dv floats) stays small next to its rows.
-TARGET_BLOCKS = 1024
-MIN_CHUNK = 128
 LOG2E = 1.4426950408889634
+
+# The decode variant per KV dtype, picked from `bench_gpu_attention.py --variants` on an H200
+# (2026-11-30, Qwen3-8B shapes, % of copy bandwidth at 1k / 8k / 32k): f16 tile2 7.3/41.5/58.5,
+# tile4 9.1/38.4/58.4, old row kernel 6.0/27.0/46.3; f32 tile2 16.9/53.1/85.6, row 11.7/44.1/77.5.
+DECODE_VARIANT = {"f16": "tile2", "f32": "tile2"}
+# Tile kernels in attention.cu: R for every shape (GB 1 and 4, GB 8), and the extra R of d128_g4.
+TILE_R = {"f16": (4, 2), "f32": (2, 1)}
+TILE_EXTRA = {"f16": (2, 8), "f32": (1, 4)}
+# Decode grid: TARGET_BLOCKS blocks when every split is busy; None: one wave of the decode kernel
+# (SM count x its resident blocks per SM, from its register count), so no SM idles through a second,
+# partial wave. MIN_CHUNK: rows per split at least, so a block's fixed cost (kv_len and q loads,
+# merge, partial write of GB*dv floats, combine reads) stays small next to its rows.
+TARGET_BLOCKS: int | None = None
+MIN_CHUNK = 64
 
 
 def _kv_name(a: Any) -> str:
@@ -57,6 +79,59 @@ def _variant(kv: str, d: int, dv: int, group: int, k: Any, v: Any) -> tuple[str,
     dk = 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
     gb = 1 if group == 1 else 4 if group <= 4 else 8
     return f"_d{dk}_g{gb}", dk, gb, 2 if gb == 8 else 4
+
+
+def _tile_nv(dk: int, gb: int) -> int:
+    """NV of attn_dtile*: mirrors ATTN_DEFINE_TILE_KV."""
+    return 1 if gb == 8 and dk < 256 else 2
+
+
+def decode_kernels(kv: str, suffix: str, dk: int, gb: int, d: int, dv: int, k: Any, v: Any,
+                   variant: str | None = None) -> tuple[str, str]:
+    """(decode kernel, combine kernel) for DECODE_VARIANT[kv] (or `variant`) on these shapes."""
+    variant = DECODE_VARIANT[kv] if variant is None else variant
+    if suffix == "_any":
+        return f"attn_decode_{kv}_any", "attn_combine"
+    if variant == "row":
+        return (f"attn_decode_{kv}{suffix}", "attn_combine") if suffix == "_d128_g4" else \
+            (f"attn_decode_{kv}_any", "attn_combine")
+    if not variant.startswith("tile"):
+        raise BackendError(f"flash_attn: unknown decode variant {variant!r}")
+    # f16 tiles with NV even read 8 halves per 16-byte load: d, dv multiples of 8, 16-byte aligned rows
+    if kv == "f16" and _tile_nv(dk, gb) % 2 == 0 and (d % 8 or dv % 8 or not (_aligned(k, 16) and _aligned(v, 16))):
+        return f"attn_decode_{kv}_any", "attn_combine"
+    r = TILE_R[kv][1 if gb == 8 else 0]
+    if variant != "tile":
+        want = int(variant[4:])
+        if want == r or (suffix == "_d128_g4" and want in TILE_EXTRA[kv]):
+            r = want
+    return f"attn_dtile{r}_{kv}{suffix}", "attn_combine_wide"
+
+
+@functools.cache
+def _sm_count() -> int:
+    try:
+        from .device import cupy
+
+        return int(cupy().cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # no device attributes here: an H200
+        return 132
+
+
+def resident_blocks(kernel: Any, threads: int) -> int:
+    """Blocks of a RawKernel resident at once on the device (one wave)."""
+    per_sm = 0
+    try:
+        from cupy_backends.cuda.api import driver
+
+        per_sm = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0))
+    except Exception:  # HIP or an older CuPy: from the register count (64K registers per SM)
+        try:
+            regs = max(1, int(kernel.num_regs))
+            per_sm = 65536 // (cdiv(regs * 32, 256) * 256 * (threads // 32))
+        except Exception:
+            per_sm = 0
+    return _sm_count() * max(1, min(per_sm, 16)) if per_sm > 0 else _sm_count() * 4
 
 
 def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
@@ -86,21 +161,28 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
                        (q, k, v, pos, kv_len, out, i32(n_q), *common, scale2, i32(window), i32(n_gch),
                         lw.errflag, code))]
 
-    n_split = decode_splits(cap, n_q * hk * n_gch)
+    dname, cname = decode_kernels(kv, suffix, dk, gb, d, dv, k, v)
+    if dname.endswith("_any"):  # one head per block
+        gb, n_gch = 1, group
+    per_split = n_q * hk * n_gch
+    target = TARGET_BLOCKS
+    if target is None:
+        target = resident_blocks(kernels.get(FILE, dname), DECODE_THREADS)
+    n_split = decode_splits(cap, per_split, target)
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
+    cthreads = COMBINE_WIDE_THREADS if cname == "attn_combine_wide" else COMBINE_THREADS
     return [
-        Launch(FILE, f"attn_decode_{kv}{suffix}", (n_split, hk * n_gch, n_q), DECODE_THREADS,
+        Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
                (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
                 i32(window), i32(n_gch), lw.errflag, code)),
-        Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
+        Launch(FILE, cname, (hq, n_q), cthreads,
                (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
     ]
 
 
-def decode_splits(cap: int, blocks_per_split: int, target_blocks: int | None = None) -> int:
-    """Splits per (query, kv head, head chunk): enough for ~target_blocks blocks at full context,
+def decode_splits(cap: int, blocks_per_split: int, target_blocks: int) -> int:
+    """Splits per (query, kv head, head chunk): about target_blocks blocks at full context,
     no more than cap needs at MIN_CHUNK rows each."""
-    target = TARGET_BLOCKS if target_blocks is None else target_blocks
-    return max(1, min(MAX_SPLITS, math.ceil(cap / MIN_CHUNK), target // max(1, blocks_per_split)))
+    return max(1, min(MAX_SPLITS, math.ceil(cap / MIN_CHUNK), target_blocks // max(1, blocks_per_split)))
