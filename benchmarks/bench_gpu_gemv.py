@@ -1,6 +1,7 @@
 """Benchmark the gpu backend's decode GEMV (m = 1) against device copy bandwidth.
 
     python benchmarks/bench_gpu_gemv.py [--quick] [--iters N]
+    python benchmarks/bench_gpu_gemv.py --variants [--formats bf16,q8_0] [--shapes 4096x4096,...]
 
 Formats bf16, q8_0, q4_k, q4_0 at Qwen3-8B shapes (n_out x n_in): 4096x4096 (q/o), 12288x4096
 (gate/up), 4096x12288 (down), 151936x4096 (LM head). Bandwidth counts the weight's stored bytes
@@ -14,6 +15,11 @@ nothing is served from the 50 MB L2 (each matrix is read once per token in a rea
 calls are captured into a CUDA graph (as a decode step is) and timed with CUDA events after a
 warm-up (a cold GPU runs at low clocks); without graph capture they run from a Python loop.
 The first rows of every result are checked against numpy.
+
+--variants times every m == 1 kernel (gemv1_<fmt> and each gemv1v2_<fmt>_<cfg> of matmul.py
+GEMV1_CONFIGS) on the same device buffers, checks every output row against the weight
+dequantized on the device (dequant_<fmt>) times x, and ends with a table of % of copy
+bandwidth per variant, the best marked, next to the current GEMV1_KERNEL choice.
 """
 
 from __future__ import annotations
@@ -135,11 +141,89 @@ def bench_one(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict:
             "how": how, "prep_s": prep_s}
 
 
+def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict[str, float]:
+    """us per call of every m == 1 variant on one weight (rotated copies); each result checked."""
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu.launch import Launch, cdiv, i32
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, _row_bytes, gemv_kernel
+
+    n_out, n_in = shape
+    raw = make_raw(rng, fmt, shape)
+    rb = _row_bytes(fmt, n_in)
+    dev = cp.asarray(raw.view(np.uint8).reshape(n_out, rb))
+    copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
+    ws = [dev] + [dev.copy() for _ in range(copies - 1)]
+    x = cp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
+    # reference: the weight dequantized on the device (dequant_<fmt>, bit-exact to graphir.quant)
+    wf = cp.empty((n_out, n_in), np.float32)
+    kernels.get("matmul.cu", f"dequant_{fmt}")((min(cdiv(n_out * n_in // 8, 256), 1 << 20),), (256,),
+                                                (dev, np.int64(rb), wf, i32(n_out), i32(n_in)))
+    want = (wf @ x[0]).astype(np.float64)
+    bound = (cp.abs(wf) @ cp.abs(x[0])).astype(np.float64) * 1e-5 + 1e-6
+    del wf
+    ys = [cp.zeros((1, n_out), np.float32) for _ in range(copies)]
+    out = {}
+    for var in ["gemv1", *GEMV1_CONFIGS]:
+        name, threads, rows = gemv_kernel(fmt, n_in, 1, dev.data.ptr, var)
+        if var != "gemv1" and not name.startswith("gemv1v2"):
+            continue  # this shape falls back to gemv1
+        steps = [Launch("matmul.cu", name, cdiv(n_out, rows), threads,
+                        (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(1))) for w, y in zip(ws, ys)]
+        for y in ys:
+            y.fill(np.nan)
+        secs, _ = time_steps(cp, steps, max(3, iters // copies))
+        for y in ys:
+            err = cp.abs(y[0].astype(np.float64) - want)
+            if not bool((err <= bound).all()):
+                print(f"  {name} {shape}: WRONG (max error {float(err.max()):.3g}, "
+                      f"{int((err > bound).sum())} rows out of bound)", flush=True)
+                secs = float("nan")
+                break
+        out[var] = secs / copies * 1e6
+    del ws, ys, dev
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def main_variants(cp, rng, args, bw: float) -> None:
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, _row_bytes
+
+    shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
+    fmts = args.formats.split(",")
+    iters = args.iters or 100
+    variants = ["gemv1", *GEMV1_CONFIGS]
+    rows = []
+    for fmt in fmts:
+        for shape in shapes:
+            t0 = time.perf_counter()
+            us = bench_variants(cp, rng, fmt, shape, iters)
+            moved = shape[0] * _row_bytes(fmt, shape[1]) + 4 * (shape[0] + shape[1])
+            pct = {v: 100 * moved / (t * 1e-6) / bw for v, t in us.items()}
+            rows.append((fmt, shape, us, pct))
+            print(f"  {fmt} {shape[0]}x{shape[1]}: " + ", ".join(f"{v} {t:.2f}us" for v, t in us.items())
+                  + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"\n% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = 1; * = best, [ ] = current GEMV1_KERNEL")
+    print(f"{'format':7} {'shape':>13} " + " ".join(f"{v:>9}" for v in variants))
+    for fmt, shape, _us, pct in rows:
+        best = max((v for v in pct if pct[v] == pct[v]), key=lambda v: pct[v], default=None)
+        cur = GEMV1_KERNEL.get(fmt, "gemv1")
+        cells = []
+        for v in variants:
+            if v not in pct:
+                cells.append(f"{'-':>9}")
+                continue
+            mark = ("*" if v == best else "") + ("[]" if v == cur else "")
+            cells.append(f"{pct[v]:6.1f}{mark:<3}")
+        print(f"{fmt:7} {shape[0]:>6}x{shape[1]:<6} " + " ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer iterations")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 200, quick 50)")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--variants", action="store_true", help="time every m == 1 kernel variant, checked")
+    ap.add_argument("--shapes", default=None, help="with --variants: e.g. 4096x4096,12288x4096")
     args = ap.parse_args()
     from graphir.backends.gpu.device import available, cupy
 
@@ -152,6 +236,9 @@ def main() -> None:
     bw = copy_bandwidth(cp, 10 if args.quick else 30)
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"copy bandwidth (1 GiB d2d, read + write): {bw / 1e12:.3f} TB/s\n")
+    if args.variants:
+        main_variants(cp, rng, args, bw)
+        return
     rows = []
     print(f"{'format':7} {'shape':>13} {'us/call':>9} {'GB/s':>8} {'% copy':>7}  notes")
     for fmt in args.formats.split(","):

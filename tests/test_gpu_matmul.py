@@ -207,6 +207,48 @@ def test_gemv_rule_unaligned_x_and_replay(fmt, m, rng):
         _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
 
 
+def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS
+
+    cases = []
+    for fmt in FORMATS:
+        qk = 256 if fmt in K_QUANTS else (8 if fmt in FLOATS else 32)
+        if fmt == "q6_k":  # 210-byte blocks: rows of whole 16-byte pieces only from 8 blocks on
+            n_ins = [256, 2048, 256 * 24]
+        elif fmt in K_QUANTS:
+            n_ins = [256, 512, 256 * 17]
+        else:
+            n_ins = [qk * 8, qk * 16, qk * 8 * 13]  # rows of whole 16-byte pieces (the wide loads)
+        for cfg in ["gemv1", *GEMV1_CONFIGS]:
+            for shape in [(1, n_ins[0]), (7, n_ins[1]), (511, n_ins[2])]:
+                cases.append((fmt, cfg, shape))
+    return cases
+
+
+@pytest.mark.parametrize("fmt,cfg,shape", _variant_cases(), ids=[f"{f}-{c}-{s[0]}x{s[1]}" for f, c, s in
+                                                                  _variant_cases()])
+def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
+    """Every m == 1 kernel variant (matmul.py GEMV1_CONFIGS; the benchmark picks the default), at
+    1, 7 and 511 rows, against the f64 product of the dequantized weight."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    monkeypatch.setitem(mm.GEMV1_KERNEL, fmt, cfg)
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, shape)
+    gp, weights = _param(fmt, raw, shape)
+    lw = Lowering(weights)
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    y_dev = cp.full((1, n_out), np.nan, np.float32)
+    steps = mm.lower_mul_mat(lw, None, [gp, cp.asarray(x)], [y_dev], {})
+    want_name = "gemv1_" + fmt if cfg == "gemv1" else f"gemv1v2_{fmt}_{cfg}"
+    assert steps[-1].name == want_name
+    for s in steps:
+        s()
+    _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
+
+
 # ---------------------------------------------------------------- get_rows
 def _get_rows_cases() -> list[tuple[str, int, int]]:
     cases = []

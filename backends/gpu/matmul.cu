@@ -160,6 +160,130 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
 FOR_EACH_QUANT(DEFINE_GEMV)
 FOR_EACH_FLOAT(DEFINE_GEMV)
 
+// ---------------------------------------------------------------- m == 1 GEMV, version 2
+// gemv1v2_<fmt>_<cfg>: the decode step's GEMV with a tunable geometry, for the benchmark to pick
+// per format (matmul.py GEMV1_KERNEL). A block of T threads holds T/G groups of G lanes; a group
+// owns NR consecutive rows and its lanes stride over the row's units, UN units per lane loaded
+// before any is used. Differences from gemv1_<fmt>:
+//  - G > 32 (several warps on one row) keeps more bytes in flight on short matrices (4096 rows);
+//    the warps' partial sums meet in shared memory.
+//  - wide-load traits (quant.cuh Fq*w): 16-byte loads for the 2-byte-aligned 32-element blocks,
+//    one 16-byte header load for q4_k/q5_k.
+//  - AFFINE formats (value s*q + o) use x.(s*q + o) = s*(x.q) + o*sum(x) over each run of 4:
+//    the run's sum(x) is shared by the group's NR rows, which saves the per-value FMA.
+//  - float formats accumulate each word in two chains (shorter FMA dependency).
+// Float rows that are not whole 8-value pieces take gemv1_<fmt> (matmul.py routes them).
+DEVICE float dot4(const F4& a, const float* v) {
+    return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
+}
+
+template <class F, int T, int G, int NR, int UN>
+DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
+                         float* __restrict__ Y, int n_out, int n_in) {
+    static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
+    __shared__ float tab_smem[16];
+    __shared__ float part[G > 32 ? T / 32 * NR : 1];
+    const float* tab = init_table<F>(tab_smem);
+    const int lane = threadIdx.x % G;
+    const int row0 = (blockIdx.x * (T / G) + threadIdx.x / G) * NR;
+    if (G <= 32 && row0 >= n_out) return;  // G > 32: every thread reaches the __syncthreads below
+    const u8* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
+        const int row = row0 + r < n_out ? row0 + r : n_out - 1;
+        wr[r] = W + (long long)row * row_bytes;
+    }
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+    const int units = (n_in / F::QK) * F::UPB;
+    for (int u0 = lane; u0 < units; u0 += G * UN) {
+        typename F::U q[UN][NR];
+        int bs[UN], js[UN];
+#pragma unroll
+        for (int i = 0; i < UN; ++i) {
+            const int u = u0 + G * i < units ? u0 + G * i : u0;  // past the end: reload u0, unused
+            bs[i] = u / F::UPB;
+            js[i] = u - bs[i] * F::UPB;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < UN; ++i) {
+            if (i > 0 && u0 + G * i >= units) break;
+            const int b = bs[i], j = js[i];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) F::prep(q[i][r], j);
+            const float* xb = X + (long long)b * F::QK;
+#pragma unroll
+            for (int w = 0; w < F::WPU; ++w) {
+                int o0, o1;
+                F::offs(j, w, o0, o1);
+                const F4 a = ldx(xb + o0), c = ldx(xb + o1);
+                if constexpr (F::AFFINE) {
+                    const float sa = (a.a + a.b) + (a.c + a.d), sc = (c.a + c.b) + (c.c + c.d);
+#pragma unroll
+                    for (int r = 0; r < NR; ++r) {
+                        float v[8], s0, f0, s1, f1;
+                        F::affine(q[i][r], j, w, v, s0, f0, s1, f1);
+                        const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
+                        acc[r] = fmaf(s1, d1, fmaf(f1, sc, fmaf(s0, d0, fmaf(f0, sa, acc[r]))));
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 0; r < NR; ++r) {
+                        float v[8], sl = 1.0f, sh = 1.0f;
+                        F::decode(q[i][r], j, w, v, sl, sh, tab);
+                        const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
+                        acc[r] = F::FINAL ? acc[r] + (d0 + d1) : fmaf(sh, d1, fmaf(sl, d0, acc[r]));
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = sum32(acc[r]);
+    if constexpr (G > 32) {
+        const int warp = threadIdx.x / 32, sub = lane / 32;  // 32-lane part of the block, of its group
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) part[warp * NR + r] = acc[r];
+        }
+        __syncthreads();
+        if (sub == 0 && (threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                float s = 0.0f;
+#pragma unroll
+                for (int k = 0; k < G / 32; ++k) s += part[(warp + k) * NR + r];
+                if (row0 + r < n_out) Y[row0 + r] = s;
+            }
+        }
+    } else {
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+                if (row0 + r < n_out) Y[row0 + r] = acc[r];
+        }
+    }
+}
+
+// Configurations (matmul.py GEMV1_CONFIGS mirrors them: threads, rows per block = T / G * NR).
+#define FOR_EACH_GEMV1_CFG(M, name, F) \
+    M(name, F, g32r2, 128, 32, 2, 4)   \
+    M(name, F, g32r4, 128, 32, 4, 2)   \
+    M(name, F, g32r1, 128, 32, 1, 8)   \
+    M(name, F, g128r1, 128, 128, 1, 4) \
+    M(name, F, g256r2, 256, 256, 2, 2)
+#define DEFINE_GEMV1V2_CFG(name, F, cfg, T, G, NR, UN)                                                     \
+    extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
+    }
+#define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
+FOR_EACH_WIDE(DEFINE_GEMV1V2)
+
 // ---------------------------------------------------------------- dequantize to f32 (prefill)
 // out[row, :] = the row's values, row-major [rows, n_in]. One thread per unit, grid-stride.
 template <class F>

@@ -3,7 +3,8 @@
 mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
     `gemv_<fmt>` (`gemv1_<fmt>` at m == 1) reads the weight's blocks once for all m tokens and
-    dequantizes in registers. Capturable.
+    dequantizes in registers. Capturable. At m == 1 the kernel is the variant GEMV1_KERNEL names
+    for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; "gemv1" keeps `gemv1_<fmt>`).
   - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
     scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
     one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
@@ -31,6 +32,19 @@ GEMV_MAX_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: more tokens than this take the
 GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
 GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
 SCRATCH_KEY = ("gpu", "dequant_scratch")
+
+# m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
+# block), mirroring FOR_EACH_GEMV1_CFG (T threads; T/G groups of G lanes, NR rows per group).
+GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g32r1": (128, 4), "g128r1": (128, 1), "g256r2": (256, 2)}
+# The m == 1 kernel per format: a GEMV1_CONFIGS key, or "gemv1" for the first kernel (gemv1_<fmt>).
+# Picked from benchmarks/bench_gpu_gemv.py --variants on the target device.
+GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "g32r2", "q4_0": "g32r4",
+                "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "g32r2", "q5_k": "g32r2",
+                "q6_k": "g32r2", "iq4_xs": "g32r2"}
+# Formats whose gemv1v2 traits read 16-byte windows / headers (quant.cuh Fq*w): they need rows of
+# whole 16-byte pieces in a 16-byte aligned weight.
+_WIDE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k")
+FLOATS = ("f32", "f16", "bf16")
 
 # Per quantized format: (elements per block, units per block) as in quant.cuh's traits; the
 # dequant kernel runs one thread per unit. Float formats run one thread per value.
@@ -78,10 +92,29 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         steps.append(Launch("matmul.cu", "copy_f32", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
                             (x2, buf, np.int64(m * n_in))))
         x2 = buf
-    name = f"gemv1_{w.dtype}" if m == 1 else f"gemv_{w.dtype}"
-    steps.append(Launch("matmul.cu", name, cdiv(n_out, GEMV_ROWS_PER_BLOCK), GEMV_THREADS,
+    name, threads, rows = gemv_kernel(w.dtype, n_in, m, w.raw.data.ptr)
+    steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
     return steps
+
+
+def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None) -> tuple[str, int, int]:
+    """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of a weight at
+    device address `w_ptr`. `variant` (a GEMV1_CONFIGS key or "gemv1") overrides GEMV1_KERNEL;
+    cases a variant cannot take (float rows not whole 8-value pieces; unaligned rows for the
+    wide-load formats) fall back to gemv1_<fmt>."""
+    if m != 1:
+        return f"gemv_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
+    cfg = variant or GEMV1_KERNEL.get(fmt, "gemv1")
+    ok = cfg in GEMV1_CONFIGS
+    if fmt in FLOATS and n_in % 8:
+        ok = False
+    if fmt in _WIDE and (_row_bytes(fmt, n_in) % 16 or w_ptr % 16):
+        ok = False
+    if not ok:
+        return f"gemv1_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
+    threads, rows = GEMV1_CONFIGS[cfg]
+    return f"gemv1v2_{fmt}_{cfg}", threads, rows
 
 
 def _derived(lw: Lowering) -> dict:

@@ -352,6 +352,143 @@ struct Fiq4_xs {
     }
 };
 
+// ---------------------------------------------------------------- wide-load traits (gemv1v2)
+// The same formats read with 16-byte loads where ggml's 18/22/34-byte blocks are only 2-byte
+// aligned. One LDG.128 serves 16 bytes where the 16-bit loads above need 8 instructions, and
+// the L1 load pipeline (one wavefront per 128-byte line an instruction touches) is what limits a
+// GEMV that issues many small loads. Valid only when rows are whole 16-byte pieces and the weight
+// is 16-byte aligned (matmul.py checks): then the second window below never passes the row end.
+
+// Bytes p..p+15 (p 2-byte aligned) from the 16-byte windows at p&~15 and, when p is not aligned,
+// the next one (which ends at or before the row end: p+16 <= end and end is 16-byte aligned).
+DEVICE U4 load16_a2(const u8* p) {
+    const unsigned long long a = (unsigned long long)p;
+    const U4* b = (const U4*)(a & ~15ull);
+    const unsigned off = (unsigned)(a & 15u);
+    const U4 x = b[0];
+    const U4 y = off ? b[1] : x;
+    // words of the 32-byte window: x.a x.b x.c x.d y.a y.b y.c y.d; wanted: words off/4 .. off/4+4,
+    // shifted right by (off % 4) bytes. Two select stages (by 8 bytes, then by 4) and a funnel.
+    const bool s8 = off & 8, s4 = off & 4;
+    const unsigned e0 = s8 ? x.c : x.a, e1 = s8 ? x.d : x.b, e2 = s8 ? y.a : x.c, e3 = s8 ? y.b : x.d,
+                   e4 = s8 ? y.c : y.a, e5 = s8 ? y.d : y.b;
+    const unsigned f0 = s4 ? e1 : e0, f1 = s4 ? e2 : e1, f2 = s4 ? e3 : e2, f3 = s4 ? e4 : e3, f4 = s4 ? e5 : e4;
+    const unsigned sh = (off & 3u) * 8u;  // 0 or 16
+    U4 r;
+    r.a = (unsigned)((((unsigned long long)f1 << 32) | f0) >> sh);
+    r.b = (unsigned)((((unsigned long long)f2 << 32) | f1) >> sh);
+    r.c = (unsigned)((((unsigned long long)f3 << 32) | f2) >> sh);
+    r.d = (unsigned)((((unsigned long long)f4 << 32) | f3) >> sh);
+    return r;
+}
+
+DEVICE unsigned word4(const U4& q, int w) { return w == 0 ? q.a : (w == 1 ? q.b : (w == 2 ? q.c : q.d)); }
+
+// q4_0 / q4_1 / q5_0 / q5_1: one unit per block (its 16 qs bytes); word w = qs bytes 4w..4w+3 ->
+// elements 4w.. (low nibbles) and 16 + 4w.. (high nibbles).
+struct Fq4_0w {
+    static constexpr int QK = 32, BB = 18, UPB = 1, WPU = 4;
+    static constexpr bool FINAL = false, AFFINE = false, TABLE = false, FLOAT = false;
+    struct U { U4 q; unsigned dh; float d; };
+    MEMBER U load(const u8* blk, int) { U u; u.q = load16_a2(blk + 2); u.dh = ld16(blk); return u; }
+    MEMBER void prep(U& u, int) { u.d = h2f(u.dh); }
+    MEMBER void offs(int, int w, int& o0, int& o1) { o0 = 4 * w; o1 = 16 + 4 * w; }
+    MEMBER void decode(const U& u, int, int w, float* v, float& sl, float& sh, const float*) {
+        nibs8(word4(u.q, w), 8.0f, v, v + 4);
+        sl = sh = u.d;
+    }
+};
+
+struct Fq4_1w {
+    static constexpr int QK = 32, BB = 20, UPB = 1, WPU = 4;
+    static constexpr bool FINAL = true, AFFINE = true, TABLE = false, FLOAT = false;
+    struct U { U4 q; unsigned hdr; float d, m; };
+    MEMBER U load(const u8* blk, int) { U u; u.q = load16_a2(blk + 4); u.hdr = ld32(blk); return u; }
+    MEMBER void prep(U& u, int) { u.d = h2f(u.hdr & 0xFFFFu); u.m = h2f(u.hdr >> 16); }
+    MEMBER void offs(int, int w, int& o0, int& o1) { o0 = 4 * w; o1 = 16 + 4 * w; }
+    MEMBER void affine(const U& u, int, int w, float* v, float& s0, float& o0, float& s1, float& o1) {
+        nibs8(word4(u.q, w), 0.0f, v, v + 4);
+        s0 = s1 = u.d; o0 = o1 = u.m;
+    }
+};
+
+struct Fq5_0w {
+    static constexpr int QK = 32, BB = 22, UPB = 1, WPU = 4;
+    static constexpr bool FINAL = false, AFFINE = false, TABLE = false, FLOAT = false;
+    struct U { U4 q; unsigned qh, dh; float d; };
+    MEMBER U load(const u8* blk, int) {
+        U u; u.q = load16_a2(blk + 6); u.qh = ld32a2(blk + 2); u.dh = ld16(blk); return u;
+    }
+    MEMBER void prep(U& u, int) { u.d = h2f(u.dh); }
+    MEMBER void offs(int, int w, int& o0, int& o1) { o0 = 4 * w; o1 = 16 + 4 * w; }
+    MEMBER void decode(const U& u, int, int w, float* v, float& sl, float& sh, const float*) {
+        const unsigned q = word4(u.q, w);
+        const unsigned lo = (q & 0x0F0F0F0Fu) | (spread4(u.qh >> (4 * w)) << 4);
+        const unsigned hi = ((q >> 4) & 0x0F0F0F0Fu) | (spread4(u.qh >> (16 + 4 * w)) << 4);
+        bytes4(lo, 16.0f, v);
+        bytes4(hi, 16.0f, v + 4);
+        sl = sh = u.d;
+    }
+};
+
+struct Fq5_1w {
+    static constexpr int QK = 32, BB = 24, UPB = 1, WPU = 4;
+    static constexpr bool FINAL = true, AFFINE = true, TABLE = false, FLOAT = false;
+    struct U { U4 q; unsigned qh, hdr; float d, m; };
+    MEMBER U load(const u8* blk, int) {
+        U u; u.q = load16_a2(blk + 8); u.qh = ld32(blk + 4); u.hdr = ld32(blk); return u;
+    }
+    MEMBER void prep(U& u, int) { u.d = h2f(u.hdr & 0xFFFFu); u.m = h2f(u.hdr >> 16); }
+    MEMBER void offs(int, int w, int& o0, int& o1) { o0 = 4 * w; o1 = 16 + 4 * w; }
+    MEMBER void affine(const U& u, int, int w, float* v, float& s0, float& o0, float& s1, float& o1) {
+        const unsigned q = word4(u.q, w);
+        const unsigned lo = (q & 0x0F0F0F0Fu) | (spread4(u.qh >> (4 * w)) << 4);
+        const unsigned hi = ((q >> 4) & 0x0F0F0F0Fu) | (spread4(u.qh >> (16 + 4 * w)) << 4);
+        bytes4(lo, 0.0f, v);
+        bytes4(hi, 0.0f, v + 4);
+        s0 = s1 = u.d; o0 = o1 = u.m;
+    }
+};
+
+// q8_0: two units per block, unit j = qs bytes 16j..16j+15; word w = its bytes 8w..8w+7 ->
+// elements 16j + 8w.. (two runs of 4).
+struct Fq8_0w {
+    static constexpr int QK = 32, BB = 34, UPB = 2, WPU = 2;
+    static constexpr bool FINAL = false, AFFINE = false, TABLE = false, FLOAT = false;
+    struct U { U4 q; unsigned dh; float d; };
+    MEMBER U load(const u8* blk, int j) { U u; u.q = load16_a2(blk + 2 + 16 * j); u.dh = ld16(blk); return u; }
+    MEMBER void prep(U& u, int) { u.d = h2f(u.dh); }
+    MEMBER void offs(int j, int w, int& o0, int& o1) { o0 = 16 * j + 8 * w; o1 = o0 + 4; }
+    MEMBER void decode(const U& u, int, int w, float* v, float& sl, float& sh, const float*) {
+        bytes4((w == 0 ? u.q.a : u.q.c) ^ 0x80808080u, 128.0f, v);
+        bytes4((w == 0 ? u.q.b : u.q.d) ^ 0x80808080u, 128.0f, v + 4);
+        sl = sh = u.d;
+    }
+};
+
+// q4_k / q5_k with the 16-byte header (d, dmin, 12 scale bytes) in one load (144- and 176-byte
+// blocks are 16-byte aligned in an aligned weight).
+struct Fq4_kw : Fq4_k {
+    MEMBER U load(const u8* blk, int j) {
+        U u;
+        u.q = *(const U4*)(blk + 16 + 16 * j);
+        const U4 h = *(const U4*)blk;
+        u.hdr = h.a; u.s0 = h.b; u.s1 = h.c; u.s2 = h.d;
+        return u;
+    }
+};
+
+struct Fq5_kw : Fq5_k {
+    MEMBER U load(const u8* blk, int j) {
+        U u;
+        u.q = *(const U4*)(blk + 48 + 16 * j);
+        u.h = *(const U4*)(blk + 16 + 16 * (j & 1));
+        const U4 h = *(const U4*)blk;
+        u.hdr = h.a; u.s0 = h.b; u.s1 = h.c; u.s2 = h.d;
+        return u;
+    }
+};
+
 // The 8 values of word w for the GEMV: AFFINE formats as one FMA per value (f32-exact within an
 // ulp); codes with run scales otherwise.
 template <class F>
@@ -413,5 +550,9 @@ DEVICE const float* init_table(float* smem) {
     M(q4_0, Fq4_0) M(q4_1, Fq4_1) M(q5_0, Fq5_0) M(q5_1, Fq5_1) M(q8_0, Fq8_0) \
     M(q4_k, Fq4_k) M(q5_k, Fq5_k) M(q6_k, Fq6_k) M(iq4_xs, Fiq4_xs)
 #define FOR_EACH_FLOAT(M) M(f32, Ff32) M(f16, Ff16) M(bf16, Fbf16)
+// gemv1v2: every format with the traits it reads fastest with (wide loads where they differ).
+#define FOR_EACH_WIDE(M) \
+    M(q4_0, Fq4_0w) M(q4_1, Fq4_1w) M(q5_0, Fq5_0w) M(q5_1, Fq5_1w) M(q8_0, Fq8_0w) \
+    M(q4_k, Fq4_kw) M(q5_k, Fq5_kw) M(q6_k, Fq6_k) M(iq4_xs, Fiq4_xs) M(f32, Ff32) M(f16, Ff16) M(bf16, Fbf16)
 
 #endif  // GRAPHIR_QUANT_CUH
