@@ -22,7 +22,7 @@ run() {  # name, command...: run, log to OUT_DIR/name.log, remember pass/fail
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops.py tests/test_gpu_backend.py \
-    tests/test_gpu_matmul.py tests/test_gpu_attention.py tests/test_gpu_recurrent.py
+    tests/test_gpu_matmul.py tests/test_gpu_attention.py tests/test_gpu_recurrent.py tests/test_gpu_replay.py
 if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
     for tool in memcheck racecheck; do
         run "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \

@@ -30,3 +30,11 @@ def available() -> bool:
 
 def is_hip() -> bool:
     return bool(getattr(cupy().cuda.runtime, "is_hip", False))
+
+
+@functools.cache
+def stream() -> object:
+    """The one stream every gpu Program runs on. Programs of a model share State buffers, so their
+    work must stay in order; a stream of our own (not the legacy default one) can be captured.
+    Blocking: it waits for work on the default stream, e.g. weight uploads."""
+    return cupy().cuda.Stream(non_blocking=False)

@@ -6,8 +6,13 @@ contiguous get slots of their own) -> bind every node to its launches, all argum
 A call copies the Inputs into their persistent device buffers with one host-to-device copy,
 clears the error flag, runs the launches and returns the outputs (numpy, or CuPy arrays with
 `device=True`). Nothing is allocated, compiled or looked up per call, and no launch argument
-depends on an Input's value: the same launches replay at every position, which is what lets the
-replay issue capture a Program into a CUDA graph unchanged.
+depends on an Input's value: the same launches replay at every position.
+
+Capture: a Program whose steps are all the project's own kernels (no cuBLAS step; decode and
+verify shapes) is captured into a CUDA graph on its second call, after a first call has loaded
+every kernel, and replayed from then on: one graph launch instead of a Python launch per kernel
+(8.4 us each from Python, 0.9 us replayed, measured on an H200). New State buffers (a rebind)
+drop the graph; the next call captures again. GRAPHIR_NO_CAPTURE=1 turns capture off.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from graphir import flags
 from graphir.dtypes import numpy_dtype
 from graphir.errors import BackendError
 from graphir.ir import Graph, Node
@@ -28,7 +34,7 @@ from graphir.program import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 
-from .device import cupy
+from .device import cupy, stream
 from .launch import GpuParam, Lowering
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node
@@ -55,6 +61,8 @@ class GpuProgram:
         self._steps: list[Any] = []
         self._outputs: dict[str, Any] = {}
         self._code_node: dict[int, Node] = {}
+        self._graph_exec: Any = None  # the captured CUDA graph, once there is one
+        self._calls_since_bind = 0
         if not self.graph.states:  # nothing to wait for: bind now, so a bad graph fails at lowering
             self._bind({})
             self._bound_state = ()
@@ -125,6 +133,31 @@ class GpuProgram:
                 env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
         self._steps = steps
         self._outputs = {name: env[id(n)] for name, n in self.graph.outputs.items()}
+        self._graph_exec = None  # captured against the old buffers: capture again
+        self._calls_since_bind = 0
+
+    @property
+    def capturable(self) -> bool:
+        """Every step is one of the project's kernels (cuBLAS cannot run inside a capture)."""
+        return all(getattr(step, "capturable", False) for step in self._steps)
+
+    @property
+    def captured(self) -> bool:
+        return self._graph_exec is not None
+
+    def _capture(self) -> None:
+        s = stream()
+        s.begin_capture()
+        try:
+            self._run_steps()
+        finally:
+            graph = s.end_capture()
+        self._graph_exec = graph
+
+    def _run_steps(self) -> None:
+        self.lw.errflag.fill(0)
+        for step in self._steps:
+            step()
 
     # ---------------------------------------------------------------- running
     def _device_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, np.ndarray]]]:
@@ -148,29 +181,33 @@ class GpuProgram:
                  device: bool = False) -> dict[str, Any]:
         """Run once. State buffers (CuPy or numpy) are updated in place. `device=True` returns the
         outputs as CuPy arrays (copies, safe across calls) instead of numpy."""
-        cp = cupy()
         feeds = check_inputs(self.graph, inputs)
         state = state if state is not None else {}
         check_state(self.graph, state)  # shape and dtype: numpy and CuPy buffers alike
-        dev_state, back = self._device_state(state)
-        key = tuple(id(dev_state[n.name]) for n in self.graph.states)
-        if key != self._bound_state:
-            self._bind(dev_state)
-            self._bound_state = key
-        for name, arr in feeds.items():
-            self.input_host[name][...] = arr
-        stream = cp.cuda.get_current_stream()
-        self._input_dev.set(self._input_host, stream=stream)  # one host-to-device copy for all Inputs
-        self.lw.errflag.fill(0)
-        for step in self._steps:
-            step()
-        if device:
-            outs = {name: _as_array(v).copy() for name, v in self._outputs.items()}
-        else:
-            outs = {name: _as_array(v).get() for name, v in self._outputs.items()}
-        self._raise_if_flagged()
-        for m, buf in back:
-            m.get(out=buf)
+        with stream() as s:  # everything in order on the one stream, uploads and binding included
+            dev_state, back = self._device_state(state)
+            key = tuple(id(dev_state[n.name]) for n in self.graph.states)
+            if key != self._bound_state:
+                self._bind(dev_state)
+                self._bound_state = key
+            for name, arr in feeds.items():
+                self.input_host[name][...] = arr
+            self._input_dev.set(self._input_host, stream=s)  # one host-to-device copy for all Inputs
+            self._calls_since_bind += 1
+            if self._graph_exec is None and self._calls_since_bind == 2 and self.capturable \
+                    and not flags.enabled("GRAPHIR_NO_CAPTURE"):
+                self._capture()  # the first call loaded every kernel; capture needs them loaded
+            if self._graph_exec is not None:
+                self._graph_exec.launch(s)
+            else:
+                self._run_steps()
+            if device:
+                outs = {name: _as_array(v).copy() for name, v in self._outputs.items()}
+            else:
+                outs = {name: _as_array(v).get() for name, v in self._outputs.items()}
+            self._raise_if_flagged()
+            for m, buf in back:
+                m.get(out=buf)
         return outs
 
     def _raise_if_flagged(self) -> None:
@@ -187,6 +224,7 @@ class GpuProgram:
             "arena_bytes": self.plan.arena_bytes,
             "unplanned_bytes": self.plan.naive_bytes,
             "lower_s": self.lower_s,
+            "captured": self.captured,
         }
 
 
