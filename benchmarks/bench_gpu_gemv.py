@@ -16,10 +16,11 @@ calls are captured into a CUDA graph (as a decode step is) and timed with CUDA e
 warm-up (a cold GPU runs at low clocks); without graph capture they run from a Python loop.
 The first rows of every result are checked against numpy.
 
---variants times every m == 1 kernel (gemv1_<fmt> and each gemv1v2_<fmt>_<cfg> of matmul.py
-GEMV1_CONFIGS) on the same device buffers, checks every output row against the weight
-dequantized on the device (dequant_<fmt>) times x, and ends with a table of % of copy
-bandwidth per variant, the best marked, next to the current GEMV1_KERNEL choice.
+--variants times every m == 1 kernel (gemv1_<fmt>, each gemv1v2_<fmt>_<cfg> of matmul.py
+GEMV1_CONFIGS and, for q8_0 / q4_0 / q4_k, each gemv1v3_<fmt>_<cfg> of GEMV1_V3) on the same
+device buffers, checks every output row against the weight dequantized on the device
+(dequant_<fmt>) times x, and ends with a table of % of copy bandwidth per variant, the best marked,
+next to the current GEMV1_KERNEL choice.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
     """us per call of every m == 1 variant on one weight (rotated copies); each result checked."""
     from graphir.backends.gpu import kernels
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, _row_bytes, gemv_kernel
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, _row_bytes, gemv_kernel
 
     n_out, n_in = shape
     raw = make_raw(rng, fmt, shape)
@@ -163,9 +164,9 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
     del wf
     ys = [cp.zeros((1, n_out), np.float32) for _ in range(copies)]
     out = {}
-    for var in ["gemv1", *GEMV1_CONFIGS]:
+    for var in ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3]:
         name, threads, rows = gemv_kernel(fmt, n_in, 1, dev.data.ptr, var)
-        if var != "gemv1" and not name.startswith("gemv1v2"):
+        if var != "gemv1" and not name.startswith("gemv1v"):
             continue  # this shape falls back to gemv1
         steps = [Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(1))) for w, y in zip(ws, ys)]
@@ -186,12 +187,12 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
 
 
 def main_variants(cp, rng, args, bw: float) -> None:
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, _row_bytes
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, GEMV1_V3, _row_bytes
 
     shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
     fmts = args.formats.split(",")
     iters = args.iters or 100
-    variants = ["gemv1", *GEMV1_CONFIGS]
+    variants = ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3]
     rows = []
     for fmt in fmts:
         for shape in shapes:

@@ -57,7 +57,7 @@ def test_compiles_with_hipcc(name, arch, tmp_path):
     if hipcc is None:
         _missing("hipcc not installed (apt-get install hipcc; .ci/run does)")
     defines = [f"-D{d}" for d in kernels.SOURCES[name]]
-    cmd = [hipcc, "--genco", f"--offload-arch={arch}", f"-I{kernels.KERNEL_DIR}", *defines, "-x", "hip",
+    cmd = [hipcc, "--genco", f"--offload-arch={arch}", f"-I{kernels.KERNEL_DIR}", "-std=c++17", *defines, "-x", "hip",
            str(kernels.KERNEL_DIR / name), "-o", str(tmp_path / "k.co")]
     r = subprocess.run(cmd, env={**os.environ, "HIP_PLATFORM": "amd"}, capture_output=True, text=True)
     assert r.returncode == 0, f"{name} for {arch}:\n{r.stderr}"

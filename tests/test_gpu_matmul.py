@@ -208,7 +208,7 @@ def test_gemv_rule_unaligned_x_and_replay(fmt, m, rng):
 
 
 def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, V3_FORMATS
 
     cases = []
     for fmt in FORMATS:
@@ -219,7 +219,7 @@ def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
             n_ins = [256, 512, 256 * 17]
         else:
             n_ins = [qk * 8, qk * 16, qk * 8 * 13]  # rows of whole 16-byte pieces (the wide loads)
-        for cfg in ["gemv1", *GEMV1_CONFIGS]:
+        for cfg in ["gemv1", *GEMV1_CONFIGS, *(GEMV1_V3 if fmt in V3_FORMATS else ())]:
             for shape in [(1, n_ins[0]), (7, n_ins[1]), (511, n_ins[2])]:
                 cases.append((fmt, cfg, shape))
     return cases
@@ -228,8 +228,10 @@ def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
 @pytest.mark.parametrize("fmt,cfg,shape", _variant_cases(), ids=[f"{f}-{c}-{s[0]}x{s[1]}" for f, c, s in
                                                                   _variant_cases()])
 def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
-    """Every m == 1 kernel variant (matmul.py GEMV1_CONFIGS; the benchmark picks the default), at
-    1, 7 and 511 rows, against the f64 product of the dequantized weight."""
+    """Every m == 1 kernel variant (matmul.py GEMV1_CONFIGS and GEMV1_V3; the benchmark picks the
+    default), at 1, 7 and 511 rows, against the f64 product of the dequantized weight. The v3
+    kernels stage 32 blocks (q8_0, q4_0) or 8 super-blocks (q4_k) per chunk: the sizes below give
+    one partial chunk, whole chunks, and whole chunks plus a partial one."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
@@ -242,7 +244,8 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     x = rng.standard_normal((1, n_in)).astype(np.float32)
     y_dev = cp.full((1, n_out), np.nan, np.float32)
     steps = mm.lower_mul_mat(lw, None, [gp, cp.asarray(x)], [y_dev], {})
-    want_name = "gemv1_" + fmt if cfg == "gemv1" else f"gemv1v2_{fmt}_{cfg}"
+    want_name = ("gemv1_" + fmt if cfg == "gemv1" else
+                 f"gemv1v3_{fmt}_{cfg[2:]}" if cfg in mm.GEMV1_V3 else f"gemv1v2_{fmt}_{cfg}")
     assert steps[-1].name == want_name
     for s in steps:
         s()

@@ -272,9 +272,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #define FOR_EACH_GEMV1_CFG(M, name, F) \
     M(name, F, g32r2, 128, 32, 2, 4)   \
     M(name, F, g32r4, 128, 32, 4, 2)   \
-    M(name, F, g32r1, 128, 32, 1, 8)   \
-    M(name, F, g128r1, 128, 128, 1, 4) \
-    M(name, F, g256r2, 256, 256, 2, 2)
+    M(name, F, g128r1, 128, 128, 1, 4)
 #define DEFINE_GEMV1V2_CFG(name, F, cfg, T, G, NR, UN)                                                     \
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
@@ -283,6 +281,235 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 #define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
 FOR_EACH_WIDE(DEFINE_GEMV1V2)
+
+// ---------------------------------------------------------------- m == 1 GEMV, version 3
+// gemv1v3_<fmt>_<cfg> (q8_0, q4_0, q4_k; cfg r2 / r4 = rows per 32-lane group): the decode GEMV
+// with fewer instructions per weight (the v2 kernels issue ~5-8 per element for these formats and
+// reach 25-70% of copy bandwidth: issue-bound, not memory-bound). Per element what remains is
+// one LOP3 (the code masked into a float mantissa), one FFMA (exact code, bias included: see
+// field_f) and one FFMA (the dot); per-block work (scales, alignment) is spread over 32-64 values.
+//  - x is staged per chunk in shared memory by the whole block (shared by its 4 groups' rows) with
+//    one 16-byte pad per lane-stride, so a lane reading its own block's x is conflict-free; global
+//    x reads are coalesced once per block instead of strided per lane.
+//  - q8_0 / q4_0 (34 / 18-byte blocks, only 2-byte aligned): each group copies a chunk of 32
+//    blocks of its rows into shared memory with aligned 16-byte loads (coalesced), then lane i
+//    decodes block i from 4-byte words re-aligned with one funnel shift per word.
+//  - q4_k (16-byte aligned 144-byte blocks): lane = one 32-byte quarter of a super-block (its two
+//    sub-blocks), read straight from global; value d*sc*q - dmin*mn is summed as
+//    d*sc*(x.q) - dmin*mn*sum(x), sum(x) per 32-value sub-block computed once per chunk in smem.
+// Every thread reaches every __syncthreads (rows past the end are read as the last row and not
+// stored). Needs rows of whole 16-byte pieces and a 16-byte aligned weight (matmul.py checks).
+#ifndef GEMV3_THREADS
+#define GEMV3_THREADS 128
+#endif
+
+DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..sh+31 of hi:lo, sh in 0..32
+#if defined(__CUDACC__) && !defined(__HIPCC__)
+    unsigned r;
+    asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh));
+    return r;
+#else
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> sh);
+#endif
+}
+
+DEVICE float dot4acc(const F4& x, const float* v, float acc) {
+    return fmaf(x.d, v[3], fmaf(x.c, v[2], fmaf(x.b, v[1], fmaf(x.a, v[0], acc))));
+}
+
+// Staged 32-element formats. W: the block's words from the 4-byte aligned address at or below its
+// start, off = its start % 4 (0 or 2); xb: the block's 32 x values (8 F4). Returns d * (x . q).
+struct S8_0 {
+    static constexpr int BB = 34, NW = 9;
+    DEVICE float dot(const unsigned* W, unsigned off, const F4* xb) {
+        const float d = h2f((W[0] >> (8 * off)) & 0xFFFFu);
+        const unsigned sh = 16 + 8 * off;  // qs start 2 bytes after the block: bit 16 or 32 of W[0]:W[1]
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float v[4];
+            bytes4(funnel_r(W[k], W[k + 1], sh) ^ 0x80808080u, 128.0f, v);
+            s = dot4acc(xb[k], v, s);
+        }
+        return d * s;
+    }
+};
+
+struct S4_0 {
+    static constexpr int BB = 18, NW = 5;
+    DEVICE float dot(const unsigned* W, unsigned off, const F4* xb) {
+        const float d = h2f((W[0] >> (8 * off)) & 0xFFFFu);
+        const unsigned sh = 16 + 8 * off;
+        float s0 = 0.0f, s1 = 0.0f;  // two chains: low nibbles (elements 0..15), high (16..31)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float lo[4], hi[4];
+            nibs8(funnel_r(W[k], W[k + 1], sh), 8.0f, lo, hi);
+            s0 = dot4acc(xb[k], lo, s0);
+            s1 = dot4acc(xb[4 + k], hi, s1);
+        }
+        return d * (s0 + s1);
+    }
+};
+
+template <class S, int NR>
+DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
+                           float* __restrict__ Y, int n_out, int n_in) {
+    constexpr int G = GEMV3_THREADS / 32;              // 32-lane groups per block
+    constexpr int CB = 32;                             // blocks per chunk: one per lane
+    constexpr int PIECES = CB * S::BB / 16;            // 68 / 36 aligned 16-byte pieces per row
+    constexpr int PPL = (PIECES + 31) / 32;            // pieces per lane
+    static_assert(CB * S::BB % 16 == 0, "chunks are whole 16-byte pieces");
+    __shared__ F4 xs[CB * 9];                          // 8 F4 of x per block + 1 pad (bank shift)
+    __shared__ U4 ws[G][NR][PIECES];
+    const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * G + grp) * NR;
+    const u8* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+    const int nb = n_in / 32;
+    const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
+    for (int b0 = 0; b0 < nb; b0 += CB) {
+        const int nbh = nb - b0 < CB ? nb - b0 : CB;
+        const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
+        U4 pc[NR][PPL];
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int p = 0; p < PPL; ++p)
+                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)b0 * S::BB))[lane + 32 * p];
+        __syncthreads();  // the previous chunk is no longer read
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int p = 0; p < PPL; ++p)
+                if (lane + 32 * p < npc) ws[grp][r][lane + 32 * p] = pc[r][p];
+#pragma unroll
+        for (int k = 0; k < CB * 8 / GEMV3_THREADS; ++k) {
+            const int i = threadIdx.x + GEMV3_THREADS * k;
+            xs[i + (i >> 3)] = i < nbh * 8 ? ldx(X + (long long)b0 * 32 + 4 * i) : F4{0.0f, 0.0f, 0.0f, 0.0f};
+        }
+        __syncthreads();
+        if (lane < nbh) {
+            const F4* xb = xs + 9 * lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const unsigned* wp = (const unsigned*)((const u8*)ws[grp][r] + (boff & ~3u));
+                unsigned w[S::NW];
+#pragma unroll
+                for (int k = 0; k < S::NW; ++k) w[k] = wp[k];
+                acc[r] += S::dot(w, boff & 3u, xb);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const float s = sum32(acc[r]);
+        if (lane == 0 && row0 + r < n_out) Y[row0 + r] = s;
+    }
+}
+
+template <int NR>
+DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
+                         float* __restrict__ Y, int n_out, int n_in) {
+    constexpr int G = GEMV3_THREADS / 32;
+    constexpr int SB = 8;          // super-blocks per chunk (4 lanes each)
+    constexpr int CH = SB * 256;   // x values per chunk
+    __shared__ F4 xs[CH / 4 + CH / 64];  // 1 F4 pad per 64 values: lanes 64 values apart hit distinct banks
+    __shared__ float xsum[CH / 32];      // sum of x per 32-value sub-block
+    const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * G + grp) * NR;
+    const u8* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+    const int c = lane & 3, bl = lane >> 2;  // quarter c of qs (sub-blocks 2c, 2c+1) of super-block bl
+    // 6-bit scale / min of sub-blocks 2c, 2c+1 (see k_scale_min): bytes 2c, 2c+1 of the scale words
+    // for c < 2; for c >= 2 the low 4 bits from bytes 2(c-2).. of word 2, the top 2 from words 0 / 1.
+    const unsigned ssh = 16u * (c & 1);
+    const bool shi = c >= 2;
+    const int nb = n_in / 256;
+    for (int sb0 = 0; sb0 < nb; sb0 += SB) {
+        const int b = sb0 + bl;
+        const bool act = b < nb;
+        U4 hd[NR], q0[NR], q1[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            if (act) {
+                const u8* p = wr[r] + (long long)b * 144;
+                hd[r] = *(const U4*)p;
+                q0[r] = *(const U4*)(p + 16 + 32 * c);
+                q1[r] = *(const U4*)(p + 32 + 32 * c);
+            }
+        }
+        __syncthreads();  // the previous chunk's x is no longer read
+        const int nx4 = (nb - sb0 < SB ? nb - sb0 : SB) * 64;  // F4s of x in this chunk
+#pragma unroll
+        for (int k = 0; k < CH / 4 / GEMV3_THREADS; ++k) {
+            const int i = threadIdx.x + GEMV3_THREADS * k;
+            const F4 v = i < nx4 ? ldx(X + (long long)sb0 * 256 + 4 * i) : F4{0.0f, 0.0f, 0.0f, 0.0f};
+            xs[i + (i >> 4)] = v;
+            float s = (v.a + v.b) + (v.c + v.d);  // 8 consecutive threads hold one sub-block
+            s += SHFL_XOR(s, 1);
+            s += SHFL_XOR(s, 2);
+            s += SHFL_XOR(s, 4);
+            if ((i & 7) == 0) xsum[i >> 3] = s;
+        }
+        __syncthreads();
+        if (act) {
+            const F4* xl = xs + 68 * bl + 17 * c;  // padded index of value 256 bl + 64 c
+            float al[NR], ah[NR];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) al[r] = ah[r] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const F4 xlo = xl[k], xhi = xl[k + 8];  // values 4k.. (low nibbles), 32 + 4k.. (high)
+#pragma unroll
+                for (int r = 0; r < NR; ++r) {
+                    float lo[4], hi[4];
+                    nibs8(word4(k < 4 ? q0[r] : q1[r], k & 3), 0.0f, lo, hi);
+                    al[r] = dot4acc(xlo, lo, al[r]);
+                    ah[r] = dot4acc(xhi, hi, ah[r]);
+                }
+            }
+            const float sx0 = xsum[8 * bl + 2 * c], sx1 = xsum[8 * bl + 2 * c + 1];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const unsigned A = hd[r].b >> ssh, B = hd[r].c >> ssh, C = hd[r].d >> ssh;
+                const unsigned scw = shi ? ((C & 0x0F0Fu) | ((A >> 2) & 0x3030u)) : (A & 0x3F3Fu);
+                const unsigned mnw = shi ? (((C >> 4) & 0x0F0Fu) | ((B >> 2) & 0x3030u)) : (B & 0x3F3Fu);
+                const float d = h2f(hd[r].a & 0xFFFFu), dm = h2f(hd[r].a >> 16);
+                const float a0 = d * field_f<0>(scw, 0xFFu, 0.0f), a1 = d * field_f<8>(scw, 0xFFu, 0.0f);
+                const float m0 = dm * field_f<0>(mnw, 0xFFu, 0.0f), m1 = dm * field_f<8>(mnw, 0xFFu, 0.0f);
+                acc[r] = fmaf(a1, ah[r], fmaf(-m1, sx1, fmaf(a0, al[r], fmaf(-m0, sx0, acc[r]))));
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const float s = sum32(acc[r]);
+        if (lane == 0 && row0 + r < n_out) Y[row0 + r] = s;
+    }
+}
+
+// Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
+#define FOR_EACH_GEMV1_V3(M) \
+    M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
+#define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in)
+#define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
+#define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in)
+#define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
+        int n_out, int n_in, int m) {                                                                     \
+        GEMV1V3_BODY_##name(NR);                                                                          \
+    }
+FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
 
 // ---------------------------------------------------------------- dequantize to f32 (prefill)
 // out[row, :] = the row's values, row-major [rows, n_in]. One thread per unit, grid-stride.

@@ -4,7 +4,8 @@ mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every wei
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
     `gemv_<fmt>` (`gemv1_<fmt>` at m == 1) reads the weight's blocks once for all m tokens and
     dequantizes in registers. Capturable. At m == 1 the kernel is the variant GEMV1_KERNEL names
-    for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; "gemv1" keeps `gemv1_<fmt>`).
+    for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; `gemv1v3_<fmt>_<cfg>` for q8_0 /
+    q4_0 / q4_k, staged through shared memory; "gemv1" keeps `gemv1_<fmt>`).
   - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
     scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
     one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
@@ -35,11 +36,18 @@ SCRATCH_KEY = ("gpu", "dequant_scratch")
 
 # m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
 # block), mirroring FOR_EACH_GEMV1_CFG (T threads; T/G groups of G lanes, NR rows per group).
-GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g32r1": (128, 4), "g128r1": (128, 1), "g256r2": (256, 2)}
+GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g128r1": (128, 1)}
+# Version-3 m == 1 kernels (matmul.cu gemv1v3_<fmt>_<cfg>: x and 2-byte-aligned blocks staged in
+# shared memory, ~3 instructions per weight): cfg -> (threads, rows per block), for V3_FORMATS.
+GEMV1_V3 = {"v3r2": (128, 8), "v3r4": (128, 16)}
+V3_FORMATS = ("q8_0", "q4_0", "q4_k")
 # The m == 1 kernel per format: a GEMV1_CONFIGS key, or "gemv1" for the first kernel (gemv1_<fmt>).
 # Picked from benchmarks/bench_gpu_gemv.py --variants on the target device.
-GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "g32r2", "q4_0": "g32r4",
-                "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "g32r2", "q5_k": "g32r2",
+# Picked from `bench_gpu_gemv.py --variants` on an H200 (2026-11-30; % of copy bandwidth at 4096x4096,
+# 12288x4096, 4096x12288, 151936x4096): bf16 g128r1 75/89/90/103; q8_0 v3r2 47/65/59/84 (gemv1
+# 41/54/41/78); q4_k v3r2 34/48/43/64 (g32r2 28/35/35/44); q4_0 v3r2 32/44/39/60 (g32r4 21/33/23/40).
+GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "v3r2",
+                "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "v3r2", "q5_k": "g32r2",
                 "q6_k": "g32r2", "iq4_xs": "g32r2"}
 # Formats whose gemv1v2 traits read 16-byte windows / headers (quant.cuh Fq*w): they need rows of
 # whole 16-byte pieces in a 16-byte aligned weight.
@@ -100,19 +108,22 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
 
 def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None) -> tuple[str, int, int]:
     """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of a weight at
-    device address `w_ptr`. `variant` (a GEMV1_CONFIGS key or "gemv1") overrides GEMV1_KERNEL;
+    device address `w_ptr`. `variant` (a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1") overrides GEMV1_KERNEL;
     cases a variant cannot take (float rows not whole 8-value pieces; unaligned rows for the
     wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
         return f"gemv_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or GEMV1_KERNEL.get(fmt, "gemv1")
-    ok = cfg in GEMV1_CONFIGS
+    ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
     if fmt in FLOATS and n_in % 8:
         ok = False
     if fmt in _WIDE and (_row_bytes(fmt, n_in) % 16 or w_ptr % 16):
         ok = False
     if not ok:
         return f"gemv1_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
+    if cfg in GEMV1_V3:
+        threads, rows = GEMV1_V3[cfg]
+        return f"gemv1v3_{fmt}_{cfg[2:]}", threads, rows
     threads, rows = GEMV1_CONFIGS[cfg]
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
 
