@@ -28,10 +28,6 @@ def available() -> bool:
         return False
 
 
-def is_hip() -> bool:
-    return bool(getattr(cupy().cuda.runtime, "is_hip", False))
-
-
 @functools.cache
 def stream() -> object:
     """The one stream every gpu Program runs on. Programs of a model share State buffers, so their

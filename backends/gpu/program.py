@@ -78,7 +78,7 @@ class GpuProgram:
         self._input_bytes = max(at, INPUT_ALIGN)
         self._input_dev = cp.empty(self._input_bytes, np.uint8)
         self._input_pinned = cp.cuda.alloc_pinned_memory(self._input_bytes)  # async-copyable host memory
-        host = self._input_host = np.frombuffer(self._input_pinned, np.uint8, self._input_bytes)
+        host = self._input_host_bytes = np.frombuffer(self._input_pinned, np.uint8, self._input_bytes)
         self.input_host: dict[str, np.ndarray] = {}
         self.input_buffers: dict[str, Any] = {}
         for n in self.graph.inputs:
@@ -192,7 +192,7 @@ class GpuProgram:
                 self._bound_state = key
             for name, arr in feeds.items():
                 self.input_host[name][...] = arr
-            self._input_dev.set(self._input_host, stream=s)  # one host-to-device copy for all Inputs
+            self._input_dev.set(self._input_host_bytes, stream=s)  # one host-to-device copy for all Inputs
             self._calls_since_bind += 1
             if self._graph_exec is None and self._calls_since_bind == 2 and self.capturable \
                     and not flags.enabled("GRAPHIR_NO_CAPTURE"):
