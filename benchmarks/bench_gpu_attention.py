@@ -1,6 +1,6 @@
 """Benchmark flash_attn on the GPU: split-K decode against copy bandwidth, and causal prefill.
 
-    python benchmarks/bench_gpu_attention.py [--quick] [--variants] [--sweep] [--reps N]
+    python benchmarks/bench_gpu_attention.py [--quick] [--reps N]
 
 Shapes are Qwen3-8B's attention: 32 q heads, 8 kv heads, head_dim 128, a KV cache of CAP rows
 (f16 and f32). Decode: one query at the last position of a 1k / 8k / 32k context (kv_len set in
@@ -12,11 +12,9 @@ buffers: its steps are captured into a CUDA graph and replayed, so the time is t
 not Python's launch overhead (~8 us per launch). Each result is checked against a cupy einsum.
 
 Columns: us per call; GB/s = K+V bytes of the visible rows / time (the bytes decode must read);
-percent of the measured device copy bandwidth; TFLOP/s = 2*(d+dv) per visible (query, head, key).
---variants times every decode variant of attention.py (DECODE_VARIANT: row, tile<R>) at 1k / 8k /
-32k for f16 and f32, each checked against the reference, with the decode and combine kernels also
-timed alone, and ends with a summary table (the numbers to choose DECODE_VARIANT from).
---sweep times 8k decode over the split parameters (TARGET_BLOCKS, MIN_CHUNK) of attention.py.
+percent of the measured device copy bandwidth; TFLOP/s = 2*(d+dv) per visible (query, head, key);
+for decode, the decode kernel and attn_combine also timed alone (each replayed from its own graph).
+A summary table ends the output. --quick: 8k decode and 512 prefill only, fewer reps.
 """
 
 from __future__ import annotations
@@ -163,7 +161,8 @@ def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, c
     flops = 2 * visible * HQ * (D + D)
     line = (f"{label:<28} {t * 1e6:>10.1f} {kv_bytes / t / 1e9:>9.0f} {100 * kv_bytes / t / bw:>6.1f}% "
             f"{flops / t / 1e12:>8.2f} {err:>9.1e}")
-    res = {"t": t, "pct": 100 * kv_bytes / t / bw, "err": err, "kernels": [st.name for st in run.steps]}
+    res = {"t": t, "pct": 100 * kv_bytes / t / bw, "tflops": flops / t / 1e12, "err": err,
+           "kernels": [st.name for st in run.steps]}
     if parts and len(run.steps) > 1:  # each kernel alone (the combine reads the partials the decode left)
         res["parts"] = [time_fn(st, reps) for st in run.steps]
         line += "  " + " + ".join(f"{st.name} {tp * 1e6:.1f}" for st, tp in zip(run.steps, res["parts"]))
@@ -176,52 +175,22 @@ def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, c
     return res
 
 
-def variants(reps: int, bw: float) -> None:
-    """Every decode variant at 1k / 8k / 32k, f16 and f32; a summary table last."""
-    from graphir.backends.gpu import attention as A
-
-    saved = dict(A.DECODE_VARIANT)
-    names = {"f16": ["row", "tile2", "tile4", "tile8"], "f32": ["row", "tile1", "tile2", "tile4"]}
-    contexts = [1024, 8192, 32768]
-    table = {}
-    for kvdt in ("f16", "f32"):
-        for var in names[kvdt]:
-            A.DECODE_VARIANT[kvdt] = var
-            for ctx in contexts:
-                table[kvdt, var, ctx] = case(kvdt, 1, ctx, CAP, reps, bw, f"{kvdt} {var} ctx={ctx}", parts=True)
-    A.DECODE_VARIANT.clear()
-    A.DECODE_VARIANT.update(saved)
-    print(f"\nsummary: % of copy bandwidth (us/call), decode kernel us + combine us; default {saved}")
-    print(f"{'kv':<4} {'variant':<8} " + " ".join(f"{f'ctx={c}':>26}" for c in contexts))
-    for kvdt in ("f16", "f32"):
-        for var in names[kvdt]:
-            cells = []
-            for c in contexts:
-                r = table[kvdt, var, c]
-                p = r.get("parts", [0.0, 0.0])
-                bad = "" if r["err"] < 1e-4 else "!"
-                cells.append(f"{bad}{r['pct']:5.1f}% ({r['t'] * 1e6:5.1f}) {p[0] * 1e6:5.1f}+{p[-1] * 1e6:4.1f}")
-            print(f"{kvdt:<4} {var:<8} " + " ".join(f"{x:>26}" for x in cells))
-    print("kernels: " + ", ".join(sorted({table[k]["kernels"][0] for k in table})))
-
-
-def sweep(reps: int, bw: float) -> None:
-    from graphir.backends.gpu import attention as A
-
-    saved = A.TARGET_BLOCKS, A.MIN_CHUNK
-    for kvdt in ("f16", "f32"):
-        for target in (None, 264, 528, 1056, 2112):  # None: one wave of the decode kernel
-            for chunk in (32, 64, 128, 256):
-                A.TARGET_BLOCKS, A.MIN_CHUNK = target, chunk
-                case(kvdt, 1, 8192, CAP, reps, bw, f"8k {kvdt} blocks={target} chunk={chunk}")
-    A.TARGET_BLOCKS, A.MIN_CHUNK = saved
+def summary(rows: list) -> None:
+    """The table, last: one line per case."""
+    print("\nsummary (decode us, combine us: the decode kernel and attn_combine, each replayed alone):")
+    print(f"{'case':<24} {'kernel':<26} {'us/call':>8} {'%copy':>7} {'TFLOP/s':>8} {'decode us':>10} "
+          f"{'combine us':>10} {'max|err|':>9}")
+    for label, r in rows:
+        parts = r.get("parts")
+        dec, comb = (f"{parts[0] * 1e6:10.1f}", f"{parts[-1] * 1e6:10.1f}") if parts else (f"{'':>10}", f"{'':>10}")
+        bad = "" if r["err"] < 1e-4 else "  MISMATCH"
+        print(f"{label:<24} {r['kernels'][0]:<26} {r['t'] * 1e6:8.1f} {r['pct']:6.1f}% {r['tflops']:8.2f} {dec} {comb} "
+              f"{r['err']:9.1e}{bad}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer reps, 8k decode and 512 prefill only")
-    ap.add_argument("--sweep", action="store_true", help="time 8k decode over the split parameters")
-    ap.add_argument("--variants", action="store_true", help="time every decode variant at 1k/8k/32k, table last")
     ap.add_argument("--reps", type=int, default=None)
     a = ap.parse_args()
     reps = a.reps or (20 if a.quick else 100)
@@ -231,18 +200,17 @@ def main() -> None:
     print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     print(f"Qwen3-8B attention: hq={HQ} hk={HK} d={D}, KV capacity {CAP}")
     print(f"{'case':<28} {'us/call':>10} {'GB/s':>9} {'%copy':>7} {'TFLOP/s':>8} {'max|err|':>9}")
-    if a.variants:
-        variants(reps, bw)
-        return
+    rows = []
     contexts = [8192] if a.quick else [1024, 8192, 32768]
     for kvdt in ("f16", "f32"):
         for i, ctx in enumerate(contexts):
-            case(kvdt, 1, ctx, CAP, reps, bw, f"decode {kvdt} ctx={ctx}", check_backend=(i == 0), parts=True)
+            label = f"decode {kvdt} ctx={ctx}"
+            rows.append((label, case(kvdt, 1, ctx, CAP, reps, bw, label, check_backend=(i == 0), parts=True)))
     for kvdt in ("f16", "f32"):
         for n in [512] if a.quick else [512, 4096]:
-            case(kvdt, n, n, n, max(3, reps // 10), bw, f"prefill {kvdt} n={n}")
-    if a.sweep:
-        sweep(reps, bw)
+            label = f"prefill {kvdt} n={n}"
+            rows.append((label, case(kvdt, n, n, n, max(3, reps // 10), bw, label)))
+    summary(rows)
 
 
 if __name__ == "__main__":

@@ -198,31 +198,44 @@ def test_decode_long_window(runner):
         close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
-DECODE_VARIANTS = {"f16": ["row", "tile", "tile2", "tile4", "tile8"], "f32": ["row", "tile", "tile1", "tile2", "tile4"]}
-
-
-@pytest.mark.parametrize("kvdtype,variant", [(kv, var) for kv, vs in DECODE_VARIANTS.items() for var in vs])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 @pytest.mark.parametrize("splits", ["one_wave", "many"])
-def test_decode_variants(runner, monkeypatch, kvdtype, variant, splits):
-    """Every decode variant on the shape it is tuned for (d 128, GQA group 4, and group 3: a
-    partly used head chunk), with a window, at split counts from the default grid and from many
-    short splits (chunks not multiples of a tile step, most blocks a partial last step)."""
+def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
+    """The kernel the benchmark chose, on its shape (d 128, GQA group 4, and group 3: a partly
+    used head chunk), with a window, at split counts from the default grid and from many short
+    splits (chunks not multiples of a tile step, most blocks a partial last step)."""
     from graphir.backends.gpu import attention as A
 
-    monkeypatch.setitem(A.DECODE_VARIANT, kvdtype, variant)
     if splits == "many":
         monkeypatch.setattr(A, "TARGET_BLOCKS", 200)
         monkeypatch.setattr(A, "MIN_CHUNK", 7)
-    rng = np.random.default_rng(len(variant) + (splits == "many"))
+    rng = np.random.default_rng(1 + (splits == "many"))
     for hq, window in [(8, 0), (6, 37)]:
         case = Case(2, hq, 2, 128, 128, 1000, kvdtype, window)
         run = runner(case)
-        if isinstance(run, RuleRunner):  # the variant asked for is the one that runs
-            want = {"row": "attn_decode_", "tile": "attn_dtile"}.get(variant, f"attn_dtile{variant[4:]}_")
-            assert run.kernels[0].startswith(want), run.kernels
+        if isinstance(run, RuleRunner):
+            assert run.kernels == [f"attn_decode_{kvdtype}_d128_g4", "attn_combine"], run.kernels
         for kv_len in [1, 33, 129, 999, 1000]:
             q, k, v = case.data(rng, kv_len)
             pos = np.array([kv_len - 1, kv_len // 2], np.int32)
+            close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+@pytest.mark.parametrize("dk", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_every_class(runner, kvdtype, dk, group):
+    """Every attn_decode_<kv>_d<DK>_g<GB> kernel (each has its own R and NV), dv < d."""
+    rng = np.random.default_rng(dk + group)
+    d, dv = dk, dk - 8
+    case = Case(1, 2 * group, 2, d, dv, 1025, kvdtype, 0)
+    run = runner(case)
+    if isinstance(run, RuleRunner):
+        assert run.kernels == [f"attn_decode_{kvdtype}_d{dk}_g{group}", "attn_combine"], run.kernels
+    for kv_len in [1, 511, 1025]:
+        q, k, v = case.data(rng, kv_len)
+        for p in (kv_len - 1, kv_len // 3):
+            pos = np.array([p], np.int32)
             close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
@@ -232,7 +245,7 @@ def test_decode_unaligned_kv_falls_back(kvdtype, offset):
     rng = np.random.default_rng(offset)
     case = Case(1, 8, 2, 128, 128, 300, kvdtype, 0)
     run = RuleRunner(case, kv_offset=offset)
-    assert run.kernels[0].endswith("_any"), run.kernels
+    assert run.kernels == [f"attn_decode_{kvdtype}_any", "attn_combine"], run.kernels
     for kv_len in [1, 300]:
         q, k, v = case.data(rng, kv_len)
         pos = np.array([kv_len - 1], np.int32)
@@ -280,6 +293,9 @@ def test_head_shapes(runner, hq, hk, d, dv, n_q, kvdtype):
     rng = np.random.default_rng(d + dv + n_q)
     case = Case(n_q, hq, hk, d, dv, 333, kvdtype, 0)
     run = runner(case)
+    if isinstance(run, RuleRunner) and d % 4:  # `_any` for decode and prefill, one combine
+        assert run.kernels == (["attn_decode_" + kvdtype + "_any", "attn_combine"] if n_q == 1 else
+                               ["attn_prefill_" + kvdtype + "_any"]), run.kernels
     for kv_len in [1, 150, 333]:
         q, k, v = case.data(rng, kv_len)
         pos = _positions(rng, n_q, kv_len)

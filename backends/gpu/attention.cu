@@ -3,20 +3,20 @@
 //
 //   attn_decode_*   split-K flash decoding for a few queries: grid (split, kv head x head chunk,
 //                   query). Each block scores the rows of its split for every q head of one GQA
-//                   group (each K/V row is read once per kv head), keeps an online softmax per
-//                   row group, and writes a partial (max, sum, acc[dv]) per (query, head, split).
-//   attn_dtile*     the same split-K decode with R rows per row group per step (loads of the
-//                   next step overlap this step's math): attention.py's default.
-//   attn_combine, attn_combine_wide
-//                   merge the partials of the active splits into the output.
+//                   group (each K/V row is read once per kv head) and writes a partial
+//                   (max, sum, acc[dv]) per (query, head, split). The shape classes (_d64_g4 ...)
+//                   take R rows per row group per step with 16-byte loads (attn_decode_tile);
+//                   `_any` (odd head dims, unaligned K/V) one row at a time with element loads
+//                   (attn_decode_row).
+//   attn_combine    merges the partials of the active splits into the output.
 //   attn_prefill_*  many queries: a block takes QT queries x one GQA head chunk, streams K/V tiles
 //                   through shared memory (converted to f32 once) and skips tiles outside the
 //                   union of its queries' visible ranges.
 //
 // Layout inside a block: T consecutive lanes ("row group") share one K/V row (decode) or one
-// query (prefill); lane t owns the 4-element vectors n*T + t (n < NV) of a row, so a group's
-// lanes read consecutive 16-byte pieces (coalesced; broadcast in shared memory) and a dot
-// product needs log2(T) shuffles. T divides 32, so groups never straddle a warp (32 or 64).
+// query (prefill); lane t owns NV 4-element vectors of a row, so a group's lanes read consecutive
+// 16-byte pieces (coalesced; broadcast in shared memory) and a dot product needs log2(T)
+// shuffles. T divides 32, so groups never straddle a warp (32 or 64).
 // Scores are in the log2 domain: q is pre-scaled by scale*log2(e) and exp2f is used throughout.
 #include "common.cuh"
 
@@ -27,7 +27,7 @@
 #define ATTN_PREFILL_THREADS 128  // 2 blocks per SM at ~200 registers: one loads a tile while the other computes
 #endif
 #ifndef ATTN_COMBINE_THREADS
-#define ATTN_COMBINE_THREADS 128
+#define ATTN_COMBINE_THREADS 256
 #endif
 #ifndef ATTN_MAX_SPLITS
 #define ATTN_MAX_SPLITS 1024  // the combine kernel keeps one weight per split in shared memory
@@ -165,16 +165,66 @@ DEVICE void load_q(const float* __restrict__ q, long long qrow0, int d, int ng, 
 }
 
 // ---------------------------------------------------------------- decode: split-K
-template <typename KV, int GB, int NV, int T, bool VEC>
-DEVICE void attn_decode(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
-                        const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
-                        float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
-                        int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
-                        int code) {
-    typedef typename RawOf<KV>::type Raw;
+// A decode lane owns NV 4-element vectors of a row: vector n of lane t holds elements
+// tile_elem(n, t) .. +3, W consecutive vectors per 16-byte load (W = 1: vectors n*T + t).
+template <int T, int W>
+DEVICE int tile_elem(int n, int t) { return ((n / W) * T + t) * (4 * W) + (n % W) * 4; }
+
+// The block's partials for heads h0 + g (g < ng) from the online softmax (m, l, acc) of every row
+// group: each group is rescaled to the block max and summed through shared memory.
+template <int GB, int NV, int T, int W>
+DEVICE void write_partials(const float (&m)[GB], const float (&l)[GB], const vf4 (&acc)[GB][NV], int ng,
+                           long long pbase, int n_split, int dv, float* __restrict__ part_m,
+                           float* __restrict__ part_l, float* __restrict__ part_acc) {
     constexpr int NT = ATTN_DECODE_THREADS, RG = NT / T, DK = T * NV * 4;
     __shared__ float sm_m[RG][GB], sm_l[RG][GB];
     __shared__ vf4 sm_acc[RG][DK / 4];
+    const int tid = threadIdx.x, t = tid % T, rg = tid / T;
+    if (t == 0) {
+#pragma unroll
+        for (int g = 0; g < GB; ++g) sm_m[rg][g] = m[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
+        float M = NEG_INF;
+        for (int r = 0; r < RG; ++r) M = fmaxf(M, sm_m[r][g]);
+        const float f = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - M);  // a group that saw no row adds nothing
+#pragma unroll
+        for (int n = 0; n < NV; ++n)
+            sm_acc[rg][tile_elem<T, W>(n, t) / 4] = vf4{acc[g][n].x * f, acc[g][n].y * f, acc[g][n].z * f, acc[g][n].w * f};
+        if (t == 0) sm_l[rg][g] = l[g] * f;
+        __syncthreads();
+        const float* sa = (const float*)&sm_acc[0][0];
+        float* pa = part_acc + (pbase + (long long)g * n_split) * dv;
+        for (int e = tid; e < dv; e += NT) {
+            float a = 0.0f;
+            for (int r = 0; r < RG; ++r) a += sa[r * DK + e];
+            pa[e] = a;
+        }
+        if (tid == 0) {
+            float ls = 0.0f;
+            for (int r = 0; r < RG; ++r) ls += sm_l[r][g];
+            part_m[pbase + (long long)g * n_split] = M;
+            part_l[pbase + (long long)g * n_split] = ls;
+        }
+        __syncthreads();  // sm_acc is rewritten for the next head
+    }
+}
+
+// ---------------------------------------------------------------- decode: split-K, row by row
+// The `_any` fallback: element loads (any d, dv, any alignment), one row per row group at a time
+// (the next row's loads are issued before this one is used). Same grid, split formula and
+// partials as attn_decode_tile; attn_combine merges either.
+template <typename KV, int GB, int NV, int T>
+DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+                            const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
+                            float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
+                            int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
+                            int code) {
+    typedef typename RawOf<KV>::type Raw;
+    constexpr int RG = ATTN_DECODE_THREADS / T;
 
     const int tid = threadIdx.x, t = tid % T, rg = tid / T;
     const int s = blockIdx.x, qi = blockIdx.z;
@@ -224,8 +274,8 @@ DEVICE void attn_decode(const float* __restrict__ q, const KV* __restrict__ k, c
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
         const int e = (n * T + t) * 4;
-        nk[n] = j < hi ? load_raw<VEC>(kb + j * kstride, e, d) : Raw{};
-        nv[n] = j < hi ? load_raw<VEC>(vb + j * vstride, e, dv) : Raw{};
+        nk[n] = j < hi ? load_raw<false>(kb + j * kstride, e, d) : Raw{};
+        nv[n] = j < hi ? load_raw<false>(vb + j * vstride, e, dv) : Raw{};
     }
     for (int base = lo; base < hi; base += RG, j += RG) {
         vf4 kr[NV], vr[NV];
@@ -236,92 +286,20 @@ DEVICE void attn_decode(const float* __restrict__ q, const KV* __restrict__ k, c
 #pragma unroll
             for (int n = 0; n < NV; ++n) {
                 const int e = (n * T + t) * 4;
-                nk[n] = load_raw<VEC>(kb + jn * kstride, e, d);
-                nv[n] = load_raw<VEC>(vb + jn * vstride, e, dv);
+                nk[n] = load_raw<false>(kb + jn * kstride, e, d);
+                nv[n] = load_raw<false>(vb + jn * vstride, e, dv);
             }
         }
         attend_row<GB, NV, T>(qr, kr, vr, ng, j < hi, m, l, acc);
     }
 
-    // Merge the RG row groups: rescale each to the block max, sum through shared memory.
-    if (t == 0) {
-#pragma unroll
-        for (int g = 0; g < GB; ++g) sm_m[rg][g] = m[g];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
-        float M = NEG_INF;
-        for (int r = 0; r < RG; ++r) M = fmaxf(M, sm_m[r][g]);
-        const float f = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - M);  // a group that saw no row adds nothing
-#pragma unroll
-        for (int n = 0; n < NV; ++n)
-            sm_acc[rg][n * T + t] = vf4{acc[g][n].x * f, acc[g][n].y * f, acc[g][n].z * f, acc[g][n].w * f};
-        if (t == 0) sm_l[rg][g] = l[g] * f;
-        __syncthreads();
-        const float* sa = (const float*)&sm_acc[0][0];
-        float* pa = part_acc + (pbase + (long long)g * n_split) * dv;
-        for (int e = tid; e < dv; e += NT) {
-            float a = 0.0f;
-            for (int r = 0; r < RG; ++r) a += sa[r * DK + e];
-            pa[e] = a;
-        }
-        if (tid == 0) {
-            float ls = 0.0f;
-            for (int r = 0; r < RG; ++r) ls += sm_l[r][g];
-            part_m[pbase + (long long)g * n_split] = M;
-            part_l[pbase + (long long)g * n_split] = ls;
-        }
-        __syncthreads();  // sm_acc is rewritten for the next head
-    }
-}
-
-// out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q).
-extern "C" __global__ void attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                        const float* __restrict__ part_acc, const int* __restrict__ kv_len,
-                                        float* __restrict__ out, int hq, int dv, int cap, int n_split,
-                                        int min_chunk) {
-    constexpr int NT = ATTN_COMBINE_THREADS;
-    __shared__ float w[ATTN_MAX_SPLITS];
-    __shared__ float red[MAX_THREADS / WARP_SIZE];
-    const int tid = threadIdx.x;
-    const long long row = (long long)blockIdx.y * hq + blockIdx.x;
-    float* o = out + row * dv;
-    const int L = kv_len[0];
-    if (L <= 0 || L > cap) {  // empty cache, or a bad kv_len the decode kernel reported
-        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
-        return;
-    }
-    const int chunk = split_chunk(L, n_split, min_chunk);
-    const int na = cdiv_i(L, chunk);  // <= n_split
-    const long long base = row * n_split;
-    float M = NEG_INF;
-    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
-    M = block_max(M, red);
-    if (M == NEG_INF) {  // no visible key for this query
-        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
-        return;
-    }
-    float ls = 0.0f;
-    for (int s = tid; s < na; s += NT) {
-        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
-        w[s] = ws;
-        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
-    }
-    ls = block_sum(ls, red);  // its barriers also publish w[]
-    const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
-    for (int e = tid; e < dv; e += NT) {
-        float a = 0.0f;
-        for (int s = 0; s < na; ++s)
-            if (w[s] != 0.0f) a += w[s] * part_acc[(base + s) * dv + e];  // empty splits' acc is never written
-        o[e] = a * inv;
-    }
+    write_partials<GB, NV, T, 1>(m, l, acc, ng, pbase, n_split, dv, part_m, part_l, part_acc);
 }
 
 // ---------------------------------------------------------------- decode: split-K, tiles of rows
-// Same grid, partials and split formula as attn_decode, built for bytes in flight (measured:
-// the row-at-a-time kernel reached 26% of copy bandwidth at 8k f16, latency bound):
+// Same grid, partials and split formula as attn_decode_row, built for bytes in flight (measured,
+// H200, Qwen3-8B at 8k: the row-at-a-time kernel reached 27% of copy bandwidth for f16, 44% for
+// f32, latency bound; this one with R=2 41.5% and 53.1%):
 //  - each row group takes R rows per step (rows base + r*RG + rg), so a lane has R K rows and
 //    R V rows of loads outstanding; K for the next step is issued as soon as this step's scores
 //    are formed and V as soon as its products are accumulated, so loads overlap all compute;
@@ -333,9 +311,6 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_m, const 
 template <typename KV, int NV> struct TileW { static constexpr int value = 1; };
 template <> struct TileW<u16, 2> { static constexpr int value = 2; };
 template <> struct TileW<u16, 4> { static constexpr int value = 2; };
-
-template <int T, int W>
-DEVICE int tile_elem(int n, int t) { return ((n / W) * T + t) * (4 * W) + (n % W) * 4; }
 
 struct alignas(16) vh8 {  // eight f16 as raw bits: one 16-byte load
     unsigned int a, b, c, d;
@@ -364,9 +339,7 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
                              int code) {
     constexpr int W = TileW<KV, NV>::value, NL = NV / W;  // NL loads per lane per row
     typedef typename TileRaw<KV, W>::type Raw;
-    constexpr int NT = ATTN_DECODE_THREADS, RG = NT / T, DK = T * NV * 4, STEP = RG * R;
-    __shared__ float sm_m[RG][GB], sm_l[RG][GB];
-    __shared__ vf4 sm_acc[RG][DK / 4];
+    constexpr int RG = ATTN_DECODE_THREADS / T, STEP = RG * R;
 
     const int tid = threadIdx.x, t = tid % T, rg = tid / T;
     const int s = blockIdx.x, qi = blockIdx.z;
@@ -375,7 +348,7 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
 
     const int L = kv_len[0], p = pos[qi];  // independent loads: one round trip for both
-    if (L < 0 || L > cap) {  // attn_combine_* writes zeros
+    if (L < 0 || L > cap) {  // attn_combine writes zeros
         if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
     }
@@ -502,51 +475,18 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
         }
     }
 
-    // Merge the RG row groups: rescale each to the block max, sum through shared memory.
-    if (t == 0) {
-#pragma unroll
-        for (int g = 0; g < GB; ++g) sm_m[rg][g] = m[g];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int g = 0; g < GB; ++g) {
-        if (g >= ng) continue;  // ng is block-uniform (not break: the loop must unroll, acc stays in registers)
-        float M = NEG_INF;
-        for (int r = 0; r < RG; ++r) M = fmaxf(M, sm_m[r][g]);
-        const float f = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - M);  // a group that saw no row adds nothing
-#pragma unroll
-        for (int n = 0; n < NV; ++n)
-            sm_acc[rg][tile_elem<T, W>(n, t) / 4] = vf4{acc[g][n].x * f, acc[g][n].y * f, acc[g][n].z * f, acc[g][n].w * f};
-        if (t == 0) sm_l[rg][g] = l[g] * f;
-        __syncthreads();
-        const float* sa = (const float*)&sm_acc[0][0];
-        float* pa = part_acc + (pbase + (long long)g * n_split) * dv;
-        for (int e = tid; e < dv; e += NT) {
-            float a = 0.0f;
-            for (int r = 0; r < RG; ++r) a += sa[r * DK + e];
-            pa[e] = a;
-        }
-        if (tid == 0) {
-            float ls = 0.0f;
-            for (int r = 0; r < RG; ++r) ls += sm_l[r][g];
-            part_m[pbase + (long long)g * n_split] = M;
-            part_l[pbase + (long long)g * n_split] = ls;
-        }
-        __syncthreads();  // sm_acc is rewritten for the next head
-    }
+    write_partials<GB, NV, T, W>(m, l, acc, ng, pbase, n_split, dv, part_m, part_l, part_acc);
 }
 
-// out[qi, h, :] from the partials of the splits that ran, like attn_combine but with the splits
-// spread over CSG thread groups (each a run of 4-element column vectors), so the partials are
-// read with CSG x unroll loads in flight instead of one split after another. grid (hq, n_q).
-#ifndef ATTN_COMBINE_WIDE_THREADS
-#define ATTN_COMBINE_WIDE_THREADS 256
-#endif
-extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_WIDE_THREADS)
-attn_combine_wide(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
-                  const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
-                  int min_chunk) {
-    constexpr int NT = ATTN_COMBINE_WIDE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
+// ---------------------------------------------------------------- combine
+// out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q). The splits are spread
+// over CSG thread groups (each a run of 4-element column vectors), so the partials are read with
+// CSG x unroll loads in flight instead of one split after another.
+extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
+attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
+             const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
+             int min_chunk) {
+    constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
     __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     __shared__ vf4 sm[CSG][CW];
@@ -704,18 +644,6 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
         attn_prefill<KVT, GB, NVP, (DK) / (4 * (NVP)), VEC>(q, k, v, pos, kv_len, out, n_q, hq, hk, d, dv, cap,   \
                                                              scale2, window, n_gch, errflag, code);               \
     }
-// The row-at-a-time decode (attn_decode): the fallback for shapes the tile kernels do not take
-// (`_any`), and the d128_g4 "row" variant to time against them (ptxas: GB=4, NV=2: 112 registers).
-#define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NVD, VEC, SUFFIX)                                                    \
-    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
-        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
-        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
-        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
-        attn_decode<KVT, GB, NVD, (DK) / (4 * (NVD)), VEC>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,    \
-                                                            hk, d, dv, cap, n_split, min_chunk, scale2, window,   \
-                                                            n_gch, errflag, code);                                \
-    }
-
 //                                                DK   GB NVP
 #define ATTN_DEFINE_KV(KVNAME, KVT)                                   \
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 64, 1, 4, true, _d64_g1)         \
@@ -727,21 +655,22 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, true, _d256_g1)       \
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 4, 4, true, _d256_g4)       \
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 8, 2, true, _d256_g8)       \
-    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, false, _any)          \
-    ATTN_DEFINE_ROW(KVNAME, KVT, 128, 4, 2, true, _d128_g4)           \
-    ATTN_DEFINE_ROW(KVNAME, KVT, 256, 1, 4, false, _any)
+    ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, false, _any)
 
 ATTN_DEFINE_KV(f32, float)
 ATTN_DEFINE_KV(f16, u16)
 
-// Tiled split-K decode (attn_decode_tile): attn_dtile<R>_<kv><suffix>, same suffixes as above
-// (the tile kernels need VEC loads, so no `_any`). NV here: 2 where q and acc (GB*NV*4 registers
-// each) leave room for R rows of raw K/V, 1 for GB=8 below DK=256. ptxas (sm_90, d128_g4): f16
-// R=2/4/8 use 125/168/254 registers, f32 R=1/2/4 127/139/209: 4, 3 and 2 blocks of 128 threads
-// per SM, i.e. 32, 48 and 64 KiB of K/V loads in flight per SM. RA: R for GB 1 and 4, RB: GB 8.
-// attention.py mirrors this table (TILE_R, TILE_EXTRA, _TILE_NV).
+// Decode: attn_decode_<kv><suffix>, the same suffixes as prefill. The shape classes run
+// attn_decode_tile (16-byte loads: attention.py sends shapes it cannot load to `_any`, which runs
+// attn_decode_row with element loads, one head per block). NV (tile): 2 where q and acc
+// (GB*NV*4 registers each) leave room for R rows of raw K/V, 1 for GB=8 below DK=256.
+// R: rows per row group per step. Registers do not depend on DK (ptxas, sm_90): f16 GB=4 R=2/4/8
+// 128/168/254, f32 GB=4 R=1/2/4 127/139/209, i.e. 4, 3 and 2 blocks of 128 threads per SM.
+// Measured on an H200 (2026-11-30, d128_g4, % of copy bandwidth at 1k/8k/32k): f16 R=2
+// 7.3/41.5/58.5, R=4 9.1/38.4/58.4, R=8 8.8/39.3/51.3; f32 R=1 13.5/52.1/78.2, R=2 16.9/53.1/85.6,
+// R=4 16.8/51.6/84.0. GB=1 and GB=8 keep the R chosen from registers (not measured).
 #define ATTN_DEFINE_TILE(KVNAME, KVT, DK, GB, NV, R, SUFFIX)                                                      \
-    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_dtile##R##_##KVNAME##SUFFIX(           \
+    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code) {                                            \
@@ -749,22 +678,28 @@ ATTN_DEFINE_KV(f16, u16)
                                                              hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
                                                              n_gch, errflag, code);                               \
     }
-//                                                  DK  GB NV
-#define ATTN_DEFINE_TILE_KV(KVNAME, KVT, RA, RB)                     \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 1, 2, RA, _d64_g1)             \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 4, 2, RA, _d64_g4)             \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 8, 1, RB, _d64_g8)             \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 1, 2, RA, _d128_g1)           \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 4, 2, RA, _d128_g4)           \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 8, 1, RB, _d128_g8)           \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 1, 2, RA, _d256_g1)           \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 4, 2, RA, _d256_g4)           \
-    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 8, 2, RB, _d256_g8)
+#define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NV, SUFFIX)                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
+        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
+        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
+        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
+        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq, hk,   \
+                                                         d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
+                                                         errflag, code);                                          \
+    }
+//                                                      DK  GB NV
+#define ATTN_DEFINE_DECODE_KV(KVNAME, KVT, R1, R4, R8)                 \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 1, 2, R1, _d64_g1)               \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 4, 2, R4, _d64_g4)               \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 64, 8, 1, R8, _d64_g8)               \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 1, 2, R1, _d128_g1)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 4, 2, R4, _d128_g4)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 128, 8, 1, R8, _d128_g8)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 1, 2, R1, _d256_g1)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 4, 2, R4, _d256_g4)             \
+    ATTN_DEFINE_TILE(KVNAME, KVT, 256, 8, 2, R8, _d256_g8)             \
+    ATTN_DEFINE_ROW(KVNAME, KVT, 256, 1, 4, _any)
 
-ATTN_DEFINE_TILE_KV(f16, u16, 4, 2)
-ATTN_DEFINE_TILE_KV(f32, float, 2, 1)
-// Other R for the Qwen3/Llama shape (d 128, group 4), to time against the defaults.
-ATTN_DEFINE_TILE(f16, u16, 128, 4, 2, 2, _d128_g4)
-ATTN_DEFINE_TILE(f16, u16, 128, 4, 2, 8, _d128_g4)
-ATTN_DEFINE_TILE(f32, float, 128, 4, 2, 1, _d128_g4)
-ATTN_DEFINE_TILE(f32, float, 128, 4, 2, 4, _d128_g4)
+// The shipped R per (KV dtype, GQA class):  g1 g4 g8
+ATTN_DEFINE_DECODE_KV(f16, u16,              4, 2, 2)
+ATTN_DEFINE_DECODE_KV(f32, float,            2, 2, 1)

@@ -1,23 +1,21 @@
 """flash_attn on the GPU: split-K flash decoding for a few queries, a tiled causal kernel for prefill.
 
 Both paths read positions and kv_len on the device (attention.cu), so a lowered Program serves
-every position. The path and every launch argument are chosen here from shapes (and the device's
-SM count) only:
+every position. The kernel and every launch argument are chosen here from shapes, K/V alignment
+and the device's SM count only. Shape class suffix: `_d<DK>_g<GB>` (DK 64/128/256 >= the head
+dims, GB 1/4/8 q heads per block), or `_any` (element loads, one head per block) when a head dim
+is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte aligned (8 for f16).
 
-- decode (n_q <= DECODE_MAX_QUERIES): a decode kernel over a fixed grid of n_split splits per
-  (query, kv head, head chunk), then a combine kernel. A split's row count is
+- decode (n_q <= DECODE_MAX_QUERIES): `attn_decode_<kv><suffix>` over a fixed grid of n_split
+  splits per (query, kv head, head chunk), then `attn_combine`. A split's row count is
   max(MIN_CHUNK, ceil(kv_len / n_split)), computed on the device, so the work follows the actual
   context and splits past kv_len exit at once. n_split is sized so that every block of a full
-  context is resident at once (one wave: SMs x resident blocks of the decode kernel).
-  Variants (DECODE_VARIANT, per KV dtype; `python benchmarks/bench_gpu_attention.py --variants`
-  times them all):
-    "tile<R>"  attn_dtile<R>_*: each row group takes R rows per step, loads of the next step
-               overlap this step's math, one max/rescale per step; + attn_combine_wide.
-    "tile"     the tile kernel with the default R of every shape (TILE_R).
-    "row"      attn_decode_*: the first kernel, one row at a time per row group; + attn_combine.
-  Shapes a variant lacks a kernel for use "tile"; shapes the tile kernels cannot load (d or dv
-  not a multiple of 4, or 8 for f16 tiles, or K/V not 16-byte aligned) use attn_decode_*_any.
-- prefill: `attn_prefill_*`, QT queries x one GQA head chunk per block, K/V tiles in shared memory.
+  context is resident at once (one wave: SMs x resident blocks of the decode kernel). The shape
+  classes take R rows per row group per step, loads of the next step overlapping this step's math
+  (R per KV dtype and GQA class: the table at the end of attention.cu); `_any` one row at a time.
+  H200, 2026-11-30, `bench_gpu_attention.py --variants`, %copy at 1k/8k/32k: f16 7.3/41.5/58.5, f32 16.9/53.1/85.6
+- prefill: `attn_prefill_<kv><suffix>`, QT queries x one GQA head chunk per block, K/V tiles in
+  shared memory.
 """
 
 from __future__ import annotations
@@ -37,19 +35,11 @@ FILE = "attention.cu"
 DECODE_MAX_QUERIES = 4  # above this, prefill (K/V tiles shared by many queries) reads less
 DECODE_THREADS = 128  # ATTN_DECODE_THREADS
 PREFILL_THREADS = 128  # ATTN_PREFILL_THREADS
-COMBINE_THREADS = 128  # ATTN_COMBINE_THREADS
-COMBINE_WIDE_THREADS = 256  # ATTN_COMBINE_WIDE_THREADS
+COMBINE_THREADS = 256  # ATTN_COMBINE_THREADS
 MAX_SPLITS = 1024  # ATTN_MAX_SPLITS (combine's shared weights)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
-# The decode variant per KV dtype, picked from `bench_gpu_attention.py --variants` on an H200
-# (2026-11-30, Qwen3-8B shapes, % of copy bandwidth at 1k / 8k / 32k): f16 tile2 7.3/41.5/58.5,
-# tile4 9.1/38.4/58.4, old row kernel 6.0/27.0/46.3; f32 tile2 16.9/53.1/85.6, row 11.7/44.1/77.5.
-DECODE_VARIANT = {"f16": "tile2", "f32": "tile2"}
-# Tile kernels in attention.cu: R for every shape (GB 1 and 4, GB 8), and the extra R of d128_g4.
-TILE_R = {"f16": (4, 2), "f32": (2, 1)}
-TILE_EXTRA = {"f16": (2, 8), "f32": (1, 4)}
 # Decode grid: TARGET_BLOCKS blocks when every split is busy; None: one wave of the decode kernel
 # (SM count x its resident blocks per SM, from its register count), so no SM idles through a second,
 # partial wave. MIN_CHUNK: rows per split at least, so a block's fixed cost (kv_len and q loads,
@@ -71,7 +61,7 @@ def _aligned(a: Any, n: int) -> bool:
     return a.size == 0 or int(a.data.ptr) % n == 0
 
 
-def _variant(kv: str, d: int, dv: int, group: int, k: Any, v: Any) -> tuple[str, int, int, int]:
+def _shape_class(kv: str, d: int, dv: int, group: int, k: Any, v: Any) -> tuple[str, int, int, int]:
     """(kernel suffix, DK, GB, prefill NV) for these shapes; mirrors ATTN_DEFINE_KV in attention.cu."""
     width = 16 if kv == "f32" else 8  # one vector load: 4 elements
     if d % 4 or dv % 4 or not (_aligned(k, width) and _aligned(v, width)):
@@ -81,31 +71,14 @@ def _variant(kv: str, d: int, dv: int, group: int, k: Any, v: Any) -> tuple[str,
     return f"_d{dk}_g{gb}", dk, gb, 2 if gb == 8 else 4
 
 
-def _tile_nv(dk: int, gb: int) -> int:
-    """NV of attn_dtile*: mirrors ATTN_DEFINE_TILE_KV."""
-    return 1 if gb == 8 and dk < 256 else 2
-
-
-def decode_kernels(kv: str, suffix: str, dk: int, gb: int, d: int, dv: int, k: Any, v: Any,
-                   variant: str | None = None) -> tuple[str, str]:
-    """(decode kernel, combine kernel) for DECODE_VARIANT[kv] (or `variant`) on these shapes."""
-    variant = DECODE_VARIANT[kv] if variant is None else variant
-    if suffix == "_any":
-        return f"attn_decode_{kv}_any", "attn_combine"
-    if variant == "row":
-        return (f"attn_decode_{kv}{suffix}", "attn_combine") if suffix == "_d128_g4" else \
-            (f"attn_decode_{kv}_any", "attn_combine")
-    if not variant.startswith("tile"):
-        raise BackendError(f"flash_attn: unknown decode variant {variant!r}")
-    # f16 tiles with NV even read 8 halves per 16-byte load: d, dv multiples of 8, 16-byte aligned rows
-    if kv == "f16" and _tile_nv(dk, gb) % 2 == 0 and (d % 8 or dv % 8 or not (_aligned(k, 16) and _aligned(v, 16))):
-        return f"attn_decode_{kv}_any", "attn_combine"
-    r = TILE_R[kv][1 if gb == 8 else 0]
-    if variant != "tile":
-        want = int(variant[4:])
-        if want == r or (suffix == "_d128_g4" and want in TILE_EXTRA[kv]):
-            r = want
-    return f"attn_dtile{r}_{kv}{suffix}", "attn_combine_wide"
+def _decode_suffix(kv: str, suffix: str, dk: int, gb: int, d: int, dv: int, k: Any, v: Any) -> str:
+    """The decode kernel's suffix: the prefill one, or `_any` where attn_decode_tile cannot load the rows.
+    Its f16 classes with NV=2 (all but GB=8 below DK=256: ATTN_DEFINE_DECODE_KV) read 8 halves per
+    16-byte load: d, dv multiples of 8 and 16-byte aligned K/V."""
+    nv = 1 if gb == 8 and dk < 256 else 2
+    if kv == "f16" and nv == 2 and (d % 8 or dv % 8 or not (_aligned(k, 16) and _aligned(v, 16))):
+        return "_any"
+    return suffix
 
 
 @functools.cache
@@ -147,7 +120,7 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     if n_q == 0 or hq == 0 or dv == 0:
         return []
     group = hq // hk
-    suffix, dk, gb, nvp = _variant(kv, d, dv, group, k, v)
+    suffix, dk, gb, nvp = _shape_class(kv, d, dv, group, k, v)
     n_gch = cdiv(group, gb)
     window = int(p.get("window", 0))
     window = window if 0 < window < 2**31 else 0  # a window past any i32 position restricts nothing
@@ -161,9 +134,10 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
                        (q, k, v, pos, kv_len, out, i32(n_q), *common, scale2, i32(window), i32(n_gch),
                         lw.errflag, code))]
 
-    dname, cname = decode_kernels(kv, suffix, dk, gb, d, dv, k, v)
-    if dname.endswith("_any"):  # one head per block
+    suffix = _decode_suffix(kv, suffix, dk, gb, d, dv, k, v)
+    if suffix == "_any":  # one head per block
         gb, n_gch = 1, group
+    dname = f"attn_decode_{kv}{suffix}"
     per_split = n_q * hk * n_gch
     target = TARGET_BLOCKS
     if target is None:
@@ -172,12 +146,11 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
-    cthreads = COMBINE_WIDE_THREADS if cname == "attn_combine_wide" else COMBINE_THREADS
     return [
         Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
                (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
                 i32(window), i32(n_gch), lw.errflag, code)),
-        Launch(FILE, cname, (hq, n_q), cthreads,
+        Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
                (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
     ]
 
