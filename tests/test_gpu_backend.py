@@ -178,3 +178,31 @@ def test_device_outputs_and_device_state():
     np.testing.assert_array_equal(dev.get(), host)
     k0 = next(v for k, v in state.items() if k.endswith("k_cache"))
     assert float(cp.abs(k0[0]).max()) > 0 and float(cp.abs(k0[1:]).max()) == 0  # row 0 written in place
+
+
+# ---------------------------------------------------------------- vocab-sized rows (GPU suite)
+VOCAB = 151936  # Qwen3's vocabulary: the widest rows a model graph reduces over
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_vocab_sized_reductions_and_lookups_equal_reference():
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((3, VOCAB)) * 4).astype(np.float32)
+    logits[1, [7, 151935]] = logits[1].max() + 1  # a tie: the first index wins
+    x = g.input("x", logits.shape)
+    graph = Graph({"argmax": g.argmax(x), "top_k": g.top_k(x, k=40), "softmax": g.softmax(x, scale=0.7),
+                   "sum": g.sum_rows(x)})
+    want = get_backend("reference").lower(graph, None)({"x": logits})
+    got = get_backend("gpu").lower(graph, None)({"x": logits})
+    assert got["argmax"].tolist() == want["argmax"].tolist() and got["argmax"][1] == 7
+    np.testing.assert_array_equal(got["top_k"], want["top_k"])
+    np.testing.assert_allclose(got["softmax"], want["softmax"], rtol=1e-5, atol=1e-9)
+    # two f32 summation orders differ by up to ~eps * sum|x| (~0.05 here); a lost element is ~4
+    bound = 1e-7 * float(np.abs(logits).sum(-1).max())
+    np.testing.assert_allclose(got["sum"], want["sum"], rtol=0, atol=bound)
+    table = rng.standard_normal((VOCAB, 64)).astype(np.float32)
+    ids = np.array([0, 151935, 77, 77], np.int32)
+    node = g.get_rows(g.input("t", table.shape), g.input("ids", (4,), "i32"))
+    out = get_backend("gpu").lower(Graph({"o": node}), None)({"t": table, "ids": ids})["o"]
+    np.testing.assert_array_equal(out, table[ids])
