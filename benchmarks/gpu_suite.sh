@@ -31,6 +31,7 @@ if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
 fi
 run bench-gemv python3 benchmarks/bench_gpu_gemv.py ${QUICK:+--quick}
 run bench-attention python3 benchmarks/bench_gpu_attention.py ${QUICK:+--quick}
+run profile-decode python3 benchmarks/profile_gpu_decode.py smollm2-135m
 run bench-smollm2 python3 -m graphir bench smollm2-135m --backend gpu --prefill 512 --prompt 128 \
     --decode 128 --repeats 3 --no-llama-cpp
 echo "---------------- GPU suite summary ($(date -u +%F))"
