@@ -34,4 +34,7 @@ def get_backend(name: str) -> ModuleType:
         raise BackendError(f"backend {name!r} is not available here: {e}") from e
     if name == "gpu":
         module.device.cupy()  # a missing CuPy is a one-line error here, not at the first call
+        if not module.device.available():
+            raise BackendError("backend 'gpu': CuPy is installed but sees no CUDA/HIP device (or no working "
+                               "driver); use --backend cpu, or auto to pick what is here")
     return module

@@ -1,6 +1,7 @@
 """`graphir.load(spec)`: a model ready to score and generate, composed from the pipeline stages.
 
-    model = graphir.load("smollm2-135m")            # or a .gguf path, an HF directory, "random:qwen3-tiny"
+    model = graphir.load("smollm2-135m")            # or a .gguf path, an HF directory, "random:qwen3-tiny";
+                                                    # backend "auto" (gpu if present, else cpu), passes "default"
     ids = model.tokenizer.encode("The capital of France is")
     text = model.tokenizer.decode(list(model.generate(ids, 16)))
 
@@ -26,6 +27,7 @@ from graphir.errors import InputError, LoadError
 from graphir.generate import check_sampling, generate, make_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, qwen35
+from graphir.models.hf_dir import TOKENIZER_FILE
 from graphir.models.llama import LlamaConfig, build
 from graphir.program import new_state
 from graphir.weights import Weights
@@ -176,15 +178,19 @@ class Model:
                 f"ctx {c.ctx}, backend {self.backend}>")
 
 
-def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "reference", dtype: str | None = None,
-         ctx: int | None = None, passes: str = "") -> Model:
+def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dtype: str | None = None,
+         ctx: int | None = None, passes: str = "default") -> Model:
     """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
     "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
+    `backend` "auto" is gpu when CuPy sees a device, else cpu; `passes` is the pipeline applied before
+    lowering ("" for none). These are `graphir run`'s defaults too.
     `dtype` None keeps the file's weight types; "f32" (or f16, bf16, q8_0, ...) converts them.
-    `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX)."""
+    `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX).
+    A model from an HF directory without tokenizer.json loads with `tokenizer` None."""
     t0 = time.perf_counter()
     backend = resolve_backend(backend)  # "auto": gpu when CuPy sees a device, else cpu
     get_backend(backend)  # an unknown or unavailable backend fails before any file is read
+    check_pipeline(passes)  # so does a bad pipeline, rather than the first call
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
     config, weights, tokenizer, eos, source = _resolve(str(spec), dtype)
@@ -194,6 +200,15 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "reference
         config = loader.with_ctx(config, ctx)
     return Model(config, weights, tokenizer, backend=backend, passes=passes, eos_ids=eos, source=source,
                  load_s=time.perf_counter() - t0)
+
+
+def check_pipeline(passes: str) -> None:
+    """Parse `passes` without running it: an unknown pass or option raises GraphError naming it."""
+    from graphir.passes import parse_pipeline
+
+    if not isinstance(passes, str):
+        raise InputError(f"passes must be a pipeline string such as 'default' or '' (none), got {passes!r}")
+    parse_pipeline(passes)
 
 
 def _resolve(spec: str, dtype: str | None) -> tuple[LlamaConfig, Weights, Any, set[int], str]:
@@ -218,7 +233,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[LlamaConfig, Weights, Any, s
     path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.is_dir():
         config, weights, hf = loader.load_hf(path)
-        tok_file = path / "tokenizer.json"
+        tok_file = path / TOKENIZER_FILE
         tok = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
         eos = tok.eos_ids if tok else _ids(hf.get("eos_token_id"))
         return config, weights, tok, eos, str(path)

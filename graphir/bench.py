@@ -205,7 +205,7 @@ def _prefill_s(model: Model, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def bench(spec: str = DEFAULT_MODEL, backend: str = "cpu", passes: str = "default", prefill_tokens: int = 512,
+def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""

@@ -10,15 +10,17 @@
     graphir bench smollm2-135m --json bench.json     load, TTFT, prefill and decode tok/s, RSS, bandwidth limit
 
 Modules that other stages provide (graphir.api, graphir.passes) are imported lazily, so
-`dump` and `run example` work before any model or pass exists. Every GraphirError ends the
-command with `error: <message>` on stderr and exit code 1, never a traceback.
+`dump` and `run example` work before any model or pass exists. Options (backend, pass pipeline,
+layers, numbers) are checked before any model loads. Every failure is one line on stderr, never
+a traceback: `error: <message>`, exit code 2 for a bad option, 1 for a GraphirError.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,12 @@ import click
 import numpy as np
 
 from graphir import __version__
+from graphir.backends.registry import AUTO, BACKENDS
 from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
-from graphir.errors import GraphirError
+from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
+from graphir.models.hf_dir import TOKENIZER_FILE, read_text
+from graphir.models.loader import DEFAULT_MAX_CTX
 
 DEFAULT_MODEL = "smollm2-135m"
 _EXTENSIONS = {".txt": "text", ".dot": "dot", ".gv": "dot", ".json": "json", ".html": "html", ".htm": "html"}
@@ -41,14 +46,58 @@ class CliError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+class CliUsageError(click.UsageError):
+    """A bad command line: printed as one `error: <message>` line (no usage block), exit code 2."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
 class GraphirGroup(click.Group):
-    """Turns any GraphirError raised by a command into a one-line error instead of a traceback."""
+    """Turns any GraphirError or usage error raised by a command into a one-line error."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except GraphirError as e:
             raise CliError(str(e)) from None
+        except click.UsageError as e:  # includes BadParameter from option types and callbacks
+            if isinstance(e, CliUsageError):
+                raise
+            raise CliUsageError(e.format_message(), e.ctx) from None
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that refuses nan and inf, which pass FloatRange's bounds (every nan comparison is False)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+BACKEND_CHOICE = click.Choice([*BACKENDS, AUTO])
+
+
+def _pipeline_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Parse a --passes pipeline without running it, so a bad name or option fails before any model loads."""
+    parse = getattr(_import_or_none("graphir.passes"), "parse_pipeline", None)
+    if value and parse is not None:
+        try:
+            parse(value)
+        except GraphirError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
+def _checked_backend(name: str) -> str:
+    """The backend `name` resolves to ("auto": gpu or cpu), importable here; checked before any model loads."""
+    from graphir.backends import registry
+
+    resolved = registry.resolve_backend(name)
+    registry.get_backend(resolved)  # gpu without CuPy or a device: a one-line BackendError now, not after loading
+    return resolved
 
 
 @click.group(cls=GraphirGroup)
@@ -64,7 +113,7 @@ def _pass_registry() -> dict[str, Any]:
 
 @main.command("passes")
 def passes_cmd() -> None:
-    """List the registered graph passes with a one-line description each."""
+    """List the registered graph passes with a one-line description each, then each named pipeline's passes."""
     registry = _pass_registry()
     if not registry:
         click.echo("no passes registered yet")
@@ -72,6 +121,11 @@ def passes_cmd() -> None:
     width = max(len(name) for name in registry)
     for name, p in registry.items():
         click.echo(f"{name:<{width}}  {getattr(p, 'description', '')}")
+    pipelines = getattr(_import_or_none("graphir.passes"), "pipelines", dict)()
+    if pipelines:
+        click.echo("\npipelines (a name in --passes runs these in order):")
+    for name, members in pipelines.items():
+        click.echo(f"{name} = {', '.join(members)}")
 
 
 # ---------------------------------------------------------------- dump
@@ -92,11 +146,17 @@ def load_graph(spec: str, phase: str) -> Graph:
         path = Path(spec)
         if not path.is_file():
             raise CliError(f"{spec}: no such graph file")
+        text = read_text(path)  # a binary file is a LoadError naming it
         try:
-            return load_json(path.read_text(encoding="utf-8"))
+            return load_json(text)
         except GraphirError as e:
-            raise CliError(f"{spec}: {e}") from None
-    return _api(spec).load(spec).graph(phase)
+            raise LoadError(f"{spec}: {e}") from None
+    return _load_for_graphs(spec).graph(phase)
+
+
+def _load_for_graphs(spec: str) -> Any:
+    """A model whose graphs and weights are read, never run: no backend to import, no passes to apply."""
+    return _api(spec).load(spec, backend="reference", passes="")
 
 
 def _api(spec: str) -> Any:
@@ -142,7 +202,8 @@ def _emit(text: str, output: str | None) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write here instead of stdout")
 @click.option("--layers", default=None, callback=_layers_option,
               help="show only these layers (blk.N), fold the rest: 0..1, 3, 0,2,5 or all")
-@click.option("--passes", "pipeline", default=None, help="run this pass pipeline first (see `graphir passes`)")
+@click.option("--passes", "pipeline", default=None, callback=_pipeline_option,
+              help="run this pass pipeline first (see `graphir passes`)")
 @click.option("--diff", is_flag=True, help="print what --passes changed (op counts, then lines) instead")
 def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers: set[int] | None,
              pipeline: str | None, diff: bool) -> None:
@@ -159,36 +220,33 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
     if pipeline:
         after = _run_pipeline(graph, pipeline)
         if diff:
-            _emit(diff_graphs(graph, after), output)
+            _emit(diff_graphs(graph, after, layers), output)
             return
         graph = after
     _emit(dump(graph, fmt, layers), output)
 
 
 # ---------------------------------------------------------------- run
-def _default_backend() -> str:
-    """auto: gpu when CuPy sees a device, else cpu."""
-    from graphir.backends.registry import resolve_backend
-
-    return resolve_backend("auto")
-
-
 @main.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-p", "--prompt", default="The capital of France is", show_default=True)
 @click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=0), default=32, show_default=True)
 # Greedy by default, so a command line in the README prints the same text every time.
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
               help="0 is greedy (top-k/top-p then do nothing); llama.cpp's default is 0.8")
 @click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95, show_default=True, help="1 disables")
-@click.option("--seed", type=int, default=None, help="sampling seed (default: fresh each run)")
-@click.option("--backend", default=None, help="reference, cpu, gpu or auto (default: auto, gpu when CuPy sees a "
-              "device, else cpu)")
-@click.option("--passes", "pipeline", default="default", show_default=True,
+@click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
+              help="1 disables")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="sampling seed (default: fresh each run)")
+@click.option("--backend", type=BACKEND_CHOICE, default=None,
+              help="default: auto (gpu when CuPy sees a device, else cpu); reference for `example`")
+@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
               help="pass pipeline applied before lowering ('' for none; see `graphir passes`)")
+@click.option("--ctx", type=click.IntRange(min=1), default=None,
+              help=f"KV-cache capacity in tokens, prompt included  [default: the model's context, at most "
+                   f"{DEFAULT_MAX_CTX}]")
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-            backend: str | None, pipeline: str) -> None:
+            backend: str | None, pipeline: str, ctx: int | None) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
@@ -197,28 +255,63 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     if model == "example":
         _run_example(prompt, n, seed or 0, backend or "reference")
         return
+    backend = _checked_backend(backend or AUTO)
+    _check_runnable(model)
     api = _api(model)
-    backend = backend or _default_backend()
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
-    lm = api.load(model, backend=backend, passes=pipeline)
+    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx)
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
-    add_token, flush = _text_stream(lm.tokenizer)
-    click.echo(prompt, nl=False)
-    t1 = time.perf_counter()
-    first_s: float | None = None
-    count = 0
-    for token in lm.generate(ids, max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed):
-        if first_s is None:
-            first_s = time.perf_counter() - t1
-        count += 1
-        click.echo(add_token(int(token)), nl=False)  # click.echo flushes, so text streams
-    click.echo(flush())
-    total_s = time.perf_counter() - t1
+    _check_context(lm.config, len(ids), n)
+    # generate() checks its arguments when called, so every error so far precedes the echoed prompt.
+    tokens = lm.generate(ids, max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    first_s, count, total_s = _stream_text(prompt, tokens, lm.tokenizer)
     stats = dict(getattr(lm, "stats", None) or {})
     click.echo(_timings(stats, load_s, first_s, count, total_s), err=True)
+
+
+def _no_weights(spec: str) -> CliError:
+    return CliError(f"{spec}: a graph file has no weights to run; use a model spec or `example`")
+
+
+def _check_runnable(spec: str) -> None:
+    """What `run` can tell before loading: a graph file has no weights, an HF directory needs its tokenizer."""
+    if spec.endswith(".json"):
+        raise _no_weights(spec)
+    path = Path(spec)
+    if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
+        raise LoadError(f"{path / TOKENIZER_FILE}: missing; `graphir run` needs it to encode the prompt "
+                        f"(graphir.load() loads this model without a tokenizer)")
+
+
+def _check_context(config: Any, n_prompt: int, n_new: int) -> None:
+    """The model's own check names load(..., ctx=N); on the command line the knob is --ctx."""
+    if n_prompt + n_new > config.ctx:
+        raise CliError(f"prompt of {n_prompt} tokens + -n {n_new} exceeds the context of {config.ctx} tokens; "
+                       f"raise it with --ctx N (the model was trained for {config.context_length})")
+
+
+def _stream_text(prompt: str, tokens: Iterable[int], tokenizer: Any) -> tuple[float | None, int, float]:
+    """Echo the prompt, then each token's text as it comes; (first token s, tokens, total s).
+    A failure mid-stream ends the line first, so its error message starts a line of its own."""
+    add_token, flush = _text_stream(tokenizer)
+    click.echo(prompt, nl=False)
+    t0 = time.perf_counter()
+    first_s: float | None = None
+    count = 0
+    try:
+        for token in tokens:
+            if first_s is None:
+                first_s = time.perf_counter() - t0
+            count += 1
+            click.echo(add_token(int(token)), nl=False)  # click.echo flushes, so text streams
+    except BaseException:  # KeyboardInterrupt too: the shell prompt should not land on the text either
+        click.echo()
+        raise
+    click.echo(flush())
+    return first_s, count, time.perf_counter() - t0
 
 
 def _text_stream(tokenizer: Any) -> tuple[Callable[[int], str], Callable[[], str]]:
@@ -271,14 +364,15 @@ _ALL_SITES = 1 << 30
 
 @main.command("check")
 @click.argument("model", default=DEFAULT_MODEL)
-@click.option("-p", "--passes", "pipeline", default="default", show_default=True,
+@click.option("-p", "--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
               help="the pass pipeline to check (see `graphir passes`)")
 @click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
 @click.option("--n-tokens", type=click.IntRange(min=1), default=None,
               help="prefill length  [default: 7; decode is always 1]")
-@click.option("--tol", type=click.FloatRange(min=0.0), default=None,
+@click.option("--tol", type=FiniteFloatRange(min=0.0), default=None,
               help="largest allowed error relative to a tensor's max |value|  [default: 1e-4]")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of the random inputs and state")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="seed of the random inputs and state")
 @click.option("--sites", type=click.IntRange(min=0), default=4, show_default=True, help=_SITES_HELP)
 def check_cmd(model: str, pipeline: str, phase: str, n_tokens: int | None, tol: float | None, seed: int,
               sites: int) -> None:
@@ -313,14 +407,14 @@ def _graph_and_weights(spec: str, phase: str, n_tokens: int) -> tuple[Graph, Any
         graph = build_example(phase, n_tokens)
         return graph, example_weights(graph)
     if spec.endswith(".json"):
-        raise CliError(f"{spec}: a graph file has no weights to run; check a model spec or `example`")
-    lm = _api(spec).load(spec)
+        raise _no_weights(spec)
+    lm = _load_for_graphs(spec)
     return lm.graph(phase, n_tokens), lm.weights
 
 
 @main.command("coverage")
 @click.argument("spec", default=DEFAULT_MODEL)
-@click.option("-p", "--passes", "pipeline", default="default", show_default=True,
+@click.option("-p", "--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
               help="the pass pipeline to report on (see `graphir passes`)")
 @click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True)
 @click.option("--sites", type=click.IntRange(min=0), default=4, show_default=True, help=_SITES_HELP)
@@ -339,8 +433,9 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 # ---------------------------------------------------------------- bench
 @main.command("bench")
 @click.argument("model", default=DEFAULT_MODEL)
-@click.option("--backend", default="auto", show_default=True, help="reference, cpu, gpu or auto (gpu if present)")
-@click.option("--passes", "pipeline", default="default", show_default=True,
+@click.option("--backend", type=BACKEND_CHOICE, default=AUTO, show_default=True,
+              help="auto: gpu when CuPy sees a device, else cpu")
+@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
               help="pass pipeline applied before lowering ('' for none)")
 @click.option("--prefill", type=click.IntRange(min=1), default=512, show_default=True,
               help="tokens fed at once for the prefill rate")
@@ -365,10 +460,9 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     import shlex
     import sys
 
-    from graphir.backends.registry import resolve_backend
     from graphir.bench import bench, render
 
-    backend = resolve_backend(backend)
+    backend = _checked_backend(backend)
     click.echo(f"benchmarking {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     try:
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,

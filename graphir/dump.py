@@ -7,19 +7,30 @@ Text lines read like MLIR/ggml debug prints and are stable, so tests can FileChe
 `%N` is the node's position in topological order (`Graph.ids()`), the same number the
 verifier and backends use in their messages.
 
-Layers: a node named `blk.<i>.…` belongs to layer i; an unnamed node belongs to the
-latest layer among its sources (so an unnamed reshape inside a block stays in it).
-`layers="0..1"` folds every other layer out of text, DOT and HTML views.
+Layers: a node named `blk.<i>.…` belongs to layer i, any other named node to no layer. An unnamed
+node belongs to the layer of the nodes that read it: llama's `mul(rms_norm(x), w) "blk.2.attn_norm"`
+puts the unnamed rms_norm in blk.2, not in blk.1 where x comes from. When its readers disagree, an
+unnamed op node takes the latest of their layers (a fused op ending one layer and starting the next
+belongs to the next) and an unnamed leaf takes none; an unnamed node nobody reads takes the latest
+layer among its sources. `layers="0..1"` folds every other layer out of text, DOT and HTML views:
+one `# ... blk.2 .. blk.29: 980 nodes folded` line stands where they were, and a shown line that
+reads a folded node says so: `rms_norm(%1055 (folded, blk.29))`.
+
+Float params print as the shortest decimal that round-trips their float32 value (every kernel
+computes in f32), so an eps read from a GGUF file as f32 prints `1e-05`, as the file's author wrote
+it, not `9.999999747378752e-06`. JSON keeps the exact double, so graphs round-trip bit for bit.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from collections import Counter
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+
+import numpy as np
 
 from graphir.errors import GraphError
 from graphir.ir import LEAF_OPS, Graph, Node
@@ -47,19 +58,89 @@ def parse_layers(spec: str | None) -> set[int] | None:
     return out
 
 
+def _name_layer(name: str) -> int | None:
+    m = _LAYER_NAME.match(name)
+    return int(m[1]) if m else None
+
+
 def node_layers(graph: Graph) -> dict[int, int | None]:
-    """id(node) -> its layer number, or None for nodes outside any `blk.<i>` layer."""
+    """id(node) -> its layer number, or None for nodes outside any `blk.<i>` layer (rules: module doc)."""
+    nodes = graph.nodes()
+    by_sources: dict[int, int | None] = {}  # only for unnamed nodes nobody reads
+    for n in nodes:
+        inherited = [by_sources[id(s)] for s in n.src if by_sources[id(s)] is not None]
+        by_sources[id(n)] = _name_layer(n.name) if n.name is not None else max(inherited, default=None)
+    users = graph.users()
     layers: dict[int, int | None] = {}
-    for n in graph.nodes():
-        m = _LAYER_NAME.match(n.name) if n.name else None
-        if m:
-            layers[id(n)] = int(m[1])
-        elif n.name is None and n.src:
-            inherited = [layers[id(s)] for s in n.src if layers[id(s)] is not None]
-            layers[id(n)] = max(inherited) if inherited else None
+    for n in reversed(nodes):  # users come after their sources, so they are settled first
+        readers = {layers[id(u)] for u in users[id(n)]}
+        if n.name is not None:
+            layers[id(n)] = _name_layer(n.name)
+        elif not readers:
+            layers[id(n)] = by_sources[id(n)]
+        elif len(readers) == 1:
+            layers[id(n)] = readers.pop()
         else:
-            layers[id(n)] = None
+            layers[id(n)] = None if n.op in LEAF_OPS else max(r for r in readers if r is not None)
     return layers
+
+
+def check_layers(graph: Graph, layers: set[int] | None, of: dict[int, int | None] | None = None) -> None:
+    """GraphError unless every asked-for layer exists in `graph` (`of`: its node_layers, if at hand)."""
+    if layers is None:
+        return
+    present = {x for x in (of or node_layers(graph)).values() if x is not None}
+    if not present:
+        raise GraphError(f"layers {_ranges(sorted(layers))}: the graph has no blk.N layers to show or fold")
+    n = max(present) + 1
+    missing = sorted(layers - set(range(n)))
+    if missing:
+        raise GraphError(f"layers {_ranges(missing)} out of range: the graph has {n} layer{'s' * (n != 1)} "
+                         f"({_blk_ranges(list(range(n)))})")
+
+
+@dataclass
+class Fold:
+    """A run of hidden nodes, consecutive in topological order: one `# ...` line in a dump."""
+
+    layers: list[int]
+    nodes: list[Node]
+
+    def line(self) -> str:
+        return f"... {_blk_ranges(self.layers)}: {len(self.nodes)} nodes folded"
+
+
+def fold_view(graph: Graph, layers: set[int] | None,
+              of: dict[int, int | None] | None = None) -> list[Node | Fold]:
+    """The graph's nodes in topological order with each run of hidden nodes replaced by one Fold.
+
+    A leaf outside the layers (an input first read by a hidden layer) that sits inside a run moves ahead of the Fold:
+    leaves read nothing, so the order stays topological and the run stays one line."""
+    if layers is None:
+        return list(graph.nodes())
+    of = of if of is not None else node_layers(graph)
+    check_layers(graph, layers, of)
+    view: list[Node | Fold] = []
+    run: list[Node] = []
+    hoisted: list[Node] = []
+
+    def close() -> None:
+        view.extend(hoisted)
+        if run:
+            view.append(Fold(sorted({of[id(n)] for n in run}), list(run)))  # type: ignore[misc]
+        run.clear()
+        hoisted.clear()
+
+    for n in graph.nodes():
+        if of[id(n)] is not None and of[id(n)] not in layers:
+            run.append(n)
+        elif run and n.op in LEAF_OPS and of[id(n)] is None:
+            hoisted.append(n)
+        else:
+            close()
+            view.append(n)
+    close()
+    return view
 
 
 def fold_layers(graph: Graph, layers: set[int] | None) -> tuple[list[Node], str | None]:
@@ -67,6 +148,7 @@ def fold_layers(graph: Graph, layers: set[int] | None) -> tuple[list[Node], str 
     if layers is None:
         return graph.nodes(), None
     of = node_layers(graph)
+    check_layers(graph, layers, of)
     kept = [n for n in graph.nodes() if of[id(n)] is None or of[id(n)] in layers]
     folded = sorted({of[id(n)] for n in graph.nodes() if of[id(n)] is not None} - layers)
     n_folded = len(graph) - len(kept)
@@ -74,6 +156,11 @@ def fold_layers(graph: Graph, layers: set[int] | None) -> tuple[list[Node], str 
         return kept, None
     which = f"layer {folded[0]}" if len(folded) == 1 else f"{len(folded)} layers ({_ranges(folded)})"
     return kept, f"folded {n_folded} nodes of {which}; showing layers {_ranges(sorted(layers))}"
+
+
+def _blk_ranges(xs: list[int]) -> str:
+    """[2, 3, 4, 7] -> "blk.2 .. blk.4, blk.7"."""
+    return ", ".join(" .. ".join(f"blk.{x}" for x in part.split("..")) for part in _ranges(xs).split(","))
 
 
 def _ranges(xs: list[int]) -> str:
@@ -90,7 +177,22 @@ def _ranges(xs: list[int]) -> str:
 
 
 # ---------------------------------------------------------------- text
+def format_float(v: float) -> str:
+    """The shortest decimal that round-trips v's float32 value, as Python prints it: 1e-05, 0.1, 2.0."""
+    with np.errstate(over="ignore"):
+        f32 = np.float32(v)
+    if np.isfinite(v) and not np.isfinite(f32):  # beyond f32's range: the double is what there is
+        return repr(v)
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        text = f"{float(f32):.{digits}g}"
+        if np.float32(text) == f32:
+            return repr(float(text))
+    return repr(float(f32))  # nan
+
+
 def format_value(v: Any) -> str:
+    if isinstance(v, float):
+        return format_float(v)
     if isinstance(v, tuple):
         shown = [format_value(x) for x in v[:4]] if len(v) > MAX_SHOWN_VALUES else [format_value(x) for x in v]
         tail = f", ... ({len(v)} values)" if len(v) > MAX_SHOWN_VALUES else ""
@@ -106,13 +208,25 @@ def format_type(n: Node) -> str:
     return f"{list(n.shape)} {n.dtype}"
 
 
-def format_node(n: Node, ids: dict[int, int]) -> str:
+def format_params(n: Node) -> str:
+    return "{" + ", ".join(f"{k}={format_value(v)}" for k, v in n.params.as_dict().items()) + "}"
+
+
+def format_ref(n: Node, ids: dict[int, int], folded: dict[int, int] | None = None) -> str:
+    """`%N`, or `%N (folded, blk.L)` for a node a folded dump does not show."""
+    if folded and id(n) in folded:
+        return f"%{ids[id(n)]} (folded, blk.{folded[id(n)]})"
+    return f"%{ids[id(n)]}"
+
+
+def format_node(n: Node, ids: dict[int, int], folded: dict[int, int] | None = None) -> str:
+    """One dump line; `folded` (id(node) -> layer) marks the sources a folded dump hides."""
     head = f"%{ids[id(n)]} = {n.op}"
     if n.src:
-        head += "(" + ", ".join(f"%{ids[id(s)]}" for s in n.src) + ")"
+        head += "(" + ", ".join(format_ref(s, ids, folded) for s in n.src) + ")"
     parts = [head, format_type(n)]
     if n.params:
-        parts.append("{" + ", ".join(f"{k}={format_value(v)}" for k, v in n.params.as_dict().items()) + "}")
+        parts.append(format_params(n))
     if n.name is not None:
         parts.append(json.dumps(n.name))
     if OPS[n.op].writes:
@@ -130,31 +244,32 @@ def graph_summary(graph: Graph) -> str:
     return f"graph {meta + ': ' if meta else ''}{len(graph)} nodes ({leaves}); signature {graph.signature()}"
 
 
+def _hidden(view: list[Node | Fold], of: dict[int, int | None]) -> dict[int, int]:
+    """id(node) -> layer, for every node a folded view hides."""
+    return {id(n): of[id(n)] for e in view if isinstance(e, Fold) for n in e.nodes}  # type: ignore[misc]
+
+
 def dump_text(graph: Graph, layers: set[int] | None = None) -> str:
     """One line per node in topological order, then outputs and state updates."""
-    ids = graph.ids()
-    kept, note = fold_layers(graph, layers)
-    lines = ["# " + graph_summary(graph)]
-    if note:
-        lines.append("# " + note)
-    lines += [format_node(n, ids) for n in kept]
-    lines += [f"output {json.dumps(k)} = %{ids[id(v)]}" for k, v in graph.outputs.items()]
-    lines += [f"update %{ids[id(u)]}" for u in graph.updates]
+    ids, of = graph.ids(), node_layers(graph)
+    view = fold_view(graph, layers, of)
+    hidden = _hidden(view, of)
+    _, note = fold_layers(graph, layers)
+    lines = ["# " + graph_summary(graph)] + (["# " + note] if note else [])
+    lines += ["# " + e.line() if isinstance(e, Fold) else format_node(e, ids, hidden) for e in view]
+    lines += [f"output {json.dumps(k)} = {format_ref(v, ids, hidden)}" for k, v in graph.outputs.items()]
+    lines += [f"update %{ids[id(u)]}" for u in graph.updates if id(u) not in hidden]
+    n_folded_updates = sum(id(u) in hidden for u in graph.updates)
+    if n_folded_updates:
+        lines.append(f"# ... {n_folded_updates} state updates in folded layers")
     return "\n".join(lines) + "\n"
 
 
-def diff_graphs(before: Graph, after: Graph) -> str:
-    """What a pipeline changed: op counts removed/added, then a unified diff of the text dumps."""
-    a, b = Counter(n.op for n in before), Counter(n.op for n in after)
-    removed, added = a - b, b - a
-    lines = [f"# before: {len(before)} nodes, after: {len(after)} nodes"]
-    lines += [f"-{c} {op}" for op, c in sorted(removed.items())]
-    lines += [f"+{c} {op}" for op, c in sorted(added.items())]
-    if not removed and not added:
-        lines.append("# op counts unchanged")
-    body = difflib.unified_diff(dump_text(before).splitlines()[1:], dump_text(after).splitlines()[1:],
-                                "before", "after", n=1, lineterm="")
-    return "\n".join(lines + list(body)) + "\n"
+def diff_graphs(before: Graph, after: Graph, layers: set[int] | None = None) -> str:
+    """What a pass pipeline changed, node by node: see graphir/diff.py."""
+    from graphir.diff import diff_graphs as structural_diff  # diff.py builds on this module's lines
+
+    return structural_diff(before, after, layers)
 
 
 # ---------------------------------------------------------------- dot
@@ -170,43 +285,47 @@ def _dot_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def _dot_label(n: Node, ids: dict[int, int]) -> str:
+    params = f"\n{format_params(n)}" if n.params and n.op != "const" else ""
+    return f"%{ids[id(n)]} {n.op}\n{format_type(n)}" + params + (f"\n{n.name}" if n.name else "")
+
+
 def dump_dot(graph: Graph, layers: set[int] | None = None) -> str:
-    """Graphviz source: one box per node (op, type, name), layers as clusters, edges src -> user."""
-    ids = graph.ids()
-    kept, note = fold_layers(graph, layers)
-    kept_ids = {id(n) for n in kept}
-    of = node_layers(graph)
+    """Graphviz source: one box per node (op, type, params, name), layers as clusters, edges src -> user.
+
+    Each folded run is one `foldedK` note; edges into or out of hidden nodes end at their run's note."""
+    ids, of = graph.ids(), node_layers(graph)
+    view = fold_view(graph, layers, of)
+    folds = [e for e in view if isinstance(e, Fold)]
+    place = {id(n): f"n{ids[id(n)]}" for n in graph.nodes()}
+    place.update({id(n): f"folded{k}" for k, f in enumerate(folds) for n in f.nodes})
     out = ["digraph graphir {", '  rankdir=TB; node [fontname="monospace", fontsize=10];',
            f"  label={_dot_str(graph_summary(graph))}; labelloc=t;"]
     clusters: dict[int | None, list[str]] = {}
-    for n in kept:
-        label = f"%{ids[id(n)]} {n.op}\n{format_type(n)}" + (f"\n{n.name}" if n.name else "")
+    for n in (e for e in view if isinstance(e, Node)):
         style = _DOT_STYLE.get(n.op, 'shape=box, style="rounded,filled", fillcolor="#ffffff"')
         if OPS[n.op].writes:
             style += ', color="#c00000", penwidth=2'
-        clusters.setdefault(of[id(n)], []).append(f"n{ids[id(n)]} [label={_dot_str(label)}, {style}];")
+        clusters.setdefault(of[id(n)], []).append(f"n{ids[id(n)]} [label={_dot_str(_dot_label(n, ids))}, {style}];")
     for layer, decls in clusters.items():
         if layer is None:
             out += ["  " + d for d in decls]
         else:
             out += [f"  subgraph cluster_blk{layer} {{", f'    label="blk.{layer}"; style=dashed;']
             out += ["    " + d for d in decls] + ["  }"]
-    if note:
-        out.append(f"  folded [label={_dot_str('... ' + note)}, shape=note, style=dashed];")
-    edges: list[str] = []
-    for n in kept:
-        for s in n.src:
-            src = f"n{ids[id(s)]}" if id(s) in kept_ids else "folded"
-            edges.append(f"  {src} -> n{ids[id(n)]};")  # duplicates (several folded sources) dropped below
-    if note:  # kept values read by folded nodes, so the placeholder sits where the layers were
-        edges += [f"  n{ids[id(s)]} -> folded;" for n in graph.nodes() if id(n) not in kept_ids
-                  for s in n.src if id(s) in kept_ids]
+    updates = {id(u) for u in graph.updates}
+    for k, f in enumerate(folds):
+        n_upd = sum(id(n) in updates for n in f.nodes)
+        label = f.line() + (f"\n{n_upd} state updates" if n_upd else "")
+        out.append(f"  folded{k} [label={_dot_str(label)}, shape=note, style=dashed];")
+    edges = [f"  {place[id(s)]} -> {place[id(n)]};" for n in graph.nodes() for s in n.src
+             if place[id(s)] != place[id(n)]]  # duplicates (several folded sources) dropped below
     for i, (name, node) in enumerate(graph.outputs.items()):
         out.append(f"  out{i} [label={_dot_str('output ' + name)}, shape=doubleoctagon];")
-        edges.append(f"  {f'n{ids[id(node)]}' if id(node) in kept_ids else 'folded'} -> out{i};")
-    for i, u in enumerate(graph.updates):
+        edges.append(f"  {place[id(node)]} -> out{i};")
+    for i, u in enumerate(u for u in graph.updates if place[id(u)].startswith("n")):
         out.append(f'  upd{i} [label="update", shape=octagon, color="#c00000"];')
-        edges.append(f"  {f'n{ids[id(u)]}' if id(u) in kept_ids else 'folded'} -> upd{i};")
+        edges.append(f"  {place[id(u)]} -> upd{i};")
     return "\n".join(out + list(dict.fromkeys(edges)) + ["}"]) + "\n"
 
 
@@ -242,14 +361,17 @@ def dump_html(graph: Graph, layers: set[int] | None = None, title: str = "graphi
     """One self-contained page (inline CSS/JS, no network) to browse the graph.
 
     The graph is embedded as `to_records()` JSON in `<script id="graph-json">`; the view data
-    (layer per node, op docs, which layer groups start open) sits beside it in `graph-view`.
+    (layer and printed params per node, op docs, which layer groups start open) sits beside it in
+    `graph-view`.
     """
     of = node_layers(graph)
+    check_layers(graph, layers, of)
     ops = sorted({n.op for n in graph.nodes()})
     view = {
         "title": title,
         "summary": graph_summary(graph),
         "layers": [of[id(n)] for n in graph.nodes()],
+        "params": [{k: format_value(v) for k, v in n.params.as_dict().items()} for n in graph.nodes()],
         "open": None if layers is None else sorted(layers),
         "docs": {op: OPS[op].doc for op in ops if op in OPS},
         "writes": [op for op in ops if op in OPS and OPS[op].writes],

@@ -101,7 +101,8 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.u64(f"{what} length")
         if n > self.size - self.pos:
-            raise self.fail(f"truncated: {what} length {n} at offset {self.pos - 8} exceeds file size {self.size}")
+            raise self.fail(f"truncated: {what} length {n} at offset {self.pos - 8} runs past the end, "
+                            f"file size is {self.size}")
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
@@ -113,9 +114,10 @@ class _Cursor:
         """A u64 element count, capped by what the rest of the file could possibly hold."""
         n = self.u64(what)
         if n * min_item_bytes > self.size - self.pos:
+            # A cut file and a corrupt count look the same here: the items do not fit in what is left.
             raise self.fail(
-                f"{what} {n} is impossible: {n} items of at least {min_item_bytes} bytes "
-                f"exceed the {self.size - self.pos} bytes left after offset {self.pos}"
+                f"truncated or corrupt: {what} {n} needs at least {n * min_item_bytes} bytes, "
+                f"{self.size - self.pos} left after offset {self.pos}, file size is {self.size}"
             )
         return n
 
@@ -181,8 +183,8 @@ class GGUFFile:
         try:
             with open(self.path, "rb") as f:
                 self.file_size = os.fstat(f.fileno()).st_size
-                if self.file_size < 4:
-                    raise LoadError(f"{self.label}: not a GGUF file: {self.file_size} bytes, too short for the magic")
+                if self.file_size < len(GGUF_MAGIC):
+                    raise LoadError(f"{self.label}: {_too_short(f.read())}")
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                     self._parse(mm)
         except OSError as e:
@@ -224,9 +226,8 @@ class GGUFFile:
                 raise cur.fail(f"tensor {name!r} offset {rel} is not a multiple of the alignment {self.alignment}")
             start = self.data_offset + rel
             if start + nbytes > self.file_size:
-                raise cur.fail(
-                    f"tensor {name!r} data [{start}, {start + nbytes}) extends past end of file (size {self.file_size})"
-                )
+                raise cur.fail(f"truncated: tensor {name!r} data [{start}, {start + nbytes}) extends past end of file "
+                               f"(file size is {self.file_size})")
             self.tensors[name] = TensorInfo(name, dt, shape, start, nbytes)
 
     def _alignment(self, cur: _Cursor) -> int:
@@ -257,7 +258,8 @@ class GGUFFile:
             raise cur.fail(f"tensor {name!r}: row length {row} is not a multiple of {dt.name}'s block {dt.block}")
         nbytes = n_elem // dt.block * dt.block_bytes
         if nbytes > self.file_size:
-            raise cur.fail(f"tensor {name!r} shape {tuple(reversed(ne))} needs {nbytes} bytes, more than the file")
+            raise cur.fail(f"truncated or corrupt: tensor {name!r} shape {tuple(reversed(ne))} needs {nbytes} bytes, "
+                           f"more than the file (file size is {self.file_size})")
         return name, dt.name, tuple(reversed(ne)), rel, nbytes
 
     def weights(self) -> Weights:
@@ -277,6 +279,15 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.label!r}, v{self.version}, {len(self.metadata)} keys, {len(self.tensors)} tensors)"
+
+
+def _too_short(head: bytes) -> str:
+    """Why a file shorter than the magic is not readable: empty, cut inside the magic, or something else."""
+    if not head:
+        return "empty file (0 bytes): not a GGUF file"
+    if GGUF_MAGIC.startswith(head):
+        return f"truncated: file size is {len(head)}, too short for the magic {GGUF_MAGIC!r}"
+    return f"not a GGUF file: {len(head)} bytes, too short for the magic {GGUF_MAGIC!r}"
 
 
 def _view(mm: np.memmap, t: TensorInfo) -> np.ndarray:

@@ -22,6 +22,7 @@ from graphir.weights import Weight, Weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"  # optional: without it a directory loads with no tokenizer
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
 # safetensors dtype -> (graphir dtype, little-endian numpy storage type)
@@ -84,13 +85,20 @@ def _shard_plan(root: Path) -> dict[str, list[str]]:
     return {f: [] for f in files}
 
 
-def read_json(path: Path) -> Any:
+def read_text(path: Path) -> str:
+    """A UTF-8 text file's contents; a missing, unreadable or binary file is a LoadError naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LoadError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise LoadError(f"{path}: cannot read: {e}") from None
+    except UnicodeDecodeError as e:
+        raise LoadError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise LoadError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def read_json(path: Path) -> Any:
+    text = read_text(path)
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as e:

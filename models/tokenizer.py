@@ -22,6 +22,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from graphir.errors import InputError, LoadError
 
+from .hf_dir import read_text
+
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -195,7 +197,7 @@ class Tokenizer:
         template = tcfg.get("chat_template")
         jinja = path.parent / "chat_template.jinja"
         if jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
+            template = read_text(jinja)
         decoder = json.loads(tk.to_str()).get("decoder") or {}
         byte_level = decoder.get("type") == "ByteLevel"
         return cls(
@@ -385,8 +387,11 @@ def _int_or_none(v: Any) -> int | None:
 def _optional_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
+    text = read_text(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise LoadError(f"{path}: invalid JSON: {e}") from None
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

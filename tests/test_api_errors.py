@@ -9,12 +9,13 @@ import re
 import numpy as np
 import pytest
 from _model_helpers import write_gguf
+from graphir.backends.registry import resolve_backend
 from graphir.models.loader import ours_to_hf
 from graphir.models.presets import PRESETS, random_weights
 from safetensors.numpy import load_file, save_file
 
 import graphir
-from graphir.errors import BackendError, InputError, LoadError
+from graphir.errors import BackendError, GraphError, InputError, LoadError
 from graphir.quant import dequantize
 
 TINY, _ = PRESETS["llama-tiny"]
@@ -22,7 +23,7 @@ TINY, _ = PRESETS["llama-tiny"]
 
 @pytest.fixture(scope="module")
 def model():
-    return graphir.load("random:llama-tiny", ctx=16)
+    return graphir.load("random:llama-tiny", backend="reference", passes="", ctx=16)
 
 
 def tiny_arrays(config=TINY) -> dict[str, np.ndarray]:
@@ -100,6 +101,20 @@ def test_unknown_specs_backend_and_ctx(tmp_path):
         graphir.load("random:llama-tiny", ctx=0)
     with raises(LoadError, "dtype 'f64'"):
         graphir.load(str(hf_dir(tmp_path)), dtype="f64")
+
+
+def test_load_defaults_are_the_clis():
+    m = graphir.load("random:llama-tiny")
+    assert (m.backend, m.passes) == (resolve_backend("auto"), "default")
+
+
+def test_bad_pipeline_fails_at_load_before_any_file_is_read(tmp_path):
+    with raises(GraphError, "pipeline 'nonsense'", "unknown pass 'nonsense'", "known: default, "):
+        graphir.load(str(tmp_path / "missing.gguf"), passes="nonsense")
+    with raises(GraphError, "pass 'dce'", "unknown option 'x'"):
+        graphir.load("random:llama-tiny", passes="dce{x=1}")
+    with raises(InputError, "passes must be a pipeline string", "None"):
+        graphir.load("random:llama-tiny", passes=None)
 
 
 # ---- HF directories ----
@@ -182,3 +197,34 @@ def test_gguf_rope_scaling_refused(tmp_path):
     arrays["rope_freqs.weight"] = np.ones(TINY.head_dim // 2, np.float32)
     with raises(LoadError, "rope scaling"):
         graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, arrays)))
+
+
+# ---- files that are not text ----
+
+def tokenizer_dir(tmp_path):
+    """A tiny HF llama directory with a word-level tokenizer.json beside it."""
+    from tokenizers import Tokenizer, models
+
+    d = hf_dir(tmp_path)
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(d / "tokenizer.json"))
+    return d
+
+
+BINARY = b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01"
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json", "chat_template.jinja", "model.safetensors.index.json"])
+def test_binary_side_files_name_the_file(tmp_path, name):
+    d = tokenizer_dir(tmp_path)
+    assert graphir.load(str(d), backend="reference").tokenizer.vocab_size == 2
+    (d / name).write_bytes(BINARY)
+    with raises(LoadError, str(d / name)):
+        graphir.load(str(d), backend="reference")
+
+
+def test_non_object_side_json_names_the_file(tmp_path):
+    d = tokenizer_dir(tmp_path)
+    (d / "tokenizer_config.json").write_text("[1, 2]")
+    with raises(LoadError, str(d / "tokenizer_config.json"), "JSON object"):
+        graphir.load(str(d), backend="reference")

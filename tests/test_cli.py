@@ -6,6 +6,7 @@ import json
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -92,7 +93,7 @@ def test_dump_passes_and_diff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "graphir.passes", types.SimpleNamespace(run_pipeline=run_pipeline, PASSES={}))
     r = invoke("dump", "example", "--passes", "silu-out", "--diff")
     assert r.exit_code == 0
-    assert r.stdout.startswith("# before: 79 nodes, after: 80 nodes\n+1 silu\n")
+    assert r.stdout.startswith("# before: 79 nodes, after: 80 nodes\n")  # the diff's format: tests/test_dump.py
     assert "+%79 = silu(%78) [7, 256] f32" in r.stdout
     r = invoke("dump", "example", "--passes", "silu-out")
     assert '%79 = silu(%78)' in r.stdout and 'output "logits" = %79' in r.stdout
@@ -127,7 +128,7 @@ def test_bad_specs_exit_1_with_message(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    def load(spec: str, backend: str | None = None, passes: str = ""):
+    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None):
         raise LoadError(f"{spec}.gguf: truncated at tensor 'blk.3.attn_q.weight'")
 
     monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
@@ -136,7 +137,7 @@ def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None
         assert r.exit_code == 1
         assert r.stderr.endswith("error: tiny.gguf: truncated at tensor 'blk.3.attn_q.weight'\n")
     r = invoke("run", "example", "--backend", "no-such-backend")
-    assert r.exit_code == 1 and "error: unknown backend 'no-such-backend'" in r.stderr
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and "'no-such-backend' is not one of" in r.stderr
 
 
 class FakeDecoder:
@@ -148,8 +149,9 @@ class FakeDecoder:
 
 
 class FakeModel:
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, ctx: int = 4096):
         self.backend = backend
+        self.config = types.SimpleNamespace(ctx=ctx, context_length=8192)
         self.tokenizer = types.SimpleNamespace(encode=lambda s: list(range(len(s))), stream=FakeDecoder)
         self.stats = {"load_s": 1.5, "prefill_s": 0.5, "prefill_tokens": 5, "decode_s": 2.0, "decode_tokens": 8}
         self.calls: list[tuple] = []
@@ -162,7 +164,7 @@ class FakeModel:
 def test_run_model_streams_text_and_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     models: list[FakeModel] = []
 
-    def load(spec: str, backend: str | None = None, passes: str = "") -> FakeModel:
+    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None) -> FakeModel:
         assert spec == "smollm2-135m"  # the default MODEL
         models.append(FakeModel(backend))
         return models[-1]
@@ -187,7 +189,7 @@ def test_run_without_model_stats_times_decode_itself(monkeypatch: pytest.MonkeyP
     push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
     model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
     model.stats = {}
-    fake_api = types.SimpleNamespace(load=lambda spec, backend=None, passes="": model)
+    fake_api = types.SimpleNamespace(load=lambda spec, backend=None, passes="", ctx=None: model)
     monkeypatch.setitem(sys.modules, "graphir.api", fake_api)
     r = invoke("run", "tiny", "-p", "x", "-n", "2")
     assert r.exit_code == 0, r.output
@@ -232,7 +234,7 @@ def test_check_options() -> None:
     assert "... " not in r.stdout and "  + reshape" in r.stdout  # every site listed
     assert invoke("check", "random:llama-tiny", "--phase", "decode", "--n-tokens", "3").exit_code == 2
     bad = invoke("check", "random:llama-tiny", "-p", "no-such-pass")
-    assert bad.exit_code == 1 and "unknown pass 'no-such-pass'" in bad.stderr
+    assert bad.exit_code == 2 and "unknown pass 'no-such-pass'" in bad.stderr
     assert "no weights" in invoke("check", "graph.json").stderr
 
 
@@ -262,3 +264,184 @@ def test_coverage_prints_only_the_report() -> None:
                         "  + mul 'output_norm' -> add_rms_norm_mul\n")
     short = invoke("coverage", "example", "--sites", "1").stdout
     assert "  + ... 3 more" in short
+
+
+# ---------------------------------------------------------------- checks before loading
+def one_line_error(r, exit_code: int, *fragments: str, alone: bool = True) -> None:
+    """The command failed with one `error: ...` line containing every fragment, last on stderr;
+    `alone`: it is all of stderr (nothing was loaded, so no progress line came before it)."""
+    assert r.exit_code == exit_code, r.output
+    lines = r.stderr.splitlines()
+    assert lines[-1].startswith("error: ") and r.stderr.endswith("\n") and "Traceback" not in r.output, r.stderr
+    assert len(lines) == 1 or not alone, r.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], r.stderr
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """graphir.api and graphir.bench whose every entry point fails the test: nothing may load."""
+    import graphir.bench
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"loaded {args} before checking the options")
+
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
+    monkeypatch.setattr(graphir.bench, "bench", load)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("run", "tiny", "--backend", "tpu"), "--backend"),
+    (("run", "tiny", "--passes", "nonsense"), "unknown pass 'nonsense'"),
+    (("run", "tiny", "--passes", "dce{x=1}"), "unknown option 'x'"),
+    (("run", "tiny", "--passes", "dce,,{"), "cannot parse"),
+    (("run", "tiny", "--temperature", "nan"), "--temperature"),
+    (("run", "tiny", "--temperature", "inf"), "--temperature"),
+    (("run", "tiny", "--top-p", "0"), "--top-p"),
+    (("run", "tiny", "--top-p", "nan"), "--top-p"),
+    (("run", "tiny", "--top-k", "-1"), "--top-k"),
+    (("run", "tiny", "--seed", "-1"), "--seed"),
+    (("run", "tiny", "--ctx", "0"), "--ctx"),
+    (("run", "tiny", "-n", "-1"), "-n"),
+    (("dump", "tiny", "--layers", "one"), "bad layer spec"),
+    (("dump", "tiny", "--passes", "nonsense"), "unknown pass 'nonsense'"),
+    (("check", "tiny", "-p", "nonsense"), "unknown pass 'nonsense'"),
+    (("check", "tiny", "--tol", "nan"), "--tol"),
+    (("check", "tiny", "--seed", "-1"), "--seed"),
+    (("coverage", "tiny", "-p", "nonsense"), "unknown pass 'nonsense'"),
+    (("bench", "tiny", "--backend", "tpu"), "--backend"),
+    (("bench", "tiny", "--passes", "nonsense"), "unknown pass 'nonsense'"),
+])
+def test_bad_options_fail_before_loading(no_loading: None, args: tuple[str, ...], fragment: str) -> None:
+    r = invoke(*args)
+    one_line_error(r, 2, fragment)
+    assert r.stdout == ""
+
+
+def test_unavailable_backend_fails_before_loading(no_loading: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphir.backends import registry
+
+    from graphir.errors import BackendError
+
+    def get_backend(name: str) -> None:
+        raise BackendError(f"backend {name!r} is not available here: No module named 'cupy'")
+
+    monkeypatch.setattr(registry, "get_backend", get_backend)
+    one_line_error(invoke("run", "tiny", "--backend", "gpu"), 1, "backend 'gpu' is not available here")
+
+
+def test_gpu_without_a_device_fails_before_loading(no_loading: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphir.backends.gpu import device
+
+    monkeypatch.setattr(device, "cupy", lambda: object())  # CuPy imports ...
+    monkeypatch.setattr(device, "available", lambda: False)  # ... but sees no device
+    for cmd in ("run", "bench"):
+        one_line_error(invoke(cmd, "tiny", "--backend", "gpu"), 1, "sees no CUDA/HIP device", "--backend cpu")
+
+
+def test_passes_shows_each_pipeline() -> None:
+    from graphir.passes import default_pipeline
+
+    lines = invoke("passes").stdout.splitlines()
+    want = "default = " + ", ".join(default_pipeline())
+    assert want.startswith("default = replay-lint, dce, cse, stack-projections, ")
+    assert want in lines
+
+
+def fake_api(monkeypatch: pytest.MonkeyPatch, model: Any) -> list[dict[str, Any]]:
+    """graphir.api whose load returns `model`; the keyword arguments of each call are recorded."""
+    calls: list[dict[str, Any]] = []
+
+    def load(spec: str, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return model
+
+    monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
+    return calls
+
+
+def test_run_uses_the_defaults_of_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    from graphir.backends.registry import resolve_backend
+
+    from graphir.api import load
+
+    defaults = {k: p.default for k, p in inspect.signature(load).parameters.items()}
+    assert (defaults["backend"], defaults["passes"], defaults["ctx"]) == ("auto", "default", None)
+    calls = fake_api(monkeypatch, FakeModel("cpu"))
+    assert invoke("run", "tiny", "-n", "1").exit_code == 0
+    assert calls == [{"backend": resolve_backend("auto"), "passes": "default", "ctx": None}]
+
+
+def test_run_ctx_sets_the_kv_capacity_and_the_context_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_api(monkeypatch, FakeModel("reference", ctx=16))
+    r = invoke("run", "tiny", "-p", "x" * 10, "-n", "7", "--ctx", "16")
+    assert calls[-1]["ctx"] == 16
+    one_line_error(r, 1, "10 tokens", "-n 7", "context of 16", "--ctx", alone=False)
+    assert r.stdout == ""  # checked before the prompt is echoed
+    assert invoke("run", "tiny", "-p", "x" * 10, "-n", "6").exit_code == 0
+
+
+def test_run_ctx_on_a_real_model() -> None:
+    args = ("run", "random:llama-tiny", "--backend", "reference", "--passes", "", "-p", "hello", "-n", "3")
+    one_line_error(invoke(*args, "--ctx", "7"), 1, "5 tokens", "context of 7", "--ctx", alone=False)
+    r = invoke(*args, "--ctx", "8")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("hello")
+
+
+def test_an_error_mid_stream_starts_a_new_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphir.errors import BackendError
+
+    model = FakeModel("cpu")
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        yield 100
+        raise BackendError("node %7 'blk.0.kv': KV row 99 past the capacity")
+
+    model.generate = generate
+    fake_api(monkeypatch, model)
+    r = invoke("run", "tiny", "-p", "Hi", "-n", "3")
+    one_line_error(r, 1, "KV row 99", alone=False)
+    assert r.stdout == "Hi<100>\n"
+    assert "<100>\nerror: node %7" in r.output  # the error starts its own line
+
+
+@pytest.mark.parametrize("cmd", ["dump", "coverage", "run"])
+def test_binary_json_is_a_one_line_error_naming_the_file(tmp_path: Path, cmd: str) -> None:
+    path = tmp_path / "graph.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01")
+    r = invoke(cmd, str(path))
+    one_line_error(r, 1, f"error: {path}: ")
+    assert r.stdout == ""
+
+
+def test_load_graph_of_non_utf8_json_is_a_load_error(tmp_path: Path) -> None:
+    from graphir.cli import load_graph
+
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(LoadError, match=f"{path}: not UTF-8 text .*byte 0xe9 at offset 13"):
+        load_graph(str(path), "prefill")
+
+
+def test_run_hf_dir_without_tokenizer_names_the_file(tmp_path: Path) -> None:
+    from test_api_errors import hf_dir
+
+    d = hf_dir(tmp_path)
+    r = invoke("run", str(d), "--backend", "reference")
+    one_line_error(r, 1, f"{d / 'tokenizer.json'}: missing")
+    assert r.stdout == ""
+    assert graphir.load(str(d), backend="reference").tokenizer is None  # the API still loads the model
+
+
+def test_run_truncated_gguf_says_truncated(tmp_path: Path) -> None:
+    from _model_helpers import write_gguf
+    from test_api_errors import TINY, tiny_arrays
+
+    blob = write_gguf(tmp_path / "full.gguf", TINY, tiny_arrays()).read_bytes()
+    for cut in (len(blob) // 3, len(blob) - 100):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(blob[:cut])
+        one_line_error(invoke("run", str(path)), 1, f"{path}: truncated", alone=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from graphir.models import llama
+from graphir.models.presets import PRESETS
 
 from graphir import GraphError, g, verify
 from graphir.dump import (
@@ -35,6 +38,12 @@ def check_in_order(text: str, expected: list[str]) -> None:
         i = text.find(want, pos)
         assert i >= 0, f"not found after offset {pos}: {want!r}\n--- dump ---\n{text}"
         pos = i + len(want)
+
+
+def llama_graph(n_layers: int = 4, phase: str = "decode", eps: float = 1e-5) -> Graph:
+    """llama-tiny's graph with more layers; like every llama graph its rms_norm nodes are unnamed."""
+    config = dataclasses.replace(PRESETS["llama-tiny"][0], n_layers=n_layers, rms_eps=eps)
+    return llama.build(config, phase)
 
 
 def multi_output_graph() -> Graph:
@@ -127,6 +136,129 @@ def test_layer_folding_counts() -> None:
     assert '"blk.0.' not in text and '"blk.1.attn_q"' in text and '"output_norm"' in text
 
 
+def reference_layers(graph: Graph) -> list[int | None]:
+    """Per node (topological position): blk.N from its name, or for an unnamed node the layer of the
+    first named node down its users (in llama graphs that chain is unique)."""
+    users = graph.users()
+    out: list[int | None] = []
+    for n in graph.nodes():
+        while n.name is None:
+            n = users[id(n)][0]
+        m = re.match(r"blk\.(\d+)\.", n.name)
+        out.append(int(m[1]) if m else None)
+    return out
+
+
+def check_folded_text(graph: Graph, layers: set[int], text: str) -> None:
+    """Shown nodes are exactly those of `layers` or outside every layer; every reference to a hidden
+    node says it is folded and in which layer; the fold lines count every hidden node."""
+    ref = reference_layers(graph)
+    shown = {int(i) for i in re.findall(r"^%(\d+) = ", text, re.M)}
+    for i in range(len(graph)):
+        assert (i in shown) == (ref[i] is None or ref[i] in layers), (i, ref[i], graph.nodes()[i].describe())
+    for m in re.finditer(r"(?<!^)%(\d+)( \(folded, blk\.(\d+)\))?", text, re.M):
+        i = int(m[1])
+        if i not in shown:
+            assert m[2] and int(m[3]) == ref[i], f"%{i} (blk.{ref[i]}) is hidden: {text[m.start():m.end() + 20]!r}"
+    folded = [int(k) for k in re.findall(r"^# \.\.\. .*: (\d+) nodes folded", text, re.M)]
+    assert sum(folded) == len(graph) - len(shown)
+
+
+@pytest.mark.parametrize("layers", [{0, 1}, {1}, {0, 3}, {2}])
+def test_folding_follows_layer_names(layers: set[int]) -> None:
+    graph = llama_graph(4)
+    check_folded_text(graph, layers, dump_text(graph, layers))
+
+
+def test_fold_line_sits_where_layers_were() -> None:
+    graph = llama_graph(4)
+    ref = reference_layers(graph)
+    n_hidden = sum(1 for r in ref if r in (2, 3))
+    text = dump_text(graph, {0, 1})
+    assert len(re.findall(r"^# \.\.\. ", text, re.M)) == 1
+    check_in_order(text, ['"blk.1.out"', f"\n# ... blk.2 .. blk.3: {n_hidden} nodes folded\n", "= rms_norm(",
+                          '"output_norm"', 'output "logits"'])
+    assert re.search(r"^%\d+ = rms_norm\(%\d+ \(folded, blk\.3\)\)", text, re.M)  # the head's norm reads blk.3
+    middle = dump_text(graph, {0, 3})
+    check_in_order(middle, ['"blk.0.out"', "\n# ... blk.1 .. blk.2: ", '"blk.3.attn_norm"'])
+    check_in_order(middle, ["= rms_norm(%", " (folded, blk.2)) ", '"blk.3.attn_norm"'])
+
+
+def test_folded_smollm2_decode() -> None:
+    """The reported case: `graphir dump smollm2-135m --phase decode --layers 0..1`."""
+    graph = smollm2_graph()
+    text = dump_text(graph, {0, 1})
+    check_folded_text(graph, {0, 1}, text)
+    n_hidden = sum(1 for r in reference_layers(graph) if r is not None and r >= 2)
+    check_in_order(text, ['"blk.1.out"', f"# ... blk.2 .. blk.29: {n_hidden} nodes folded\n", '"output_norm"'])
+    with pytest.raises(GraphError, match=r"30 layers"):
+        dump_text(graph, {99})
+
+
+def smollm2_graph(phase: str = "decode") -> Graph:
+    import graphir
+
+    try:
+        return graphir.load("smollm2-135m").graph(phase)
+    except graphir.LoadError as e:
+        pytest.skip(str(e))
+
+
+def test_folded_updates_and_outputs_are_accounted() -> None:
+    import graphir
+
+    graph = graphir.load("random:qwen35-tiny").graph("decode")  # recurrent layers: State updates
+    text = dump_text(graph, {1})
+    shown = {int(i) for i in re.findall(r"^%(\d+) = ", text, re.M)}
+    updates = [int(i) for i in re.findall(r"^update %(\d+)$", text, re.M)]
+    assert updates and set(updates) <= shown
+    assert f"# ... {len(graph.updates) - len(updates)} state updates in folded layers" in text
+
+
+def test_out_of_range_layers_are_an_error() -> None:
+    graph = llama_graph(4)
+    for bad in ({99}, {3, 4}):
+        for render in (dump_text, dump_dot, dump_html):
+            with pytest.raises(GraphError, match=r"4 layers \(blk\.0 \.\. blk\.3\)"):
+                render(graph, bad)
+    with pytest.raises(GraphError, match="no blk.N layers"):
+        dump_text(Graph({"y": g.silu(g.input("x", (2,)))}), {0})
+
+
+# ---------------------------------------------------------------- numbers
+def float32_graph() -> Graph:
+    x = g.input("x", (2, 4))
+    y = g.rms_norm(x, eps=float(np.float32(1e-5)), name="norm")
+    y = g.scale(y, s=float(np.float32(0.1)), b=float(np.float32(1 / 3)), name="scaled")
+    return Graph({"y": g.add(y, g.const(np.array([0.1, 2.5, 1e-7, 3e38], np.float32), name="c"))})
+
+
+def test_float_params_print_their_float32_shortest_repr() -> None:
+    graph = float32_graph()
+    text = dump_text(graph)
+    check_in_order(text, ['rms_norm(%0) [2, 4] f32 {eps=1e-05} "norm"', "{b=0.33333334, s=0.1}",
+                          "{value=[0.1, 2.5, 1e-07, 3e+38]}"])
+    dot = dump_dot(graph)
+    assert "eps=1e-05" in dot and "b=0.33333334, s=0.1" in dot
+    view = embedded(dump_html(graph), "graph-view")
+    assert view["params"][1] == {"eps": "1e-05"} and view["params"][2] == {"b": "0.33333334", "s": "0.1"}
+    # JSON is the lossless format: it keeps the exact value, so the graph (and its signature) round-trips.
+    assert json.loads(dump_json(graph))["nodes"][1]["params"]["eps"] == float(np.float32(1e-5))
+
+
+def test_float_repr_is_shortest_and_round_trips() -> None:
+    from graphir.dump import format_value
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(200), 10.0 ** rng.uniform(-40, 38, 200)]).astype(np.float32)
+    for v in values:
+        text = format_value(float(v))
+        assert np.float32(float(text)) == v, (v, text)
+        assert float(text) == float(np.format_float_scientific(v, unique=True)), (v, text)  # numpy's shortest
+    assert format_value(float("inf")) == "inf" and format_value(-1e300) == "-1e+300"  # outside f32: as a double
+    assert format_value(1e-5) == "1e-05" and format_value(0.1) == "0.1" and format_value(2.0) == "2.0"
+
+
 # ---------------------------------------------------------------- dot
 def check_dot(text: str) -> set[str]:
     """Structural DOT check without graphviz: balanced braces, every edge endpoint declared."""
@@ -160,11 +292,36 @@ def test_dot_structure() -> None:
 def test_dot_folded_and_multi_output() -> None:
     folded = dump_dot(build_example("prefill"), {0})
     declared = check_dot(folded)
-    assert "folded" in declared and "cluster_blk1" not in folded
-    assert "folded -> n75;" in folded  # the head reads the folded layer's residual
+    assert "folded0" in declared and "cluster_blk1" not in folded
+    assert "folded0 -> n75;" in folded  # the head reads the folded layer's residual
     text = dump_dot(multi_output_graph())
     check_dot(text)
     assert "upd0" in text and "([5, 8] f32, [3, 8] f32)" in text
+
+
+def dot_clusters(text: str) -> dict[int, int | None]:
+    """Node id -> the blk cluster its declaration sits in (None: outside every cluster)."""
+    out: dict[int, int | None] = {}
+    cluster = None
+    for line in text.splitlines():
+        if m := re.match(r"\s*subgraph cluster_blk(\d+) \{", line):
+            cluster = int(m[1])
+        elif line.strip() == "}":
+            cluster = None
+        elif m := re.match(r"\s*n(\d+) \[label=", line):
+            out[int(m[1])] = cluster
+    return out
+
+
+@pytest.mark.parametrize("layers", [None, {0, 1}, {2}])
+def test_dot_boxes_hold_exactly_their_layers(layers: set[int] | None) -> None:
+    graph = llama_graph(4)
+    ref = reference_layers(graph)
+    text = dump_dot(graph, layers)
+    check_dot(text)
+    where = dot_clusters(text)
+    expected = {i: r for i, r in enumerate(ref) if layers is None or r is None or r in layers}
+    assert where == expected
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
@@ -288,9 +445,10 @@ def test_diff_graphs() -> None:
     before = build_example("decode")
     logits = before.outputs["logits"]
     after = Graph({"logits": g.scale(g.silu(logits), s=2.0)})
-    text = diff_graphs(before, after)
-    check_in_order(text, ["# before: 79 nodes, after: 81 nodes", "+1 scale", "+1 silu", "--- before",
-                          "+++ after", "+%79 = silu(%78)", "+%80 = scale(%79)"])
+    text = diff_graphs(before, after)  # the structural diff of graphir/diff.py: tests/test_diff.py
+    check_in_order(text, ["# before: 79 nodes, after: 81 nodes\n", "# net ops added: 1 scale, 1 silu\n",
+                          "# 0 removed, 2 new, 0 rewired, 79 unchanged;", "## outside the layers: 0 removed, 2 new",
+                          "+%79 = silu(%78)", "+%80 = scale(%79)"])
     assert "# op counts unchanged" in diff_graphs(before, build_example("decode"))
 
 

@@ -14,7 +14,7 @@ PROMPT = list(b"Once upon a time")
 
 @pytest.fixture(scope="module")
 def model():
-    return graphir.load("random:qwen3-tiny")
+    return graphir.load("random:qwen3-tiny", backend="reference", passes="")
 
 
 @pytest.fixture(scope="module")

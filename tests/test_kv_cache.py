@@ -13,7 +13,7 @@ PRESETS = ["random:llama-tiny", "random:qwen3-tiny"]
 
 @pytest.fixture(scope="module", params=PRESETS)
 def model(request):
-    return graphir.load(request.param)
+    return graphir.load(request.param, backend="reference", passes="")
 
 
 @pytest.fixture(scope="module")

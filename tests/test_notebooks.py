@@ -17,8 +17,13 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 120  # a cell of a teaching notebook takes seconds; this only catches a hang
 
 
+# write a pass; walk SmolLM2's graph, its passes and their diff; the replay bug class and its fix
+EXPECTED = {"write_a_pass.ipynb", "walk_smollm2.ipynb", "replay_bugs.ipynb"}
+
+
 def test_there_are_notebooks() -> None:
-    assert NOTEBOOKS, f"no notebooks in {NOTEBOOK_DIR}"
+    missing = EXPECTED - {p.name for p in NOTEBOOKS}
+    assert not missing, f"notebooks missing from {NOTEBOOK_DIR}: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

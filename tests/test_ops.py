@@ -205,6 +205,30 @@ def test_norms(opname, shape, eps, rng):
     close(out, NORMS[opname](x, eps), rtol=1e-5, atol=1e-5, dtype="float32")
 
 
+def small_for_eps(rng: np.random.Generator, shape: tuple[int, ...], eps: float, per_row_sum: bool = False):
+    """Rows whose mean square (sum of squares if per_row_sum) is about eps: eps moves the result by
+    ~30%, so a kernel that drops or mis-scales eps cannot pass a 1e-5 tolerance."""
+    n = 1 if not per_row_sum else shape[-1]
+    return normal(rng, shape, scale=math.sqrt(eps / n))
+
+
+def eps_moves(want: np.ndarray, without_eps: np.ndarray) -> bool:
+    """The test's own guard: with eps dropped the expected values move by over 10% of their size."""
+    return float(np.abs(want - without_eps).max()) > 0.1 * float(np.abs(want).max())
+
+
+@covers(*NORMS)
+@pytest.mark.parametrize("opname", list(NORMS))
+@pytest.mark.parametrize("shape", [(1, 4), (7, 511), (2, 3, 1025)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_norms_where_eps_matters(opname, shape, eps, rng):
+    x = small_for_eps(rng, shape, eps, per_row_sum=opname == "l2_norm")
+    want = NORMS[opname](x, eps)
+    assert eps_moves(want, NORMS[opname](x, 0.0))
+    out = run1(getattr(g, opname)(g.input("x", shape), eps=eps), {"x": x})
+    close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
+
+
 # ---------------------------------------------------------------- reductions
 @covers("sum_rows", "mean")
 @pytest.mark.parametrize("shape", [(1, 1), (7, 511), (2, 3, 1025)])
@@ -463,6 +487,25 @@ def test_flash_attn(group, window, kvdtype, rng):
     k2, v2 = k.copy(), v.copy()
     k2[kv_len:], v2[kv_len:] = 1e3, -1e3
     np.testing.assert_allclose(run1(node, {**feeds, "k": k2, "v": v2}), out, rtol=1e-6)
+
+
+@covers("flash_attn")
+@pytest.mark.parametrize("kv_len", [20, 0, 36])
+@pytest.mark.parametrize("group", [1, 4])
+def test_flash_attn_queries_at_and_past_kv_len(kv_len, group, rng):
+    """No window: only kv_len bounds what a query at or past kv_len sees (the causal mask allows the rows
+    after it), so the rows from kv_len on hold huge values that would dominate any sum reading them."""
+    cap, hk, d, dv = 37, 2, 16, 8
+    pos = np.minimum([kv_len, kv_len + 5, cap - 1, max(kv_len - 1, 0)], cap - 1).astype(np.int32)
+    q = normal(rng, (len(pos), hk * group, d))
+    k, v = normal(rng, (cap, hk, d)), normal(rng, (cap, hk, dv))
+    k[kv_len:], v[kv_len:] = 50.0, -1e4
+    node = g.flash_attn(g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape),
+                        g.input("pos", pos.shape, "i32"), g.input("len", (1,), "i32"), scale=1 / math.sqrt(d))
+    out = run1(node, {"q": q, "k": k, "v": v, "pos": pos, "len": np.array([kv_len], np.int32)})
+    want = _attention_loops(q, k, v, pos, kv_len, 1 / math.sqrt(d), 0)
+    assert (np.abs(want) < 10).all()  # every query saw only real rows (or none, which gives 0)
+    close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
 
 
 @covers("flash_attn")
@@ -807,6 +850,37 @@ def test_rms_norm_mul_rope(mode, n_dims, rng):
                                n_dims=n_dims, mode=mode, theta=1e6)
     out = run1(node, {"x": x, "pos": pos}, weights=weights_of(w=("f32", w, w.shape)))
     want = _rope_complex(_rms_norm(x, 1e-6) * w, pos, n_dims, mode, 1e6, 1.0)
+    close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
+
+
+@covers("add_rms_norm_mul", "item")
+@pytest.mark.parametrize("shape", [(1, 4), (7, 511)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_add_rms_norm_mul_where_eps_matters(shape, eps, rng):
+    a, b = small_for_eps(rng, shape, eps / 2), small_for_eps(rng, shape, eps / 2)  # mean square of a + b ~ eps
+    w = normal(rng, shape[-1:])
+    res = g.add_rms_norm_mul(g.input("a", shape), g.input("b", shape), g.param("w", w.shape), eps=eps)
+    out = run({"y": g.item(res, index=0), "s": g.item(res, index=1)}, {"a": a, "b": b},
+              weights=weights_of(w=("f32", w, w.shape)))
+    s = a.astype(np.float64) + b
+    want = _rms_norm(s, eps) * w
+    assert eps_moves(want, _rms_norm(s, 0.0) * w)
+    close(out["s"], s, rtol=1e-6, atol=1e-9, dtype="float32")
+    close(out["y"], want, rtol=1e-5, atol=1e-5, dtype="float32")
+
+
+@covers("rms_norm_mul_rope")
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_mul_rope_where_eps_matters(mode, eps, rng):
+    n, heads, hd = 5, 3, 64
+    x, w = small_for_eps(rng, (n, heads, hd), eps), normal(rng, (hd,))
+    pos = np.array([0, 3, 100, 8191, 2], np.int32)
+    node = g.rms_norm_mul_rope(g.input("x", x.shape), g.param("w", w.shape), g.input("pos", (n,), "i32"), eps=eps,
+                               n_dims=hd, mode=mode, theta=1e6)
+    out = run1(node, {"x": x, "pos": pos}, weights=weights_of(w=("f32", w, w.shape)))
+    want = _rope_complex(_rms_norm(x, eps) * w, pos, hd, mode, 1e6, 1.0)
+    assert eps_moves(want, _rope_complex(_rms_norm(x, 0.0) * w, pos, hd, mode, 1e6, 1.0))
     close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
 
 

@@ -8,6 +8,7 @@ import pytest
 from graphir.models.presets import random_weights
 
 import graphir
+from graphir import g
 from graphir.cache import ProgramCache, key_parts
 from graphir.ir import Graph
 
@@ -140,3 +141,33 @@ def test_decode_loop_lowers_the_decode_program_once(monkeypatch, capsys):
     assert (model.programs.misses, model.programs.hits) == (2, 49)
     (miss,) = misses_printed(capsys.readouterr().err)
     assert "inputs" in miss and "shapes" in miss  # the decode graph differs from the prefill one in its shapes
+
+
+# ---------------------------------------------------------------- the real key (graph.signature()), not key_parts
+def rows_graph(n_rows: int, n_cols: int = 8) -> Graph:
+    """rms_norm of an Input [n_rows, n_cols], plus its first two rows: the graphs below differ only in
+    the Input's shape."""
+    x = g.input("x", (n_rows, n_cols))
+    return Graph({"y": g.rms_norm(x, eps=1e-5), "head": g.rows(x, 0, 2)})
+
+
+def kv_graph(capacity: int) -> Graph:
+    """Attention of one query over a KV Input of `capacity` rows: only the K and V Inputs' shapes depend
+    on the capacity (the output is [1, 2, 8] either way), so a key without Input shapes would hand a
+    Program planned for one capacity to a cache of another."""
+    q, k, v = g.input("q", (1, 2, 8)), g.input("k", (capacity, 1, 8)), g.input("v", (capacity, 1, 8))
+    pos, kv_len = g.input("pos", (1,), "i32"), g.input("kv_len", (1,), "i32")
+    return Graph({"o": g.flash_attn(q, k, v, pos, kv_len, scale=0.35)})
+
+
+@pytest.mark.parametrize("build, sizes", [(rows_graph, (3, 4)), (kv_graph, (16, 32))])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_graphs_differing_only_in_an_input_shape_get_their_own_programs(build, sizes, backend):
+    cache = ProgramCache()
+    a, b = build(sizes[0]), build(sizes[1])
+    pa = cache.get_program(a, None, backend)
+    assert cache.get_program(build(sizes[0]), None, backend) is pa  # the same graph, rebuilt: the same Program
+    pb = cache.get_program(b, None, backend)
+    assert pb is not pa
+    assert cache.get_program(build(sizes[1]), None, backend) is pb
+    assert (cache.hits, cache.misses, len(cache)) == (2, 2, 2)

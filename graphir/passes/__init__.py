@@ -83,11 +83,18 @@ def default_pipeline() -> list[str]:
     return ["replay-lint", *CLEANUP, *fusions, *CLEANUP]
 
 
+def pipelines() -> dict[str, list[str]]:
+    """Named pipelines -> their passes in order; a name expands in place inside a pipeline string.
+    Read when asked, so GRAPHIR_NO_FUSION applies to the call that reads it."""
+    return {"default": default_pipeline()}
+
+
 _ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
 
 
 def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
-    """`"a,b{x=1,y=foo}"` -> [("a", {}), ("b", {"x": 1, "y": "foo"})]; `default` expands in place."""
+    """`"a,b{x=1,y=foo}"` -> [("a", {}), ("b", {"x": 1, "y": "foo"})]; `default` expands in place.
+    Parsing checks every name and option without running anything: callers validate with it."""
     out: list[tuple[str, dict[str, Any]]] = []
     pos = 0
     while spec[pos:].strip():
@@ -96,12 +103,14 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
             raise GraphError(f"pipeline {spec!r}: cannot parse at {spec[pos:]!r}; write name,name{{opt=value}}")
         pos = m.end()
         name, opts = m[1], _parse_options(spec, m[2] or "")
-        if name == "default":
+        named = pipelines()
+        if name in named:
             if opts:
-                raise GraphError(f"pipeline {spec!r}: default takes no options; spell its passes out instead")
-            out += [(n, {}) for n in default_pipeline()]
+                raise GraphError(f"pipeline {spec!r}: {name} takes no options; spell its passes out instead")
+            out += [(n, {}) for n in named[name]]
         elif name not in PASSES:
-            raise GraphError(f"pipeline {spec!r}: unknown pass {name!r}; known: default, {', '.join(sorted(PASSES))}")
+            raise GraphError(f"pipeline {spec!r}: unknown pass {name!r}; "
+                             f"known: {', '.join([*named, *sorted(PASSES)])}")
         else:
             out.append((name, _typed_options(PASSES[name], opts)))
     return out
@@ -171,4 +180,4 @@ def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
 from graphir.passes import cleanup, fuse_norm, fuse_rope, fuse_ssm, replay_lint, stack, swiglu, views  # noqa: E402,F401
 
 __all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
-           "default_pipeline"]
+           "default_pipeline", "pipelines"]
