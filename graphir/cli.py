@@ -2,7 +2,7 @@
 
     graphir passes                                   list registered passes
     graphir dump example --layers 0 -o g.html        look at a graph (text, dot, json, html)
-    graphir dump example --passes default --diff     what a pipeline changes
+    graphir dump example --passes default --diff     what a pipeline changes (-o diff.html: side by side)
     graphir run example -p "Hi" -n 8                 run the built-in example graph
     graphir run smollm2-135m -p "Once upon a time"   generate text with a model
     graphir check smollm2-135m -p default            does a pipeline keep the math? (exit 1 if not)
@@ -29,6 +29,7 @@ import numpy as np
 
 from graphir import __version__
 from graphir.backends.registry import AUTO, BACKENDS
+from graphir.diff import diff_html
 from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
 from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
@@ -204,23 +205,26 @@ def _emit(text: str, output: str | None) -> None:
               help="show only these layers (blk.N), fold the rest: 0..1, 3, 0,2,5 or all")
 @click.option("--passes", "pipeline", default=None, callback=_pipeline_option,
               help="run this pass pipeline first (see `graphir passes`)")
-@click.option("--diff", is_flag=True, help="print what --passes changed (op counts, then lines) instead")
+@click.option("--diff", is_flag=True,
+              help="print what --passes changed (op counts, then lines) instead; -o x.html: side by side")
 def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers: set[int] | None,
              pipeline: str | None, diff: bool) -> None:
     """Print a graph. SPEC: `example`, a graph .json file, or a model spec (e.g. smollm2-135m)."""
     if diff and not pipeline:
         raise click.UsageError("--diff needs --passes P: the pipeline whose changes to show")
-    if diff and fmt not in (None, "text"):
-        raise click.UsageError("--diff prints text; drop --format")
+    if diff and fmt not in (None, "text", "html"):
+        raise click.UsageError(f"--diff writes text or html, not --format {fmt}")
     if fmt is None:
-        fmt = _EXTENSIONS.get(Path(output).suffix.lower(), "text") if output and not diff else "text"
+        fmt = _EXTENSIONS.get(Path(output).suffix.lower(), "text") if output else "text"
+        if diff and fmt != "html":  # a diff is text or a side-by-side page: -o diff.txt (or .dot) gets text
+            fmt = "text"
     if fmt == "json" and layers is not None:
         raise click.UsageError("--layers folds text, dot and html views; JSON always holds the whole graph")
     graph = load_graph(spec, phase)
     if pipeline:
         after = _run_pipeline(graph, pipeline)
         if diff:
-            _emit(diff_graphs(graph, after, layers), output)
+            _emit((diff_html if fmt == "html" else diff_graphs)(graph, after, layers), output)
             return
         graph = after
     _emit(dump(graph, fmt, layers), output)

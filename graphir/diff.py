@@ -18,10 +18,14 @@ Every other before node was removed, every other after node is new (a fused op, 
 
 Changes are grouped per layer by graphir.dump's layer rules; `layers` lists only those layers
 (and the changes outside every layer) and counts the rest on one `# ...` line.
+
+`diff_html` shows the same matching as a static page: per layer, a two-column table with every node
+before and after, a kept node on the same row as the before node it is, each cell classed by its status.
 """
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,13 +147,17 @@ def _op_count_lines(before: Graph, after: Graph) -> list[str]:
     return lines or ["# op counts unchanged"]
 
 
+def _counts(after: Graph, m: Matching) -> str:
+    kept = len(after) - len(m.new) - len(m.rewired)
+    return f"{len(m.removed)} removed, {len(m.new)} new, {len(m.rewired)} rewired, {kept} unchanged"
+
+
 def diff_graphs(before: Graph, after: Graph, layers: set[int] | None = None) -> str:
     """Net op counts, then the removed, new and rewired nodes per layer; `layers` folds the other layers."""
     check_layers(before, layers)
     m = match_nodes(before, after)
-    kept = len(after) - len(m.new) - len(m.rewired)
     lines = [f"# before: {len(before)} nodes, after: {len(after)} nodes", *_op_count_lines(before, after),
-             f"# {len(m.removed)} removed, {len(m.new)} new, {len(m.rewired)} rewired, {kept} unchanged; "
+             f"# {_counts(after, m)}; "
              f"'-' lines number nodes as the dump before the passes does, '+' and '~' as the dump after"]
     groups = _groups(before, after, m)
     hidden = sorted(k for k in groups if k is not None and layers is not None and k not in layers)
@@ -161,3 +169,108 @@ def diff_graphs(before: Graph, after: Graph, layers: set[int] | None = None) -> 
     if None in groups:
         lines += [groups[None].header("outside the layers"), *groups[None].removed, *groups[None].added]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- html: before and after side by side
+_STATUSES = ("removed", "new", "rewired", "unchanged")
+_CSS = """body { font-family: sans-serif; margin: 1em; }
+table { border-collapse: collapse; width: 100%; table-layout: fixed; margin-bottom: 1.5em; }
+th { text-align: left; border-bottom: 1px solid #888; }
+td { font-family: monospace; font-size: 12px; white-space: pre-wrap; word-break: break-all; vertical-align: top;
+     padding: 1px 6px; width: 50%; }
+td.removed { background: #ffd7d5; } td.new { background: #d4f7d4; } td.rewired { background: #fff3b0; }
+td.unchanged { color: #555; } td.empty { background: #f4f4f4; }
+.folded { font-style: italic; color: #555; }"""
+
+
+@dataclass
+class _Row:
+    status: str  # one of _STATUSES
+    before: str | None  # the before node's dump line, None for a new node
+    after: str | None  # the after node's dump line, None for a removed node
+
+
+def _removed_above(before: Graph, m: Matching) -> tuple[dict[int, list[Node]], list[Node]]:
+    """Where removed nodes go: id(kept before node) -> the removed nodes just above it in before's order,
+    and the removed nodes after the last kept one."""
+    removed = {id(b) for b in m.removed}
+    above: dict[int, list[Node]] = {}
+    run: list[Node] = []
+    for b in before.nodes():
+        if id(b) in removed:
+            run.append(b)
+        elif run:
+            above[id(b)], run = run, []
+    return above, run
+
+
+def _rows(before: Graph, after: Graph, m: Matching) -> dict[int | None, list[_Row]]:
+    """Layer (None: outside every layer) -> its rows, in after's order, each removed node just above the
+    kept node that follows it in before's order (so a fusion's removed inputs sit next to what replaced them)."""
+    ids_b, ids_a = before.ids(), after.ids()
+    of_b, of_a = node_layers(before), node_layers(after)
+    rewired = {id(a) for a in m.rewired}
+    above, tail = _removed_above(before, m)
+    rows: dict[int | None, list[_Row]] = {}
+
+    def add_removed(nodes: list[Node]) -> None:
+        for r in nodes:
+            rows.setdefault(of_b[id(r)], []).append(_Row("removed", format_node(r, ids_b), None))
+
+    for a in after.nodes():
+        b = m.before_of.get(id(a))
+        if b is None:
+            rows.setdefault(of_a[id(a)], []).append(_Row("new", None, format_node(a, ids_a)))
+            continue
+        add_removed(above.get(id(b), []))
+        status = "rewired" if id(a) in rewired else "unchanged"
+        rows.setdefault(of_a[id(a)], []).append(_Row(status, format_node(b, ids_b), format_node(a, ids_a)))
+    add_removed(tail)
+    return rows
+
+
+def _cell(status: str, line: str | None) -> str:
+    return '<td class="empty"></td>' if line is None else f'<td class="{status}">{html.escape(line)}</td>'
+
+
+def _section(title: str, rows: list[_Row]) -> list[str]:
+    n = Counter(r.status for r in rows)
+    head = f"{title}: " + ", ".join(f"{n[s]} {s}" for s in _STATUSES)
+    return [f'<h2 id="{html.escape(title)}">{html.escape(head)}</h2>', "<table>",
+            "<tr><th>before</th><th>after</th></tr>",
+            *(f'<tr class="{r.status}">{_cell(r.status, r.before)}{_cell(r.status, r.after)}</tr>' for r in rows),
+            "</table>"]
+
+
+def _fold_line(hidden: list[int], rows: dict[int | None, list[_Row]]) -> str:
+    folded = [r for k in hidden for r in rows[k]]
+    n_before = sum(r.before is not None for r in folded)
+    n_after = sum(r.after is not None for r in folded)
+    n = Counter(r.status for r in folded)
+    return (f"... {_blk_ranges(hidden)}: {n_before} nodes before, {n_after} after folded "
+            f"({n['removed']} removed, {n['new']} new, {n['rewired']} rewired)")
+
+
+def diff_html(before: Graph, after: Graph, layers: set[int] | None = None) -> str:
+    """One static page (no script, no network): per layer, before and after side by side, each line classed
+    removed, new, rewired or unchanged; `layers` folds the other layers into one line, as diff_graphs does."""
+    check_layers(before, layers)
+    m = match_nodes(before, after)
+    rows = _rows(before, after, m)
+    hidden = sorted(k for k in rows if k is not None and layers is not None and k not in layers)
+    body: list[str] = []
+    for layer in sorted(k for k in rows if k is not None and k not in hidden):
+        body += _section(f"blk.{layer}", rows[layer])
+    if hidden:
+        body.append(f'<p class="folded">{html.escape(_fold_line(hidden, rows))}</p>')
+    if None in rows:
+        body += _section("outside the layers", rows[None])
+    summary = [f"before: {len(before)} nodes, after: {len(after)} nodes", *(s[2:] for s in _op_count_lines(
+        before, after)), _counts(after, m) + "; the left column numbers nodes as `graphir dump` before the passes "
+        "does, the right as the dump after"]
+    title = "graphir diff: " + summary[0]
+    return "\n".join([
+        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>", f"<style>\n{_CSS}\n</style>", "</head>", "<body>",
+        f"<h1>{html.escape(title)}</h1>", *(f'<p class="summary">{html.escape(s)}</p>' for s in summary[1:]),
+        *body, "</body>", "</html>"]) + "\n"
