@@ -28,6 +28,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import replay_seconds  # noqa: E402  (beside this script)
+
+from graphir.bench import measure_device_bandwidth  # noqa: E402
+
 HQ, HK, D = 32, 8, 128
 CAP = 32768 + 1024  # capacity above the longest context: kv_len, not the cap, sets the work
 
@@ -38,45 +42,8 @@ def cupy():
     return cp
 
 
-def copy_bandwidth(reps: int) -> float:
-    """Device-to-device copy, read + write bytes per second."""
-    cp = cupy()
-    n = 1 << 28  # 1 GiB of f32
-    a, b = cp.ones(n, np.float32), cp.empty(n, np.float32)
-    for _ in range(3):
-        b[...] = a
-    t = time_fn(lambda: b.__setitem__(Ellipsis, a), reps, graph=False)
-    return 2 * a.nbytes / t
-
-
-def time_fn(fn, reps: int, graph: bool = True) -> float:
-    """Seconds per call: replayed from a captured CUDA graph when possible, else a launch loop."""
-    cp = cupy()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()  # warm up (compile, clocks)
-        runner = fn
-        if graph:
-            try:
-                stream.begin_capture()
-                fn()
-                g = stream.end_capture()
-                runner = g.launch
-            except Exception as e:  # capture unsupported here: time the loop
-                print(f"  (graph capture failed: {e}; timing Python launches)")
-                runner = fn
-        for _ in range(5):
-            runner()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        best = math.inf
-        for _ in range(3):
-            start.record(stream)
-            for _ in range(reps):
-                runner()
-            stop.record(stream)
-            stop.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps)
-    return best
+def time_fn(fn, reps: int) -> float:
+    return replay_seconds(fn, reps)[0]
 
 
 class Node:
@@ -196,7 +163,7 @@ def main() -> None:
     reps = a.reps or (20 if a.quick else 100)
     cp = cupy()
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    bw = copy_bandwidth(reps)
+    bw = measure_device_bandwidth()
     print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     print(f"Qwen3-8B attention: hq={HQ} hk={HK} d={D}, KV capacity {CAP}")
     print(f"{'case':<28} {'us/call':>10} {'GB/s':>9} {'%copy':>7} {'TFLOP/s':>8} {'max|err|':>9}")

@@ -35,29 +35,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import replay_seconds  # noqa: E402  (beside this script)
+
+from graphir.bench import measure_device_bandwidth  # noqa: E402
+
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)]
 FORMATS = ["bf16", "q8_0", "q4_k", "q4_0"]
 GOALS = {"bf16": 0.90, "q8_0": 0.80, "q4_k": 0.80}
 ROTATE_BYTES = 256 << 20
 CHECK_ROWS = 64
-
-
-def copy_bandwidth(cp, iters: int) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy, read and write both counted."""
-    n = (1 << 30) // 4
-    a, b = cp.ones(n, np.float32), cp.empty(n, np.float32)
-    for _ in range(3):
-        b[...] = a
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        b[...] = a
-    end.record()
-    end.synchronize()
-    secs = cp.cuda.get_elapsed_time(start, end) / 1e3
-    del a, b
-    cp.get_default_memory_pool().free_all_blocks()
-    return 2 * n * 4 * iters / secs
 
 
 def make_raw(rng: np.random.Generator, fmt: str, shape: tuple[int, int]) -> np.ndarray:
@@ -69,38 +55,12 @@ def make_raw(rng: np.random.Generator, fmt: str, shape: tuple[int, int]) -> np.n
     return random_quantized(rng, fmt, shape)
 
 
-def time_steps(cp, steps: list, iters: int) -> tuple[float, str]:
-    """Seconds per pass over `steps` (graph replay when capture works, else a Python loop)."""
-    for _ in range(3):
+def time_steps(steps: list, iters: int) -> tuple[float, str]:
+    """Seconds per pass over `steps`, replayed from a captured CUDA graph (gpu_timing.py)."""
+    def run() -> None:
         for s in steps:
             s()
-    cp.cuda.Device().synchronize()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    try:
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            for s in steps:
-                s()
-            graph = stream.end_capture()
-            graph.launch()
-            stream.synchronize()
-            start.record(stream)
-            for _ in range(iters):
-                graph.launch()
-            end.record(stream)
-            end.synchronize()
-        how = "graph"
-    except Exception as e:  # capture not available here: time the plain launches
-        print(f"  (graph capture failed: {e}; timing a Python loop)")
-        start.record()
-        for _ in range(iters):
-            for s in steps:
-                s()
-        end.record()
-        end.synchronize()
-        how = "loop"
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / iters, how
+    return replay_seconds(run, iters)
 
 
 def bench_one(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict:
@@ -125,7 +85,7 @@ def bench_one(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict:
         gp = GpuParam(ParamRef(None, weights, raw, fmt, shape, ("param", f"w{k}")))
         steps += lower_mul_mat(lw, None, [gp, x], [ys[k]], {})
     prep_s = time.perf_counter() - t0
-    secs, how = time_steps(cp, steps, max(3, iters // copies))
+    secs, how = time_steps(steps, max(3, iters // copies))
     per_call = secs / copies
     # check the first rows of every copy's result against numpy
     head = dequantize(raw[:CHECK_ROWS], fmt, (CHECK_ROWS, n_in)).astype(np.float64)
@@ -172,7 +132,7 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
                         (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(1))) for w, y in zip(ws, ys)]
         for y in ys:
             y.fill(np.nan)
-        secs, _ = time_steps(cp, steps, max(3, iters // copies))
+        secs, _ = time_steps(steps, max(3, iters // copies))
         for y in ys:
             err = cp.abs(y[0].astype(np.float64) - want)
             if not bool((err <= bound).all()):
@@ -234,7 +194,7 @@ def main() -> None:
     iters = args.iters or (50 if args.quick else 200)
     shapes = SHAPES[:2] if args.quick else SHAPES
     rng = np.random.default_rng(0)
-    bw = copy_bandwidth(cp, 10 if args.quick else 30)
+    bw = measure_device_bandwidth()
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"copy bandwidth (1 GiB d2d, read + write): {bw / 1e12:.3f} TB/s\n")
     if args.variants:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from graphir.lowering import ParamRef
-from graphir.quant import dequantize
+from graphir.weights import Weights
 
 from . import kernels
 from .device import cupy
@@ -90,8 +90,7 @@ class GpuParam:
             return self.raw
         key = ("gpu", "f32") + self.ref.key
         if key not in self._cache:
-            host = np.ascontiguousarray(dequantize(self.ref.raw, self.dtype, self.shape), np.float32)
-            self._cache[key] = cupy().asarray(host)
+            self._cache[key] = cupy().asarray(self.ref.f32())  # the host copy the cpu backend also uses
         return self._cache[key]
 
 
@@ -113,9 +112,9 @@ class Lowering:
     a bad run-time value is reported with the node that saw it.
     """
 
-    def __init__(self, weights: Any):
+    def __init__(self, weights: Weights | None = None):
         cp = cupy()
-        self.weights = weights
+        self.weights = weights if weights is not None else Weights()  # holds shared scratch (matmul.py)
         self.errflag = cp.zeros(2, np.int32)
         self.code = 0
         self.scratch_buffers: list[Any] = []

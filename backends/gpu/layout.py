@@ -3,15 +3,25 @@
 Every value a gpu Program holds is C-contiguous (an arena slot, a State, a weight, or a
 contiguous alias at an element offset). A view whose elements are not contiguous in its
 source's row-major order (a real permute, a strided view) is materialized by a gather kernel
-into its own arena slot, every call, so kernels only ever see contiguous inputs.
+into its own arena slot, every call, so kernels only ever see contiguous inputs: `copy_launch`,
+the one gather (copy.cu), which also casts and stages copies.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
 
 from graphir.builder import contiguous_strides
 from graphir.errors import BackendError
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
+
+from .launch import Launch, cdiv, i32
+
+BLOCK = 256  # threads of the grid-stride elementwise kernels
+TNAME = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, offset) in source elements
 
@@ -66,3 +76,20 @@ def broadcast_strides(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tup
     b = (1,) * (len(a_shape) - len(b_shape)) + tuple(b_shape)
     cs = contiguous_strides(b)
     return tuple(0 if nb == 1 else s for nb, s in zip(b, cs))
+
+
+def grid_for(n: int) -> int:
+    return max(1, min(cdiv(n, BLOCK), 1 << 16))  # grid-stride loops cover the rest
+
+
+def tname(a: Any) -> str:
+    return TNAME[np.dtype(a.dtype)]
+
+
+def copy_launch(src: Any, dst: Any, layout: Layout | None = None, what: str = "copy") -> Launch:
+    """dst (contiguous) = src gathered through `layout` (shape, strides, offset) over src's flat
+    elements, converting between f32, f16 and i32; no layout: an element-wise copy of dst's shape."""
+    shape, strides, offset = layout if layout is not None else (dst.shape, contiguous_strides(dst.shape), 0)
+    dims, ss = collapse(tuple(shape), tuple(strides), 6, what)
+    args = (src, dst, np.int64(dst.size), np.int64(offset), *map(i32, dims[1:]), *map(np.int64, ss))
+    return Launch("copy.cu", f"copy_{tname(src)}_{tname(dst)}", grid_for(dst.size), BLOCK, args)

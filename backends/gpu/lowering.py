@@ -18,23 +18,12 @@ from graphir.ir import Node
 
 from . import attention, matmul, recurrent
 from .launch import Launch, Lowering, cdiv, dev, f32, i32
-from .layout import broadcast_strides, collapse, view_layout
-
-BLOCK = 256  # threads of the grid-stride elementwise kernels
-TNAME = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
-
-
-def grid_for(n: int) -> int:
-    return max(1, min(cdiv(n, BLOCK), 1 << 16))  # grid-stride loops cover the rest
+from .layout import BLOCK, broadcast_strides, collapse, copy_launch, grid_for, tname, view_layout
 
 
 def row_block(ncols: int) -> int:
     """Threads for one-block-per-row kernels: a multiple of 64 (a wavefront on gfx9), up to 1024."""
     return max(64, min(1024, cdiv(ncols, 64) * 64))
-
-
-def tname(a: Any) -> str:
-    return TNAME[np.dtype(a.dtype)]
 
 
 # ---------------------------------------------------------------- elementwise
@@ -185,28 +174,13 @@ def _rope_set_rows(lw, n, ins, outs, p):
 
 
 # ---------------------------------------------------------------- data movement
-def copy_launch(src: Any, dst: Any, layout: tuple | None = None, what: str = "copy") -> Launch:
-    """dst (contiguous) = src gathered through layout (shape, strides, offset) over src's flat elements."""
-    shape, strides, offset = layout if layout is not None else (dst.shape, None, 0)
-    if strides is None:
-        from graphir.builder import contiguous_strides
-
-        strides = contiguous_strides(tuple(shape))
-    dims, ss = collapse(tuple(shape), tuple(strides), 6, what)
-    args = (src, dst, np.int64(dst.size), np.int64(offset), *map(i32, dims[1:]), *map(np.int64, ss))
-    return Launch("copy.cu", f"copy_{tname(src)}_{tname(dst)}", grid_for(dst.size), BLOCK, args)
-
-
 def _view_copy(lw, n, ins, outs, p):
     return [copy_launch(dev(ins[0]), outs[0], view_layout(n), f"{n.op} gather")]
 
 
-def _cont(lw, n, ins, outs, p):
-    return [copy_launch(dev(ins[0]), outs[0])]
-
-
-def _cast(lw, n, ins, outs, p):
-    return [copy_launch(dev(ins[0]), outs[0], what="cast")]
+def _copy(lw, n, ins, outs, p):
+    """cont and cast: one element-wise copy, converting when the dtypes differ."""
+    return [copy_launch(dev(ins[0]), outs[0], what=n.op)]
 
 
 def _assign(lw, n, ins, outs, p):
@@ -216,11 +190,10 @@ def _assign(lw, n, ins, outs, p):
 def _concat(lw, n, ins, outs, p):
     a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
     axis = p["axis"] % a.ndim
-    outer = math.prod(a.shape[:axis])
     inner = math.prod(a.shape[axis + 1:])
     kernel = "concat_b2" if a.dtype.itemsize == 2 else "concat_b4"
     args = (a, b, y, np.int64(y.size), i32(a.shape[axis]), i32(b.shape[axis]), i32(inner))
-    return [Launch("copy.cu", kernel, grid_for(max(y.size, 1)), BLOCK, args)] if outer * inner else []
+    return [Launch("copy.cu", kernel, grid_for(y.size), BLOCK, args)]  # lower_node skips empty results
 
 
 def _set_rows(lw, n, ins, outs, p):
@@ -253,8 +226,8 @@ RULES: dict[str, Callable] = {
     "reshape": _view_copy,
     "permute": _view_copy,
     "transpose": _view_copy,
-    "cont": _cont,
-    "cast": _cast,
+    "cont": _copy,
+    "cast": _copy,
     "concat": _concat,
     "set_rows": _set_rows,
     "assign": _assign,

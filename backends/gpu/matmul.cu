@@ -5,7 +5,6 @@
 //   gemv1_<fmt>  the same for m == 1 (the decode step), with no per-token guards.
 //   dequant_<fmt> prefill: the whole matrix as f32 into a scratch buffer, then cuBLAS (host side).
 //   matmul_batched_f32  every other case (activation weights, batch axes): a plain dot per output.
-//   copy_f32     stages an x that is not 16-byte aligned (the GEMV reads x with 16-byte loads).
 //
 // GEMV layout: a group of 32 lanes (a warp on NVIDIA, half a wavefront on gfx9: the reductions
 // below only shuffle within 32 lanes, so the launch geometry is the same on every device) owns
@@ -590,9 +589,4 @@ extern "C" __global__ void matmul_batched_f32(const void* __restrict__ W, const 
         for (int k = 0; k < n_in; ++k) s = fmaf(ld_any(X, xo + k, x_f16), ld_any(W, wo + k, w_f16), s);
         Y[idx] = s;
     }
-}
-
-extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __restrict__ dst, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
 }

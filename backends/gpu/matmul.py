@@ -27,6 +27,7 @@ from graphir.errors import BackendError
 from . import kernels
 from .device import cupy
 from .launch import GpuParam, HostLibraryCall, Launch, Lowering, cdiv, i32
+from .layout import copy_launch
 
 SUPPORTED = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
 GEMV_MAX_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: more tokens than this take the prefill path
@@ -41,8 +42,7 @@ GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g128r1": (128, 1)}
 # shared memory, ~3 instructions per weight): cfg -> (threads, rows per block), for V3_FORMATS.
 GEMV1_V3 = {"v3r2": (128, 8), "v3r4": (128, 16)}
 V3_FORMATS = ("q8_0", "q4_0", "q4_k")
-# The m == 1 kernel per format: a GEMV1_CONFIGS key, or "gemv1" for the first kernel (gemv1_<fmt>).
-# Picked from benchmarks/bench_gpu_gemv.py --variants on the target device.
+# The m == 1 kernel per format: a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1" for gemv1_<fmt>.
 # Picked from `bench_gpu_gemv.py --variants` on an H200 (2026-11-30; % of copy bandwidth at 4096x4096,
 # 12288x4096, 4096x12288, 151936x4096): bf16 g128r1 75/89/90/103; q8_0 v3r2 47/65/59/84 (gemv1
 # 41/54/41/78); q4_k v3r2 34/48/43/64 (g32r2 28/35/35/44); q4_0 v3r2 32/44/39/60 (g32r4 21/33/23/40).
@@ -54,13 +54,10 @@ GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r
 _WIDE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k")
 FLOATS = ("f32", "f16", "bf16")
 
-# Per quantized format: (elements per block, units per block) as in quant.cuh's traits; the
-# dequant kernel runs one thread per unit. Float formats run one thread per value.
-_UNITS = {"q4_0": (32, 4), "q4_1": (32, 4), "q5_0": (32, 4), "q5_1": (32, 4), "q8_0": (32, 4),
-          "q4_k": (256, 8), "q5_k": (256, 8), "q6_k": (256, 32), "iq4_xs": (256, 16)}
+# Per quantized format: units per block, as in quant.cuh's traits; the dequant kernel runs one
+# thread per unit. Float formats run one thread per value.
+_UNITS = {"q4_0": 4, "q4_1": 4, "q5_0": 4, "q5_1": 4, "q8_0": 4, "q4_k": 8, "q5_k": 8, "q6_k": 32, "iq4_xs": 16}
 _MAX_GRID = 1 << 20  # grid-stride kernels: enough blocks to fill any device
-
-_fallback_derived: dict[tuple, Any] = {}  # scratch holder when a Lowering has no weight store
 
 
 def _row_bytes(fmt: str, n_in: int) -> int:
@@ -97,8 +94,7 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
     steps: list = []
     if x2.data.ptr % 16:  # the GEMV reads x with 16-byte loads: stage it in an aligned buffer
         buf = lw.scratch((m, n_in))
-        steps.append(Launch("matmul.cu", "copy_f32", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
-                            (x2, buf, np.int64(m * n_in))))
+        steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
     name, threads, rows = gemv_kernel(w.dtype, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
@@ -128,14 +124,8 @@ def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = N
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
 
 
-def _derived(lw: Lowering) -> dict:
-    return lw.weights.derived if lw.weights is not None else _fallback_derived
-
-
 def _largest_matrix(lw: Lowering) -> int:
     """Elements of the store's largest 2-D non-f32 weight (the ones prefill dequantizes)."""
-    if lw.weights is None:
-        return 0
     sizes = [math.prod(wt.shape) for wt in lw.weights.values() if len(wt.shape) == 2 and wt.dtype != "f32"]
     return max(sizes, default=0)
 
@@ -144,7 +134,7 @@ def _ensure_scratch(lw: Lowering, need: int) -> None:
     """One f32 dequant buffer per weight store, at least `need` elements. It is allocated once for
     the largest matrix of the store and only replaced by a larger one (a stacked weight): steps
     look it up at call time, so every Program uses the current one and the old one is freed."""
-    derived = _derived(lw)
+    derived = lw.weights.derived
     buf = derived.get(SCRATCH_KEY)
     if buf is not None and buf.size >= need:
         return
@@ -163,13 +153,9 @@ def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCal
         return HostLibraryCall(lambda: cp.matmul(x2, wt, out=y2), f"mul_mat prefill f32 {n_out}x{n_in} (cuBLAS)")
     need = n_out * n_in
     _ensure_scratch(lw, need)
-    derived = _derived(lw)
+    derived = lw.weights.derived
     kern = kernels.get("matmul.cu", f"dequant_{fmt}")
-    if fmt in _UNITS:
-        qk, upb = _UNITS[fmt]
-        work = n_out * (n_in // qk) * upb
-    else:
-        work = need
+    work = n_out * (n_in // dtype_info(fmt).block) * _UNITS[fmt] if fmt in _UNITS else need
     grid = (min(cdiv(work, 256), _MAX_GRID),)
     args_head = (w.raw, np.int64(_row_bytes(fmt, n_in)))
     tail = (i32(n_out), i32(n_in))

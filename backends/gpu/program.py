@@ -35,7 +35,7 @@ from graphir.verify import verify
 from graphir.weights import Weights
 
 from .device import cupy, stream
-from .launch import GpuParam, Lowering
+from .launch import GpuParam, Lowering, dev
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node
 
@@ -55,14 +55,14 @@ class GpuProgram:
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
         self._init_inputs()
-        self.lw = Lowering(self.weights)
+        self.lw = Lowering(self.weights)  # replaced by each _bind: its scratch belongs to one binding
         self._bound_state: tuple[int, ...] | None = None
         self._checked_state: tuple[int, ...] | None = None
         self._host_state = False  # numpy State buffers: mirrored on the device every call
         self._mirrors: dict[str, Any] = {}  # device copies of numpy State buffers
         self._steps: list[Any] = []
         self._outputs: dict[str, Any] = {}
-        self._code_node: dict[int, Node] = {}
+        self._code_node: dict[int, Node] = {}  # error code -> node, for the current binding
         self._graph_exec: Any = None  # the captured CUDA graph, once there is one
         self._calls_since_bind = 0
         if not self.graph.states:  # nothing to wait for: bind now, so a bad graph fails at lowering
@@ -110,6 +110,8 @@ class GpuProgram:
 
     def _bind(self, state: Mapping[str, Any]) -> None:
         cp = cupy()
+        self.lw = Lowering(self.weights)  # a rebind must not keep the last binding's scratch alive
+        self._code_node = {}
         env: dict[int, Any] = {}
         steps: list[Any] = []
         for i, n in enumerate(self.order):
@@ -122,8 +124,7 @@ class GpuProgram:
             elif n.op == "item":
                 env[id(n)] = env[id(n.src[0])][n.params["index"]]
             elif d.view and id(n) not in self.copies:  # a contiguous alias at an element offset
-                src = env[id(n.src[0])]
-                src = src.f32() if isinstance(src, GpuParam) else src
+                src = dev(env[id(n.src[0])])
                 _, _, offset = view_layout(n)
                 env[id(n)] = src.reshape(-1)[offset:offset + n.numel].reshape(n.shape)
             else:
@@ -208,9 +209,9 @@ class GpuProgram:
             else:
                 self._run_steps()
             if device:
-                outs = {name: _as_array(v).copy() for name, v in self._outputs.items()}
+                outs = {name: dev(v).copy() for name, v in self._outputs.items()}
             else:
-                outs = {name: _as_array(v).get() for name, v in self._outputs.items()}
+                outs = {name: dev(v).get() for name, v in self._outputs.items()}
             self._raise_if_flagged()
             for m, buf in back:
                 m.get(out=buf)
@@ -232,10 +233,6 @@ class GpuProgram:
             "lower_s": self.lower_s,
             "captured": self.captured,
         }
-
-
-def _as_array(v: Any) -> Any:
-    return v.f32() if isinstance(v, GpuParam) else v
 
 
 def new_state(graph: Graph) -> dict[str, Any]:
