@@ -1,5 +1,21 @@
 """The numba CPU backend: graphs lowered to bound, compiled kernels over a planned arena."""
 
-from .program import CpuProgram, lower
+import sys
 
-__all__ = ["lower", "CpuProgram"]
+if __name__ != "graphir.backends.cpu":
+    # Imported by path as `backends.cpu` (the repo root on sys.path). numba's on-disk cache is keyed
+    # by source file and function, not by module name, so a second copy of these kernel modules under
+    # another name would share cache entries linked under the first name: a wrong kernel loaded, or a
+    # cache flushed and compiled again by each name in turn. Every submodule of this name is the
+    # installed one instead, so the kernels exist once per process and compile once per machine.
+    import importlib
+    import pkgutil
+
+    for _sub in pkgutil.iter_modules(__path__):
+        sys.modules[f"{__name__}.{_sub.name}"] = importlib.import_module(f"graphir.backends.cpu.{_sub.name}")
+    sys.modules[__name__] = importlib.import_module("graphir.backends.cpu")
+else:
+    from . import compile_note  # noqa: F401  (registers the first-run note before any kernel compiles)
+    from .program import CpuProgram, lower
+
+    __all__ = ["lower", "CpuProgram"]

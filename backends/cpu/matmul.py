@@ -445,9 +445,9 @@ def _compile() -> None:
         try:
             _kernel.compile(_signature())
         except Exception:
-            # A cache entry numba cannot load (written when this file was imported under another
-            # module name, e.g. `backends.cpu.matmul` vs `graphir.backends.cpu.matmul`, or stale):
-            # drop this module's cache and compile afresh.
+            # A cache entry numba cannot load (a truncated file, or one from another numba build):
+            # drop this module's cache and compile afresh. (A second module name for this file can
+            # no longer write one: backends/cpu/__init__.py makes `backends.cpu.*` the installed modules.)
             for d in _DISPATCHERS:
                 d._cache.flush()
             _kernel.compile(_signature())
