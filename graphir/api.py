@@ -26,9 +26,9 @@ from graphir.cache import ProgramCache
 from graphir.errors import InputError, LoadError
 from graphir.generate import check_sampling, generate, make_sampler
 from graphir.ir import Graph
-from graphir.models import loader, presets, qwen35
+from graphir.models import loader, presets, registry
+from graphir.models.family import ModelConfig
 from graphir.models.hf_dir import TOKENIZER_FILE
-from graphir.models.llama import LlamaConfig, build
 from graphir.program import new_state
 from graphir.weights import Weights
 
@@ -39,7 +39,7 @@ DEFAULT_MODEL = "smollm2-135m"
 class Model:
     """A loaded model: config, tokenizer and weights, a KV cache, and Programs cached per graph."""
 
-    def __init__(self, config: LlamaConfig, weights: Weights, tokenizer: Any, *, backend: str = "reference",
+    def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Any, *, backend: str = "reference",
                  passes: str = "", eos_ids: Iterable[int] = (), source: str = "", load_s: float = 0.0):
         self.config = config
         self.weights = weights
@@ -61,8 +61,7 @@ class Model:
 
     def graph(self, phase: str = "prefill", n_tokens: int | None = None, last_only: bool = False) -> Graph:
         """The forward graph this model runs (decode: n_tokens=1)."""
-        builder = qwen35.build if isinstance(self.config, qwen35.Qwen35Config) else build
-        return builder(self.config, phase, n_tokens, self._dtypes, last_only)
+        return registry.family_of(self.config).build(self.config, phase, n_tokens, self._dtypes, last_only)
 
     def _program(self, n: int, last_only: bool) -> Any:
         key = (n, last_only and n > 1)
@@ -76,8 +75,8 @@ class Model:
         """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
         the conv and recurrent states of hybrid models, which are not indexed by position."""
         self.n_past = 0
-        if self._state is not None and isinstance(self.config, qwen35.Qwen35Config):
-            qwen35.reset_recurrent(self._state)
+        if self._state is not None:
+            registry.family_of(self.config).reset_state(self.config, self._state)
 
     def feed(self, token_ids: Iterable[int], last_only: bool = False) -> np.ndarray:
         """Append tokens at positions n_past.. (writing their KV rows); logits f32 [n, vocab] (or [1, vocab])."""
@@ -211,7 +210,7 @@ def check_pipeline(passes: str) -> None:
     parse_pipeline(passes)
 
 
-def _resolve(spec: str, dtype: str | None) -> tuple[LlamaConfig, Weights, Any, set[int], str]:
+def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, set[int], str]:
     """(config, weights, tokenizer, eos ids, source label) for a spec string."""
     from graphir.models.default_model import smollm2_path
     from graphir.models.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""Llama-family decoders (Llama, SmolLM2; Qwen3 through options): config and graph builder.
+"""The Llama family (Llama, SmolLM2; Qwen3 through options): config, graph builder, file names, presets.
 
 Each block, pre-norm with residuals:
     x = x + attn(rms_norm(x) * attn_norm)          GQA, rope on q/k, KV written into State
@@ -10,17 +10,29 @@ Runtime values are Inputs, so one decode graph (n_tokens=1) serves every positio
     pos    [n] i32   their positions (rope, causal mask)
     kv_idx [n] i32   KV-cache rows to write (equal to pos for a linear cache)
     kv_len [1] i32   rows of the cache that are valid after this call's writes
+
+Rope layout: convert_hf_to_gguf.py permutes the Q/K rows of `llama` models so that llama.cpp's
+NORM rope (adjacent pairs) equals HF's rotate_half (NEOX, halves) on the original rows. Rather
+than undo that permutation we pick the rope mode per source: GGUF llama -> "norm", HF -> "neox".
+Qwen3 is NEOX in both (llama.cpp does not permute it).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from graphir.builder import g
-from graphir.errors import GraphError
+from graphir.errors import GraphError, LoadError
 from graphir.ir import Graph, Node
+from graphir.weights import Weights
+
+from . import random_init
+from .family import Family, ParamNodes, check_weights, checked_config, gguf_key, no_state_to_reset, rename_hf
+from .names import NameMap
 
 PHASES = ("prefill", "decode")
 DEFAULT_PREFILL_TOKENS = 8
@@ -79,21 +91,6 @@ def check_config(c: LlamaConfig) -> None:
     for ok, rule in rules:
         if not ok:
             raise GraphError(f"{c.arch} config: {rule}")
-
-
-class ParamNodes:
-    """Param leaves with the weight store's dtypes (default f32), one node per name; shared by the
-    model families, each giving its own name -> shape table."""
-
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None):
-        self.shapes = shapes
-        self.dtypes = dtypes or {}
-        self.nodes: dict[str, Node] = {}
-
-    def __call__(self, name: str) -> Node:
-        if name not in self.nodes:
-            self.nodes[name] = g.param(name, self.shapes[name], self.dtypes.get(name, "f32"))
-        return self.nodes[name]
 
 
 def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,
@@ -159,3 +156,151 @@ def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
     # written unfused on purpose: the swiglu-split pass must find this pattern in real model graphs
     act = g.mul(g.silu(gate), up, name=b + "ffn_act")  # [n, d_ff]
     return g.mul_mat(p(b + "ffn_down.weight"), act, name=b + "ffn_out")  # [n, d_model]
+
+
+def qwen3_config(**fields: Any) -> LlamaConfig:
+    """A LlamaConfig with Qwen3's fixed options (arch, q/k norms, neox rope, theta 1e6, eps 1e-6)."""
+    defaults = {"arch": "qwen3", "qk_norm": True, "rope_mode": "neox", "rope_theta": 1_000_000.0, "rms_eps": 1e-6}
+    return LlamaConfig(**{**defaults, **fields})
+
+
+# ---------------------------------------------------------------- GGUF files (llama.cpp `llama`, `qwen3`)
+GGUF_ARCHS = ("llama", "qwen3")
+
+
+def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: str = "gguf") -> LlamaConfig:
+    arch = md.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise LoadError(f"{label}: architecture {arch!r} is not one of {GGUF_ARCHS}")
+    key = gguf_key(md, arch, label)
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensors:
+        raise LoadError(f"{label}: rope scaling ({scaling}, rope_freqs) is not supported")
+    if "token_embd.weight" not in tensors:
+        raise LoadError(f"{label}: missing tensor 'token_embd.weight'")
+    d_model, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", d_model // n_heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise LoadError(f"{label}: partial rope ({arch}.rope.dimension_count != head_dim {head_dim}) is not supported")
+    fields = dict(
+        arch=arch,
+        n_vocab=tensors["token_embd.weight"].shape[0],
+        d_model=d_model,
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        d_ff=int(key("feed_forward_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        tied_embeddings="output.weight" not in tensors,
+        context_length=int(key("context_length")),
+    )
+    return qwen3_config(**fields) if arch == "qwen3" else LlamaConfig(rope_mode="norm", **fields)
+
+
+def weights_from_gguf(config: LlamaConfig, weights: Weights) -> Weights:
+    """GGUF tensors already carry our names: check them and pass them through."""
+    checked_config(config, check_config, weights.source)
+    check_weights(config, weights, param_shapes(config))
+    return weights
+
+
+# ---------------------------------------------------------------- HF checkpoints
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+HF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old checkpoints, not a weight
+HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
+
+
+def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaConfig:
+    archs = hf.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise LoadError(f"{label}: architectures {archs} not supported (supported: {', '.join(HF_ARCHITECTURES)})")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise LoadError(f"{label}: {flag}=true is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise LoadError(f"{label}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    try:
+        d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        fields = dict(
+            n_vocab=int(hf["vocab_size"]),
+            d_model=d_model,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+            d_ff=int(hf["intermediate_size"]),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            context_length=int(hf.get("max_position_embeddings", 2048)),
+        )
+    except KeyError as e:
+        raise LoadError(f"{label}: missing key {e.args[0]!r}") from None
+    return qwen3_config(**fields) if arch == "qwen3" else LlamaConfig(arch="llama", rope_mode="neox", **fields)
+
+
+def weights_from_hf(config: LlamaConfig, raw: Weights) -> Weights:
+    checked_config(config, check_config, raw.source)
+    out = rename_hf(config, raw, HF_NAMES, lambda name: bool(HF_IGNORED.match(name)))
+    check_weights(config, out, param_shapes(config), HF_NAMES.to_file)
+    return out
+
+
+# ---------------------------------------------------------------- random presets
+_QWEN3_VOCAB = 151936
+PRESETS: dict[str, tuple[LlamaConfig, str]] = {
+    "llama-tiny": (LlamaConfig(arch="llama", n_vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                               head_dim=16, d_ff=96, rope_mode="norm", context_length=256, ctx=256), "f32"),
+    "qwen3-tiny": (qwen3_config(n_vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                d_ff=96, tied_embeddings=True, context_length=256, ctx=256), "f32"),
+    "qwen3-0.6b": (qwen3_config(n_vocab=_QWEN3_VOCAB, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8,
+                                head_dim=128, d_ff=3072, tied_embeddings=True, context_length=40960), "bf16"),
+    "qwen3-1.7b": (qwen3_config(n_vocab=_QWEN3_VOCAB, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8,
+                                head_dim=128, d_ff=6144, tied_embeddings=True, context_length=40960), "bf16"),
+    "qwen3-8b": (qwen3_config(n_vocab=_QWEN3_VOCAB, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                              head_dim=128, d_ff=12288, tied_embeddings=False, context_length=40960), "bf16"),
+}  # fmt: skip
+
+
+def random_weights(config: LlamaConfig, dtype: str = "f32", seed: int = 0) -> Weights:
+    return random_init.random_weights(config.arch, param_shapes(config), dtype, seed)
+
+
+FAMILY = Family(
+    name="llama",
+    config_type=LlamaConfig,
+    gguf_archs=GGUF_ARCHS,
+    hf_architectures=tuple(HF_ARCHITECTURES),
+    config_from_gguf=config_from_gguf,
+    weights_from_gguf=weights_from_gguf,
+    config_from_hf=config_from_hf,
+    weights_from_hf=weights_from_hf,
+    hf_names=HF_NAMES,
+    param_shapes=param_shapes,
+    build=build,
+    presets=PRESETS,
+    random_weights=random_weights,
+    reset_state=no_state_to_reset,
+)

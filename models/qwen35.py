@@ -30,10 +30,8 @@ Recurrent state is not indexed by position: a new sequence must start from zeroe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +41,12 @@ import numpy as np
 from graphir.builder import g
 from graphir.errors import GraphError, LoadError
 from graphir.ir import Graph, Node
-from graphir.quant import dequantize, quantize
+from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
 
-from .llama import ParamNodes
+from . import random_init
+from .family import Family, ParamNodes, checked_config, gguf_key, rename_hf
+from .family import check_weights as check_all_weights
 from .names import NameMap
 
 PHASES = ("prefill", "decode")
@@ -140,7 +140,7 @@ def state_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def reset_recurrent(state: Mapping[str, np.ndarray]) -> None:
+def reset_recurrent(config: Qwen35Config, state: Mapping[str, np.ndarray]) -> None:
     """Zero the conv and recurrent states (a new sequence); KV rows past kv_len are never read."""
     for name, buf in state.items():
         if name.rsplit(".", 1)[-1] in RECURRENT_STATES:
@@ -325,11 +325,6 @@ HF_SKIPPED = re.compile(r"^(mtp\.|model\.visual\.|model\.mtp\.)|rotary_emb\.inv_
 HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
 
 
-def is_hf_config(hf: Mapping[str, Any]) -> bool:
-    archs = hf.get("architectures") or []
-    return any(a in HF_ARCHITECTURES for a in archs) or hf.get("model_type") in ("qwen3_5", "qwen3_5_text")
-
-
 def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35Config:
     """The config of an HF Qwen3_5ForCausalLM (or the text part of Qwen3_5ForConditionalGeneration)."""
     text = {**hf, **(hf.get("text_config") or {})}
@@ -374,7 +369,6 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35C
         want = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
         if list(kinds) != want:
             raise LoadError(f"{label}: layer_types {kinds} is not every {interval}th layer full attention")
-    fields["ctx"] = min(fields["context_length"], 4096)
     return Qwen35Config(**fields)
 
 
@@ -406,16 +400,10 @@ def hf_tensor(ours: str, w: Weight) -> Weight:
 
 def weights_from_hf(config: Qwen35Config, raw: Weights) -> Weights:
     """HF tensors (by HF name) renamed and converted to our Params; unused vision/MTP tensors are skipped."""
-    out = Weights(source=raw.source)
-    for hf_name, w in raw.items():
-        ours = hf_to_param_name(hf_name)
-        if ours is None:
-            if HF_SKIPPED.search(hf_name):
-                continue
-            raise LoadError(f"{raw.source}: tensor {hf_name!r} has no place in the {config.arch} graph")
-        if ours == "output.weight" and config.tied_embeddings:
-            continue
-        out.add(ours, hf_tensor(ours, w))
+    checked_config(config, check_config, raw.source)
+    # the multimodal checkpoint keeps the text model under model.language_model.
+    text = Weights({k.replace("model.language_model.", "model.", 1): w for k, w in raw.items()}, source=raw.source)
+    out = rename_hf(config, text, HF_NAMES, lambda name: bool(HF_SKIPPED.search(name)), hf_tensor)
     check_weights(config, out, hf_names=True)
     return out
 
@@ -427,11 +415,7 @@ GGUF_ARCH = "qwen35"
 def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: str = "gguf") -> Qwen35Config:
     """The config of a llama.cpp `qwen35` GGUF; `tensors` maps names to anything with a numpy-order `shape`."""
 
-    def key(name: str, default: Any = None) -> Any:
-        v = md.get(f"{GGUF_ARCH}.{name}", default)
-        if v is None:
-            raise LoadError(f"{label}: missing metadata key {GGUF_ARCH}.{name!r}")
-        return v
+    key = gguf_key(md, GGUF_ARCH, label)
 
     def scalar(v: Any) -> int:  # some hybrid files store per-layer arrays; take the nonzero value
         if isinstance(v, (list, tuple, np.ndarray)):
@@ -468,7 +452,6 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
         tied_embeddings="output.weight" not in tensors,
         context_length=int(key("context_length")),
     )
-    fields["ctx"] = min(fields["context_length"], 4096)
     return Qwen35Config(**fields)
 
 
@@ -478,39 +461,14 @@ def weights_from_gguf(config: Qwen35Config, weights: Weights) -> Weights:
     mtp = re.compile(r"blk\.(\d+)\.")
     keep = {k: w for k, w in weights.items() if not ((m := mtp.match(k)) and int(m.group(1)) >= config.n_layers)}
     out = weights if len(keep) == len(weights) else Weights(keep, source=weights.source)
+    checked_config(config, check_config, weights.source)
     check_weights(config, out)
     return out
 
 
 def check_weights(config: Qwen35Config, weights: Weights, hf_names: bool = False) -> None:
     """Every Param present with its shape; no tensor left unused."""
-    try:
-        check_config(config)
-    except GraphError as e:
-        raise LoadError(f"{weights.source}: {e}") from None
-    expected = param_shapes(config)
-    present = set(weights)
-
-    def label(name: str) -> str:
-        return f"{name!r} (file name {param_to_hf_name(name)!r})" if hf_names else repr(name)
-
-    for name, shape in expected.items():
-        if name not in present:
-            raise LoadError(f"{weights.source}: missing tensor {label(name)}")
-        w = weights[name]
-        if tuple(w.shape) != shape:
-            raise LoadError(f"{weights.source}: tensor {label(name)} has shape {list(w.shape)}, "
-                            f"the {config.arch} config expects {list(shape)}")
-        if w.dtype == "i32":
-            raise LoadError(f"{weights.source}: tensor {label(name)} is i32; weights must be float or quantized")
-    extra = sorted(present - set(expected))
-    if extra:
-        raise LoadError(f"{weights.source}: tensors {extra[:5]} are not used by the {config.arch} graph "
-                        f"(config: {config.n_layers} layers, tied={config.tied_embeddings})")
-
-
-def with_ctx(config: Qwen35Config, ctx: int | None) -> Qwen35Config:
-    return config if ctx is None else dataclasses.replace(config, ctx=int(ctx))
+    check_all_weights(config, weights, param_shapes(config), param_to_hf_name if hf_names else None)
 
 
 # ---------------------------------------------------------------- random presets
@@ -526,24 +484,36 @@ PRESETS: dict[str, tuple[Qwen35Config, str]] = {
 
 
 def random_weights(config: Qwen35Config, dtype: str = "f32", seed: int = 0) -> Weights:
-    """Seeded random weights in the style of models.presets.random_weights, with DeltaNet gates that
-    decay (ssm_a in [-1.6, -0.01]), dt biases near 1 and a conv kernel of unit gain."""
-    from .presets import _matrix  # lazy: presets imports the model files
+    """Seeded random weights (models.random_init) with DeltaNet gates that decay (ssm_a in
+    [-1.6, -0.01]), dt biases near 1 and a conv kernel of unit gain."""
 
-    out = Weights(source=f"random:{config.arch} seed {seed}")
-    for name, shape in param_shapes(config).items():
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    def special(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray | None:
         rest = name.split(".", 2)[-1]
         if rest == "ssm_a":
-            values = quantize(-np.exp(rng.uniform(np.log(0.01), np.log(1.6), shape)).astype(np.float32), dtype)
-        elif rest == "ssm_dt.bias":
-            values = quantize(np.ones(shape, np.float32), dtype)
-        elif rest == "ssm_conv1d.weight":
-            values = quantize(rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1]), dtype)
-        elif len(shape) == 1:
-            values = quantize(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32), dtype)
-        else:
-            scale = 1.0 / np.sqrt(shape[1] if name != "token_embd.weight" else config.d_model)
-            values = _matrix(rng, shape, np.float32(scale), dtype)
-        out.add(name, Weight(dtype, shape, values))
-    return out
+            return -np.exp(rng.uniform(np.log(0.01), np.log(1.6), shape))
+        if rest == "ssm_dt.bias":
+            return np.ones(shape, np.float32)
+        if rest == "ssm_conv1d.weight":
+            return rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])
+        return None
+
+    return random_init.random_weights(config.arch, param_shapes(config), dtype, seed, special)
+
+
+FAMILY = Family(
+    name="qwen35",
+    config_type=Qwen35Config,
+    gguf_archs=(GGUF_ARCH,),
+    hf_architectures=HF_ARCHITECTURES,
+    hf_model_types=("qwen3_5", "qwen3_5_text"),
+    config_from_gguf=config_from_gguf,
+    weights_from_gguf=weights_from_gguf,
+    config_from_hf=config_from_hf,
+    weights_from_hf=weights_from_hf,
+    hf_names=HF_NAMES,
+    param_shapes=param_shapes,
+    build=build,
+    presets=PRESETS,
+    random_weights=random_weights,
+    reset_state=reset_recurrent,
+)

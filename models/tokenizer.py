@@ -24,6 +24,8 @@ from graphir.errors import InputError, LoadError
 
 from .hf_dir import read_text
 
+# tokenizer.ggml.model values: tokenizer kinds, named after the models that introduced them
+BPE_KIND, SPM_KIND = "gpt2", "llama"
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -137,9 +139,9 @@ class Tokenizer:
         types = list(metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)))
         if len(types) != len(tokens):
             raise LoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        if kind == "gpt2":
+        if kind == BPE_KIND:
             tk = _gguf_bpe(metadata, tokens, source)
-        elif kind == "llama":
+        elif kind == SPM_KIND:
             tk = _gguf_spm(metadata, tokens, types, source)
         else:
             raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
@@ -149,7 +151,7 @@ class Tokenizer:
         tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == TOKEN_USER_DEFINED])
         bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         eos = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in ("eos", "eot", "eom")]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == SPM_KIND))
         template = metadata.get("tokenizer.chat_template")
         return cls(
             tk,
@@ -158,7 +160,7 @@ class Tokenizer:
             eos_ids=[e for e in eos if e is not None],
             add_bos=add_bos,
             chat_template=template if isinstance(template, str) else None,
-            byte_level=kind == "gpt2",
+            byte_level=kind == BPE_KIND,
             source=source,
         )
 
@@ -337,9 +339,10 @@ def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: list[int], sou
     scores = list(metadata.get("tokenizer.ggml.scores", []))
     if len(scores) != len(tokens):
         raise LoadError(f"{source}: a llama tokenizer needs one tokenizer.ggml.scores entry per token")
-    if str(metadata.get("general.architecture", "")).startswith("gemma"):
-        # Gemma files spell whitespace-only pieces with real spaces, and their scores do not follow
-        # the merge order, the file order does (as transformers' gemma_tokenizer handles them).
+    if any(" " in t and not t.strip() for t in tokens):
+        # Gemma's vocabularies spell whitespace-only pieces with real spaces (no other SentencePiece
+        # vocabulary holds a raw space), and their scores do not follow the merge order, the file
+        # order does (as transformers' gemma_tokenizer handles them).
         tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = [-i for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _model_helpers import permute_for_norm_rope, write_gguf  # noqa: E402
-from graphir.models.loader import hf_to_ours  # noqa: E402
+from graphir.models.llama import HF_NAMES  # noqa: E402
 
 import graphir  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_gguf_conversion_matches_transformers(tmp_path, arch):
     c = graphir.load(str(tmp_path / "hf")).config
     tensors = {}
     for hf_name, p in model.state_dict().items():
-        name = hf_to_ours(hf_name)
+        name = HF_NAMES.to_ours(hf_name)
         if name is None or name == "output.weight":  # tied: no output.weight in GGUF
             continue
         w = p.numpy()

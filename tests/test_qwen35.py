@@ -181,7 +181,7 @@ def test_replayed_decode_program_equals_fresh_programs_bitwise(loaded):
 def test_reset_recurrent_zeroes_only_recurrent_state(loaded):
     r = Runner(*loaded)
     r.feed(IDS[:3])
-    qwen35.reset_recurrent(r.state)
+    qwen35.reset_recurrent(r.config, r.state)
     assert not r.state["blk.0.conv_state"].any() and not r.state["blk.2.ssm_state"].any()
     assert r.state["blk.3.k_cache"].any()
 

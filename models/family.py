@@ -1,0 +1,143 @@
+"""The interface every model family provides, and the checks they share.
+
+A family is one module under models/ that ends with `FAMILY = Family(...)`: hyperparameters from a
+GGUF file or an HF config.json, its tensors under our Param names, the graph builder, its `random:`
+presets and how a new sequence resets its state (llama.cpp gives each architecture the same three
+parts: hyperparameters, tensors, graph). models/registry.py lists the families; everything else
+(graphir.load, the loaders, the presets, the CLI) reaches a family only through the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from graphir.builder import g
+from graphir.dtypes import FLOAT
+from graphir.errors import GraphirError, LoadError
+from graphir.ir import Graph, Node
+from graphir.weights import Weights
+
+from .names import NameMap
+
+
+class ModelConfig(Protocol):
+    """The fields every family's config has; the runtime reads no others."""
+
+    arch: str  # names the family's variant in dumps and errors ("llama", "qwen3", "gemma3", ...)
+    n_vocab: int
+    d_model: int
+    n_layers: int
+    tied_embeddings: bool
+    context_length: int  # trained context
+    ctx: int  # KV-cache capacity in rows (a build-time shape)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_type: type  # a family's configs are instances of this type, and no other family's are
+    gguf_archs: tuple[str, ...]  # values of general.architecture it reads
+    hf_architectures: tuple[str, ...]  # config.json "architectures" entries it reads
+    # (GGUF metadata, {tensor name: info with a numpy-order .shape}, file label) -> config
+    config_from_gguf: Callable[[Mapping[str, Any], Mapping[str, Any], str], Any]
+    weights_from_gguf: Callable[[Any, Weights], Weights]  # checked, under our Param names
+    config_from_hf: Callable[[Mapping[str, Any], str], Any]  # config.json -> config
+    weights_from_hf: Callable[[Any, Weights], Weights]  # HF-named tensors -> ours, converted and checked
+    hf_names: NameMap  # our Param names <-> HF tensor names
+    param_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
+    # build(config, phase, n_tokens, dtypes, last_only) -> Graph
+    build: Callable[..., Graph]
+    presets: Mapping[str, tuple[Any, str]]  # random:<name> -> (config, weight dtype)
+    random_weights: Callable[[Any, str, int], Weights]  # (config, dtype, seed)
+    # a new sequence: bring State not indexed by position back to its start (KV rows need nothing,
+    # rows at or past kv_len are never read)
+    reset_state: Callable[[Any, Mapping[str, np.ndarray]], None]
+    hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values, when "architectures" is absent
+    default_chat_template: str | None = None  # for files that carry none
+
+
+class ParamNodes:
+    """Param leaves with the weight store's dtypes (default f32), one node per name, from a family's
+    name -> shape table."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None):
+        self.shapes = shapes
+        self.dtypes = dtypes or {}
+        self.nodes: dict[str, Node] = {}
+
+    def __call__(self, name: str) -> Node:
+        if name not in self.nodes:
+            self.nodes[name] = g.param(name, self.shapes[name], self.dtypes.get(name, "f32"))
+        return self.nodes[name]
+
+
+def no_state_to_reset(config: Any, state: Mapping[str, np.ndarray]) -> None:
+    """reset_state of families whose only State is the KV cache."""
+
+
+def check_weights(config: Any, weights: Weights, shapes: Mapping[str, tuple[int, ...]],
+                  file_name: Callable[[str], str] | None = None) -> None:
+    """Every Param present with its shape and a usable dtype (1-D norms and biases float); no tensor
+    left unused. `file_name` maps our name to the file's, for messages about HF files."""
+
+    def label(name: str) -> str:
+        return f"{name!r} (file name {file_name(name)!r})" if file_name else repr(name)
+
+    present = set(weights)  # not `in weights`: Weights.__getitem__ raises LoadError, not KeyError
+    for name, shape in shapes.items():
+        if name not in present:
+            raise LoadError(f"{weights.source}: missing tensor {label(name)}")
+        w = weights[name]
+        if tuple(w.shape) != shape:
+            raise LoadError(f"{weights.source}: tensor {label(name)} has shape {list(w.shape)}, "
+                            f"the {config.arch} config expects {list(shape)}")
+        if len(shape) == 1 and w.dtype not in FLOAT:
+            raise LoadError(f"{weights.source}: tensor {label(name)} is {w.dtype}; 1-D weights must be f32/f16/bf16")
+        if w.dtype == "i32":
+            raise LoadError(f"{weights.source}: tensor {label(name)} is i32; weights must be float or quantized")
+    extra = sorted(present - set(shapes))
+    if extra:
+        raise LoadError(f"{weights.source}: tensors {extra[:5]} are not used by the {config.arch} graph "
+                        f"(config: {config.n_layers} layers, tied={config.tied_embeddings})")
+
+
+def checked_config(config: Any, check: Callable[[Any], None], source: str) -> Any:
+    """`config` after `check(config)`, a GraphError from it re-raised as a LoadError naming `source`."""
+    try:
+        check(config)
+    except GraphirError as e:
+        raise LoadError(f"{source}: {e}") from None
+    return config
+
+
+def gguf_key(md: Mapping[str, Any], arch: str, label: str) -> Callable[..., Any]:
+    """key(name, default=None): metadata `{arch}.{name}`; a missing key without a default names it."""
+
+    def key(name: str, default: Any = None) -> Any:
+        v = md.get(f"{arch}.{name}", default)
+        if v is None:
+            raise LoadError(f"{label}: missing metadata key {arch}.{name!r}")
+        return v
+
+    return key
+
+
+def rename_hf(config: Any, raw: Weights, names: NameMap, skipped: Callable[[str], bool],
+              convert: Callable[[str, Any], Any] = lambda ours, w: w) -> Weights:
+    """HF tensors renamed to our Params (through `convert`); a tied checkpoint's lm_head copy is dropped,
+    tensors `skipped` says the text graph never reads are left out, any other stranger is an error."""
+    out = Weights(source=raw.source)
+    for hf_name, w in raw.items():
+        ours = names.to_ours(hf_name)
+        if ours is None:
+            if skipped(hf_name):
+                continue
+            raise LoadError(f"{raw.source}: tensor {hf_name!r} has no place in the {config.arch} graph")
+        if ours == "output.weight" and config.tied_embeddings:
+            continue  # tied: the head is token_embd.weight; a saved lm_head copy is redundant
+        out.add(ours, convert(ours, w))
+    return out
