@@ -95,3 +95,7 @@ op("gated_delta_net_raw", 8,
    "gated_delta_net(q, k, v, g, beta, state) with the gates from raw projections: g = a_neg * softplus(alpha + "
    "dt_bias) (a_neg = -exp(A_log), llama.cpp's ssm_a), beta = sigmoid(b); returns (o, new_state)",
    {"scale": (float, REQUIRED)}, multi=True)((_gdn_raw_infer, _gdn_raw_ref))
+
+# Collectives (tensor parallel) live in their own module; importing it here registers them wherever the
+# op table is imported.
+import graphir.ops_collective  # noqa: E402,F401

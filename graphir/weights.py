@@ -41,7 +41,13 @@ class Weights(Mapping[str, Weight]):
         try:
             return self._items[name]
         except KeyError:
-            raise LoadError(f"{self.source}: missing tensor {name!r}") from None
+            pass
+        from graphir.tp import slice_weight  # a tensor-parallel slice `w@axis[a:b]`, derived on demand
+
+        w = slice_weight(self, name)
+        if w is None:
+            raise LoadError(f"{self.source}: missing tensor {name!r}")
+        return w
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
