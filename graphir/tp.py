@@ -143,8 +143,9 @@ def rank_graph(graph: Graph, rank: int) -> Graph:
         else:
             src = tuple(memo[id(s)] for s in n.src)
             memo[id(n)] = n if all(a is b for a, b in zip(src, n.src)) else n.replace(src=src)
+    mine = {k: v for k, v in specs.items() if k not in theirs}
     out = Graph({k: memo[id(v)] for k, v in graph.outputs.items()}, [memo[id(u)] for u in updates],
-                {**graph.meta, "tp": {**tp, "rank": rank, "states": {k: v for k, v in specs.items() if k not in theirs}}})
+                {**graph.meta, "tp": {**tp, "rank": rank, "states": mine}})
     leaked = sorted(n.name for n in out.states if n.name in theirs)
     if leaked:
         raise GraphError(f"rank_graph: rank {rank} reads other ranks' States {leaked}: a rank branch crosses ranks "

@@ -177,8 +177,17 @@ def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
 
 
 # Importing the pass modules registers them.
-from graphir.passes import cleanup, fuse_norm, fuse_rope, fuse_ssm, replay_lint, stack, swiglu, views  # noqa: E402,F401
-from graphir.passes import shard_tp  # noqa: E402,F401
+from graphir.passes import (  # noqa: E402,F401
+    cleanup,
+    fuse_norm,
+    fuse_rope,
+    fuse_ssm,
+    replay_lint,
+    shard_tp,
+    stack,
+    swiglu,
+    views,
+)
 
 __all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
            "default_pipeline", "pipelines"]
