@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from graphir import tp
 from graphir.backends.reference import lower
 from graphir.errors import GraphError
 from graphir.ir import Graph
@@ -270,6 +271,10 @@ def _graph_and_weights(model_or_graph: Any, weights: Weights | None, phase: str,
 def _run(program: Any, case: Case) -> tuple[dict, dict, dict]:
     state = {k: v.copy() for k, v in case.state.items()}  # each run writes its own copy
     trace: dict[int, Any] = {}
+    if "tp" in program.graph.meta:  # a sharded graph: rank-local States cut from, and written back to, the whole
+        local = tp.shard_state(program.graph, state)
+        outputs = program(case.inputs, local, trace=trace)
+        return outputs, tp.gather_state(program.graph, local, state), trace
     outputs = program(case.inputs, state, trace=trace)
     return outputs, state, trace
 
