@@ -94,11 +94,12 @@ def _state_specs(graph: Graph) -> dict[str, list]:
     tp = graph.meta.get("tp")
     if not tp:
         raise GraphError("graph is not sharded (no meta['tp']); run the shard-tp pass first")
-    return dict(tp["states"])  # local name -> [unsharded name, axis, index list, rank]
+    return dict(tp["states"])  # local name -> [unsharded name, axis, [[start, stop], ...], rank]
 
 
-def _take(buf: np.ndarray, axis: int, idx: Sequence[int]) -> tuple:
-    return (slice(None),) * axis + (np.asarray(idx, np.intp),)
+def _take(axis: int, spans: Sequence[Sequence[int]]) -> tuple:
+    """The index of a State's part: its [start, stop) spans along `axis`."""
+    return (slice(None),) * axis + (np.concatenate([np.arange(a, b) for a, b in spans]),)
 
 
 def shard_state(graph: Graph, full: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -108,8 +109,8 @@ def shard_state(graph: Graph, full: Mapping[str, np.ndarray]) -> dict[str, np.nd
     out: dict[str, np.ndarray] = {}
     for n in graph.states:
         if n.name in specs:
-            base, axis, idx, _ = specs[n.name]
-            out[n.name] = np.ascontiguousarray(full[base][_take(full[base], axis, idx)])
+            base, axis, spans, _ = specs[n.name]
+            out[n.name] = np.ascontiguousarray(full[base][_take(axis, spans)])
         else:
             out[n.name] = full[n.name]
     return out
@@ -118,8 +119,8 @@ def shard_state(graph: Graph, full: Mapping[str, np.ndarray]) -> dict[str, np.nd
 def gather_state(graph: Graph, local: Mapping[str, np.ndarray], full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Write rank-local State buffers back into the unsharded ones, in place; returns `full`.
     A slice held by several ranks (a replicated KV head) is written by each: they hold equal values."""
-    for name, (base, axis, idx, _) in _state_specs(graph).items():
-        full[base][_take(full[base], axis, idx)] = local[name]
+    for name, (base, axis, spans, _) in _state_specs(graph).items():
+        full[base][_take(axis, spans)] = local[name]
     return full
 
 

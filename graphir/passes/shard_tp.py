@@ -38,7 +38,7 @@ from graphir.passes import register_pass
 from graphir.passes import shard_tp_rules as R
 from graphir.passes.report import record_match, record_reject
 from graphir.passes.shard_tp_plan import seed_parts
-from graphir.tp import slice_name, state_name
+from graphir.tp import ranges, rank_graph, slice_name, state_name
 
 
 def _projection(n: Node) -> bool:
@@ -158,7 +158,7 @@ class _Builder:
     def __init__(self, n: int):
         self.n = n
         self.params: dict[str, Node] = {}
-        self.states: dict[str, list] = {}  # rank State name -> [unsharded name, axis, indices, rank]
+        self.states: dict[str, list] = {}  # rank State name -> [unsharded name, axis, [[start, stop], ...], rank]
 
     def param(self, w: Node, sel: R.Sel) -> Node:
         axis, idx = sel
@@ -168,13 +168,13 @@ class _Builder:
                               f"column {idx[0]} and end at {idx[-1] + 1}")
         name = slice_name(w.name, axis, idx)
         if name not in self.params:
-            self.params[name] = g.param(name, R._local_shape(w.shape, sel), w.dtype)
+            self.params[name] = g.param(name, R.local_shape(w.shape, sel), w.dtype)
         return self.params[name]
 
     def state(self, s: Node, sel: R.Sel, r: int) -> Node:
         name = state_name(s.name, r, self.n)
-        self.states[name] = [s.name, sel[0], list(sel[1]), r]
-        return g.state(name, R._local_shape(s.shape, sel), s.dtype)
+        self.states[name] = [s.name, sel[0], [list(span) for span in ranges(sel[1])], r]
+        return g.state(name, R.local_shape(s.shape, sel), s.dtype)
 
     def region(self, reg: Region, order: dict[int, int], shared: Callable[[Node], Node]) -> tuple[list[Node], dict]:
         """Rank nodes of every region node; returns (R's rank products, id(node) -> rank nodes)."""
@@ -293,6 +293,8 @@ def _rebuild(graph: Graph, n: int, regions: dict, members: set, gathered: set) -
 @dataclass(frozen=True)
 class ShardTP:
     n: int = 2  # ranks
+    rank: int = -1  # >= 0: only what that rank runs (graphir.tp.rank_graph), e.g. to dump it
 
     def __call__(self, graph: Graph) -> Graph:
-        return shard(graph, self.n)
+        sharded = shard(graph, self.n)
+        return sharded if self.rank < 0 or self.n == 1 else rank_graph(sharded, self.rank)

@@ -168,23 +168,23 @@ def local(n: Node, srcs: list[Node], sel: Sel, src_sels: list[Sel | None], name:
     """n as one rank computes it from its sources' parts `srcs` (held as `src_sels`)."""
     params = n.params.as_dict()
     if n.op == "reshape":
-        params["shape"] = _local_shape(n.shape, sel)
+        params["shape"] = local_shape(n.shape, sel)
     elif n.op == "view":
         params.update(_local_view(n, sel, src_sels[0]))
     out = make(n.op, *srcs, name=name, **params)
-    if n.types is None and out.shape != _local_shape(n.shape, sel):
+    if n.types is None and out.shape != local_shape(n.shape, sel):
         raise GraphError(f"shard-tp: rank node {out.describe()} of {n.describe()} is not the part {sel[0]}")
     return out
 
 
-def _local_shape(shape: tuple[int, ...], sel: Sel) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], sel: Sel) -> tuple[int, ...]:
     return shape[:sel[0]] + (len(sel[1]),) + shape[sel[0] + 1:]
 
 
 def _local_view(n: Node, sel: Sel, src_sel: Sel | None) -> dict:
     """Strides and offset of the same view over the rank's columns: they must stay an affine map."""
     held = {c: i for i, c in enumerate(src_sel[1])}
-    shape = _local_shape(n.shape, sel)
+    shape = local_shape(n.shape, sel)
     cols = [held[c] for c in _view_col_map(n, sel[0], sel[1])]
     offset = cols[0]
     strides = [len(held)]
