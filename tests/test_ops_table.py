@@ -23,6 +23,7 @@ for _mod in ("graphir.ops_fused", "graphir.passes"):
     except Exception as e:  # noqa: BLE001 - recorded here so the op checks below still run, then failed
         IMPORT_ERRORS[_mod] = repr(e)
 
+import test_collective_ops  # noqa: E402  (its @covers tests of the collective ops join OP_TESTS)
 import test_ops  # noqa: E402
 from test_ops import OP_TESTS  # noqa: E402  (after the imports that may register fused ops)
 
@@ -49,7 +50,7 @@ def test_registry_names_real_tests_of_real_ops():
     assert not unknown, f"@covers names ops that are not in the table: {unknown}"
     for op, names in OP_TESTS.items():
         for name in names:
-            fn = getattr(test_ops, name, None)
+            fn = getattr(test_ops, name, None) or getattr(test_collective_ops, name, None)
             assert name.startswith("test_") and callable(fn), f"{op}: {name} is not a collected test"
 
 
