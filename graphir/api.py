@@ -24,11 +24,12 @@ import numpy as np
 from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.errors import InputError, LoadError
-from graphir.generate import check_sampling, generate, make_sampler
+from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, registry
 from graphir.models.family import ModelConfig
 from graphir.models.hf_dir import TOKENIZER_FILE
+from graphir.ops import SAMPLING_FIELDS, sample_row
 from graphir.program import new_state
 from graphir.weights import Weights
 
@@ -52,9 +53,12 @@ class Model:
         self.programs = ProgramCache()
         self.stats: dict[str, float] = {"load_s": load_s}
         self._dtypes = {name: w.dtype for name, w in weights.items()}
-        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self._graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._state: dict[str, np.ndarray] | None = None
         self.n_past = 0  # KV rows written (the next token's position)
+        one = lambda: np.zeros(1, np.int32)  # noqa: E731
+        self._step_feeds = {"tokens": one(), "pos": one(), "kv_idx": one(), "kv_len": one(),
+                            SAMPLING_INPUT: np.zeros((1, len(SAMPLING_FIELDS)), np.float32)}
         self._clear_run_stats()
 
     # ---- graphs ----
@@ -63,10 +67,13 @@ class Model:
         """The forward graph this model runs (decode: n_tokens=1)."""
         return registry.family_of(self.config).build(self.config, phase, n_tokens, self._dtypes, last_only)
 
-    def _program(self, n: int, last_only: bool) -> Any:
-        key = (n, last_only and n > 1)
+    def _program(self, n: int, last_only: bool, sampler: bool = False) -> Any:
+        """The Program for n tokens; `sampler`: the graph samples its last logits row itself
+        (generate's decode step), returning one id instead of the logits."""
+        key = (n, last_only and n > 1, sampler)
         if key not in self._graphs:
-            self._graphs[key] = self.graph("decode" if n == 1 else "prefill", n, key[1])
+            graph = self.graph("decode" if n == 1 else "prefill", n, key[1])
+            self._graphs[key] = with_sampler(graph) if sampler else graph
         return self.programs.get_program(self._graphs[key], self.weights, self.backend, self.passes)
 
     # ---- running ----
@@ -84,9 +91,7 @@ class Model:
         if self.n_past + len(ids) > self.config.ctx:
             raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
-        if self._state is None:
-            backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
-            self._state = backend_state(self.graph("decode"))
+        self._ensure_state()
         out, start = [], 0
         for m in self.chunks(len(ids)):
             pos = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
@@ -125,24 +130,45 @@ class Model:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         self._check_fits(len(ids), int(max_new_tokens))
-        check_sampling(temperature, top_k, top_p)
-        sample = make_sampler(temperature, top_k, top_p, seed)
+        settings = Settings(temperature, top_k, top_p, seed)
         self.reset()
         self._clear_run_stats()
-        return generate(self._timed_prefill, self._timed_decode, ids.tolist(), int(max_new_tokens), sample,
-                        self.eos_ids, stop_at_eos)
+        return generate(lambda prompt: self._prefill_sample(prompt, settings),
+                        lambda token: self._decode_sample(token, settings),
+                        ids.tolist(), int(max_new_tokens), self.eos_ids, stop_at_eos)
 
-    def _timed_prefill(self, ids: list[int]) -> np.ndarray:
+    def _prefill_sample(self, ids: list[int], settings: Settings) -> int:
+        """Read the prompt; the first new id, sampled on the host from the last logits row (once per prompt)."""
         t0 = time.perf_counter()
         logits = self.feed(ids, last_only=True)[-1]
+        token = int(sample_row(logits, *settings.row().tolist()))
         self._add_stats("prefill", len(ids), t0)
-        return logits
+        return token
 
-    def _timed_decode(self, token: int) -> np.ndarray:
+    def _decode_sample(self, token: int, settings: Settings) -> int:
+        """One decode step that samples inside the graph: the step's Inputs (token, position, KV row,
+        KV length, sampling row) go in, one id comes out. On the gpu backend that is one small copy each
+        way around one captured-graph replay; nothing else runs on the host."""
         t0 = time.perf_counter()
-        logits = self.feed([token])[-1]
+        n = self.n_past
+        if n + 1 > self.config.ctx:
+            raise InputError(f"1 token after {n} exceeds the context of {self.config.ctx} "
+                             f"(load(..., ctx=N) to raise it)")
+        self._ensure_state()
+        feeds = self._step_feeds
+        feeds["tokens"][0] = token
+        feeds["pos"][0] = feeds["kv_idx"][0] = n
+        feeds["kv_len"][0] = n + 1
+        feeds[SAMPLING_INPUT][0] = settings.row()
+        out = self._program(1, False, sampler=True)(feeds, self._state)[TOKEN_OUTPUT]
+        self.n_past = n + 1
         self._add_stats("decode", 1, t0)
-        return logits
+        return int(out[0])
+
+    def _ensure_state(self) -> None:
+        if self._state is None:
+            backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
+            self._state = backend_state(self.graph("decode"))
 
     # ---- checks and stats ----
 
@@ -212,7 +238,7 @@ def check_pipeline(passes: str) -> None:
 
 def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, set[int], str]:
     """(config, weights, tokenizer, eos ids, source label) for a spec string."""
-    from graphir.models.default_model import smollm2_path
+    from graphir.models.default_model import NAMED_MODELS, named_model_path
     from graphir.models.tokenizer import Tokenizer
 
     if spec.startswith("random:"):
@@ -229,7 +255,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
             raise LoadError(f"{spec}: vocab {config.n_vocab} is smaller than the byte tokenizer's {tok.vocab_size}")
         config = loader.with_ctx(config, min(config.context_length, loader.DEFAULT_MAX_CTX))
         return config, weights, tok, tok.eos_ids, spec
-    path = smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
+    path = named_model_path(spec) if spec in NAMED_MODELS else Path(spec)
     if path.is_dir():
         config, weights, hf = loader.load_hf(path)
         tok_file = path / TOKENIZER_FILE
@@ -241,8 +267,10 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
             raise LoadError(f"{path}: not a .gguf file or a model directory")
         config, weights, f = loader.load_gguf(path)
         tok = Tokenizer.from_gguf(f.metadata, source=f.label)
+        tok.chat_template = tok.chat_template or registry.family_of(config).default_chat_template
         return config, weights, tok, tok.eos_ids, str(path)
-    raise LoadError(f"{spec}: no such file or directory, and not '{DEFAULT_MODEL}' or 'random:<preset>' "
+    raise LoadError(f"{spec}: no such file or directory, and not a named model ({', '.join(NAMED_MODELS)}) "
+                    f"or 'random:<preset>' "
                     f"(presets: {', '.join(presets.PRESETS)})")
 
 

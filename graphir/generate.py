@@ -1,8 +1,12 @@
-"""Model-agnostic generation: sampling from logits and the prefill-then-decode loop.
+"""Model-agnostic generation: sampling settings, the device-side sampling head, and the
+prefill-then-decode loop.
 
-Sampling order (as llama.cpp's default chain): top-k, then temperature, softmax, then top-p
-(keep the smallest set of most likely tokens whose probability reaches p), then draw.
-temperature 0 or top_k 1 is greedy: the first index of the largest logit.
+What a draw means is defined once, by the `sample` op (graphir.ops.sample_row): top-k, then
+temperature and softmax, then top-p, then a draw in token-id order with a uniform number u.
+`make_sampler` applies it to host logits; `with_sampler` appends it to a graph so a backend
+samples on its own device and returns one id per step instead of the logits. Both take u from
+one seeded numpy Generator, one number per token, so a seed gives the same draws on every backend
+(up to float rounding at the edges of the kept set).
 """
 
 from __future__ import annotations
@@ -11,9 +15,14 @@ from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 
-from graphir.errors import InputError
+from graphir.builder import Builder
+from graphir.errors import GraphError, InputError
+from graphir.ir import Graph
+from graphir.ops import SAMPLING_FIELDS, sample_row
 
 Sampler = Callable[[np.ndarray], int]
+SAMPLING_INPUT = "sampling"  # the Input that carries (temperature, top_k, top_p, u) per row
+TOKEN_OUTPUT = "token"
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -25,42 +34,58 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise InputError(f"top_p must be in (0, 1], got {top_p}")
 
 
+class Settings:
+    """Checked sampling settings and their random stream: `row()` is the next draw's settings row."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+        check_sampling(temperature, top_k, top_p)
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def row(self) -> np.ndarray:
+        """(temperature, top_k, top_p, u) as f32 [len(SAMPLING_FIELDS)]; draws u (greedy draws none)."""
+        u = 0.0 if self.greedy else self.rng.random()
+        # u just below 1 must stay below 1 in f32, or the draw could fall past the kept mass
+        return np.array([self.temperature, self.top_k, self.top_p, min(u, 1.0 - 2.0 ** -24)], np.float32)
+
+
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Sampler:
-    """logits [vocab] -> token id. `seed` makes draws reproducible (a fresh numpy Generator per sampler)."""
-    check_sampling(temperature, top_k, top_p)
-    rng = np.random.default_rng(seed)
+    """logits [vocab] -> token id, on the host. `seed` makes draws reproducible."""
+    settings = Settings(temperature, top_k, top_p, seed)
 
     def sample(logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if temperature == 0.0 or top_k == 1:
-            return int(np.argmax(logits))
-        order = np.argsort(-logits, kind="stable")  # most likely first, lower id first on ties
-        if top_k:
-            order = order[:top_k]
-        z = logits[order] / temperature
-        p = np.exp(z - z[0])
-        p /= p.sum()
-        if top_p < 1.0:
-            # keep tokens while the mass before them is below top_p (the first is always kept)
-            keep = int(np.searchsorted(np.cumsum(p), top_p, side="left")) + 1
-            order, p = order[:keep], p[:keep] / p[:keep].sum()
-        return int(order[rng.choice(len(p), p=p)])
+        t, k, p, u = settings.row().tolist()
+        return sample_row(logits, t, int(k), p, u)
 
     return sample
 
 
-def generate(prefill: Callable[[list[int]], np.ndarray], decode: Callable[[int], np.ndarray],
-             prompt_ids: list[int], max_new_tokens: int, sample: Sampler,
-             eos_ids: Collection[int] = (), stop_at_eos: bool = True) -> Iterator[int]:
-    """Yield up to max_new_tokens ids. `prefill(ids)` returns the last position's logits;
-    `decode(id)` feeds one token and returns the next logits. An EOS id ends the loop unyielded."""
+def with_sampler(graph: Graph) -> Graph:
+    """`graph` with its logits sampled inside the graph: one more Input ("sampling", f32 [rows, 4])
+    and one output ("token", i32 [rows]) in place of the logits, so a step returns ids, not logits."""
+    logits = graph.outputs.get("logits")
+    if logits is None or len(graph.outputs) != 1:
+        raise GraphError(f"with_sampler: the graph must have exactly one output 'logits', has {sorted(graph.outputs)}")
+    g = Builder()
+    settings = g.input(SAMPLING_INPUT, logits.shape[:-1] + (len(SAMPLING_FIELDS),), "f32")
+    token = g.sample(logits, settings, name="sampled_token")
+    return Graph({TOKEN_OUTPUT: token}, graph.updates, {**graph.meta, "sampler": True})
+
+
+def generate(prefill: Callable[[list[int]], int], step: Callable[[int], int], prompt_ids: list[int],
+             max_new_tokens: int, eos_ids: Collection[int] = (), stop_at_eos: bool = True) -> Iterator[int]:
+    """Yield up to max_new_tokens ids. `prefill(ids)` reads the prompt and returns the first new id;
+    `step(id)` feeds one id and returns the next. An EOS id ends the loop unyielded."""
     if max_new_tokens <= 0:
         return
-    logits = prefill(list(prompt_ids))
+    token = prefill(list(prompt_ids))
     for i in range(max_new_tokens):
-        token = sample(logits)
         if stop_at_eos and token in eos_ids:
             return
         yield token
         if i + 1 < max_new_tokens:
-            logits = decode(token)
+            token = step(token)

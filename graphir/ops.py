@@ -204,6 +204,56 @@ op("top_k", 1, "indices of the k largest values along the last axis, largest fir
     (_top_k_infer, _top_k_ref))
 
 
+# Sampling settings travel as one f32 Input row per sampled row, so a captured decode graph samples
+# with whatever settings and random number the caller writes before each replay.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "u")
+
+
+def _sample_infer(ts: list[Type], p: dict) -> Type:
+    (sx, dx), (ss, ds) = ts
+    need_float((sx, dx), "logits")
+    need(ds == "f32", f"sampling settings must be f32, got {ds}")
+    need(ss == sx[:-1] + (len(SAMPLING_FIELDS),),
+         f"sampling settings {list(ss)} must be {list(sx[:-1]) + [len(SAMPLING_FIELDS)]}: one row "
+         f"({', '.join(SAMPLING_FIELDS)}) per logits row")
+    return sx[:-1], "i32"
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """One draw from `logits` [vocab]. The kept set follows llama.cpp's default chain: top-k (0: off),
+    then softmax at `temperature`, then top-p (the smallest most-likely-first set whose mass reaches
+    p; ties in logit value are ordered by lower id first). temperature <= 0 or top_k 1 is greedy:
+    the first index of the largest logit. The draw walks the kept tokens in id order and returns the
+    first whose cumulative probability exceeds `u` in [0, 1): any fixed order gives the same
+    distribution, and id order is the one a GPU block can scan without sorting."""
+    x = np.asarray(logits, np.float64).reshape(-1)
+    k = int(top_k)
+    if temperature <= 0.0 or k == 1:
+        return int(np.argmax(x))
+    order = np.argsort(-x, kind="stable")
+    if 0 < k < x.size:
+        order = order[:k]
+    w = np.exp((x[order] - x[order[0]]) / temperature)
+    if top_p < 1.0:
+        before = np.cumsum(w) - w
+        keep = before < top_p * w.sum()
+        order, w = order[keep], w[keep]
+    by_id = np.argsort(order)
+    ids, cum = order[by_id], np.cumsum(w[by_id])
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)])
+
+
+def _sample_ref(x: np.ndarray, settings: np.ndarray) -> np.ndarray:
+    rows = x.reshape(-1, x.shape[-1])
+    sets = settings.reshape(-1, len(SAMPLING_FIELDS))
+    out = [sample_row(r, float(s[0]), int(s[1]), float(s[2]), float(s[3])) for r, s in zip(rows, sets, strict=True)]
+    return np.asarray(out, np.int32).reshape(x.shape[:-1])
+
+
+op("sample", 2, "one token id per row of logits, drawn with the row's (temperature, top_k, top_p, u) settings")(
+    (_sample_infer, _sample_ref))
+
+
 # ---------------------------------------------------------------- matrix ops
 def _mul_mat_infer(ts: list[Type], p: dict) -> Type:
     (sw, dw), (sx, dx) = ts

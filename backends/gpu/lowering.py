@@ -59,6 +59,9 @@ def _swiglu_split(lw, n, ins, outs, p):
 
 
 # ---------------------------------------------------------------- norms and row reductions
+SAMPLE_THREADS = 1024  # sample.cu: one block per row, each thread one contiguous segment of it
+
+
 def _rows(x: Any) -> tuple[int, int]:
     ncols = x.shape[-1] if x.ndim else 1
     return (x.size // ncols if ncols else 0), ncols
@@ -118,6 +121,12 @@ def _top_k(lw, n, ins, outs, p):
     x, y = dev(ins[0]), outs[0]
     rows, ncols = _rows(x)
     return [Launch("reduce.cu", "top_k_f32", rows, row_block(ncols), (x, y, i32(ncols), i32(p["k"])))]
+
+
+def _sample(lw, n, ins, outs, p):
+    x, settings, y = dev(ins[0]), ins[1], outs[0]
+    rows, ncols = _rows(x)
+    return [Launch("sample.cu", "sample_f32", rows, SAMPLE_THREADS, (x, settings, y, i32(ncols)))]
 
 
 def _softmax(lw, n, ins, outs, p):
@@ -219,6 +228,7 @@ RULES: dict[str, Callable] = {
     "mean": _reduce_rows(True),
     "argmax": _argmax,
     "top_k": _top_k,
+    "sample": _sample,
     "softmax": _softmax,
     "rope": _rope,
     "rope_set_rows": _rope_set_rows,

@@ -3,16 +3,19 @@
 lower():  verify -> fold Param-only subgraphs -> plan the arena by liveness (views that are not
 contiguous get slots of their own) -> bind every node to its launches, all arguments fixed.
 
-A call copies the Inputs into their persistent device buffers with one host-to-device copy,
-clears the error flag, runs the launches and returns the outputs (numpy, or CuPy arrays with
-`device=True`). Nothing is allocated, compiled or looked up per call, and no launch argument
-depends on an Input's value: the same launches replay at every position.
+A call writes the Inputs into one pinned host buffer; then, in stream order: one host-to-device
+copy of that buffer into the persistent Input buffers, the error flag cleared, the launches, and
+the flag copied back into pinned host memory; then each output is copied into its own pinned host
+buffer (or copied on the device with `device=True`) and the host waits once. Nothing is allocated,
+compiled or looked up per call, and no launch argument depends on an Input's value: the same
+launches replay at every position.
 
 Capture: a Program whose steps are all the project's own kernels (no cuBLAS step; decode and
 verify shapes) is captured into a CUDA graph on its second call, after a first call has loaded
-every kernel, and replayed from then on: one graph launch instead of a Python launch per kernel
-(8.4 us each from Python, 0.9 us replayed, measured on an H200). New State buffers (a rebind)
-drop the graph; the next call captures again. GRAPHIR_NO_CAPTURE=1 turns capture off.
+every kernel, and replayed from then on: one graph launch, Input copy and flag read-back included,
+instead of a Python launch per kernel (8.4 us each from Python, 0.9 us replayed, measured on an
+H200). New State buffers (a rebind) drop the graph; the next call captures again.
+GRAPHIR_NO_CAPTURE=1 turns capture off.
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ from .layout import view_layout, views_to_copy
 from .lowering import lower_node
 
 INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
+H2D, D2H = 1, 2  # cudaMemcpyKind (the same values on HIP)
+
+
+def pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A numpy array in page-locked host memory: the device copies to and from it asynchronously,
+    and a captured graph may copy from it (pageable memory it may not)."""
+    dt = np.dtype(dtype)
+    nbytes = max(int(np.prod(shape)) * dt.itemsize, 1)
+    mem = cupy().cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(mem, np.uint8, nbytes)[:int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
 
 
 class GpuProgram:
@@ -55,6 +68,8 @@ class GpuProgram:
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
         self._init_inputs()
+        self._flag_host = pinned((2,), np.int32)  # the error flag, read back once per call
+        self._outputs_host: dict[str, np.ndarray] = {}
         self.lw = Lowering(self.weights)  # replaced by each _bind: its scratch belongs to one binding
         self._bound_state: tuple[int, ...] | None = None
         self._checked_state: tuple[int, ...] | None = None
@@ -79,8 +94,7 @@ class GpuProgram:
             at += -(-max(numpy_dtype(n.dtype).itemsize * n.numel, 1) // INPUT_ALIGN) * INPUT_ALIGN
         self._input_bytes = max(at, INPUT_ALIGN)
         self._input_dev = cp.empty(self._input_bytes, np.uint8)
-        self._input_pinned = cp.cuda.alloc_pinned_memory(self._input_bytes)  # async-copyable host memory
-        host = self._input_host_bytes = np.frombuffer(self._input_pinned, np.uint8, self._input_bytes)
+        host = self._input_host_bytes = pinned((self._input_bytes,), np.uint8)
         self.input_host: dict[str, np.ndarray] = {}
         self.input_buffers: dict[str, Any] = {}
         for n in self.graph.inputs:
@@ -135,7 +149,11 @@ class GpuProgram:
                 steps += lower_node(self.lw, n, ins, outs)
                 env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
         self._steps = steps
-        self._outputs = {name: env[id(n)] for name, n in self.graph.outputs.items()}
+        self._outputs = {name: dev(env[id(n)]) for name, n in self.graph.outputs.items()}
+        self._outputs_host = {name: pinned(v.shape, v.dtype) for name, v in self._outputs.items()}
+        for name, v in self._outputs.items():
+            if not v.flags.c_contiguous:  # every output is an arena slot or a State: contiguous by plan
+                raise BackendError(f"gpu backend: output {name!r} is not contiguous in device memory")
         self._graph_exec = None  # captured against the old buffers: capture again
         self._calls_since_bind = 0
 
@@ -152,15 +170,21 @@ class GpuProgram:
         s = stream()
         s.begin_capture()
         try:
-            self._run_steps()
+            self._run_steps(s)
         finally:
             graph = s.end_capture()
         self._graph_exec = graph
 
-    def _run_steps(self) -> None:
-        self.lw.errflag.fill(0)
+    def _run_steps(self, s: Any) -> None:
+        """Inputs in, flag cleared, the launches, flag out: everything a call does between writing the
+        pinned Inputs and reading the pinned outputs, and exactly what a capture records."""
+        rt = cupy().cuda.runtime
+        rt.memcpyAsync(self._input_dev.data.ptr, self._input_host_bytes.ctypes.data, self._input_bytes, H2D, s.ptr)
+        flag = self.lw.errflag
+        rt.memsetAsync(flag.data.ptr, 0, flag.nbytes, s.ptr)
         for step in self._steps:
             step()
+        rt.memcpyAsync(self._flag_host.ctypes.data, flag.data.ptr, flag.nbytes, D2H, s.ptr)
 
     # ---------------------------------------------------------------- running
     def _device_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, np.ndarray]]]:
@@ -199,7 +223,6 @@ class GpuProgram:
                 self._bound_state = key
             for name, arr in feeds.items():
                 self.input_host[name][...] = arr
-            self._input_dev.set(self._input_host_bytes, stream=s)  # one host-to-device copy for all Inputs
             self._calls_since_bind += 1
             if self._graph_exec is None and self._calls_since_bind == 2 and self.capturable \
                     and not flags.enabled("GRAPHIR_NO_CAPTURE"):
@@ -207,18 +230,24 @@ class GpuProgram:
             if self._graph_exec is not None:
                 self._graph_exec.launch(s)
             else:
-                self._run_steps()
+                self._run_steps(s)
             if device:
-                outs = {name: dev(v).copy() for name, v in self._outputs.items()}
+                outs = {name: v.copy() for name, v in self._outputs.items()}
             else:
-                outs = {name: dev(v).get() for name, v in self._outputs.items()}
+                rt = cupy().cuda.runtime
+                for name, v in self._outputs.items():
+                    h = self._outputs_host[name]
+                    rt.memcpyAsync(h.ctypes.data, v.data.ptr, v.nbytes, D2H, s.ptr)
+            s.synchronize()
             self._raise_if_flagged()
+            if not device:
+                outs = {name: h.copy() for name, h in self._outputs_host.items()}
             for m, buf in back:
                 m.get(out=buf)
         return outs
 
     def _raise_if_flagged(self) -> None:
-        code, value = (int(v) for v in self.lw.errflag.get())
+        code, value = (int(v) for v in self._flag_host)
         if code:
             n = self._code_node[code]
             msg = self.lw.messages.get(code, "bad run-time value {value}").format(value=value)
