@@ -204,15 +204,22 @@ class Model:
 
 
 def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dtype: str | None = None,
-         ctx: int | None = None, passes: str = "default") -> Model:
+         ctx: int | None = None, passes: str = "default", threads: int | None = None) -> Model:
     """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
     "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
     `backend` "auto" is gpu when CuPy sees a device, else cpu; `passes` is the pipeline applied before
     lowering ("" for none). These are `graphir run`'s defaults too.
     `dtype` None keeps the file's weight types; "f32" (or f16, bf16, q8_0, ...) converts them.
     `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX).
+    `threads` fixes the cpu backend's kernel threads (1..numba's pool; per process, as numba's pool is);
+    None leaves them as they are: auto unless set, i.e. the whole pool while the machine is quiet and
+    one thread fewer per core other programs keep busy (graphir/backends/cpu/threads.py).
     A model from an HF directory without tokenizer.json loads with `tokenizer` None."""
     t0 = time.perf_counter()
+    if threads is not None:
+        from graphir.backends.cpu.threads import set_threads
+
+        set_threads(threads)  # a bad count fails before any file is read
     backend = resolve_backend(backend)  # "auto": gpu when CuPy sees a device, else cpu
     get_backend(backend)  # an unknown or unavailable backend fails before any file is read
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call

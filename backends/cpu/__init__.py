@@ -17,5 +17,6 @@ if __name__ != "graphir.backends.cpu":
 else:
     from . import compile_note  # noqa: F401  (registers the first-run note before any kernel compiles)
     from .program import CpuProgram, lower
+    from .threads import get_threads, set_threads
 
-    __all__ = ["lower", "CpuProgram"]
+    __all__ = ["lower", "CpuProgram", "set_threads", "get_threads"]

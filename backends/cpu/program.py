@@ -24,10 +24,11 @@ from graphir.verify import verify
 from graphir.weights import Weights
 
 from . import lowering_rules as rules
+from . import threads
 
 
 class CpuProgram:
-    def __init__(self, graph: Graph, weights: Weights | None, threads: int | None = None):
+    def __init__(self, graph: Graph, weights: Weights | None):
         t0 = time.perf_counter()
         self.graph = verify(graph)
         self.weights = weights if weights is not None else Weights()
@@ -87,6 +88,7 @@ class CpuProgram:
     def __call__(self, inputs: Mapping[str, np.ndarray], state: dict[str, np.ndarray] | None = None
                  ) -> dict[str, np.ndarray]:
         feeds = check_inputs(self.graph, inputs)
+        threads.apply()  # auto: fewer threads while other programs keep cores busy (threads.py)
         state = state if state is not None else {}
         key = tuple(id(state.get(n.name)) for n in self.graph.states)
         if key != self._bound_state:  # new buffers: check them once, then bind kernels to them

@@ -1,0 +1,130 @@
+"""How many threads the CPU kernels use: a fixed count, or (the default) as many as other programs leave free.
+
+A parallel kernel splits its work evenly and waits for every thread at its end, so one thread
+on a core that another program keeps busy makes every kernel wait for the scheduler. Measured
+on a 2-core machine, SmolLM2 Q4_1 decode (tok/s, 1 thread / 2 threads):
+
+    quiet (benchmark at real-time priority)          80 / 133
+    a compile or test run on the machine             46-59 / 15-19
+
+So `auto` uses numba's whole pool while the machine is quiet, and one thread fewer for each
+core that other processes keep busy. It reads /proc/stat (the busy time of the CPUs this
+process may run on) at most every WINDOW_S, at the start of a Program call, and subtracts this
+process's own CPU time; where /proc/stat cannot be read it keeps the whole pool.
+
+The count is per process (numba has one pool): `set_threads(n)` fixes it, `set_threads(None)`
+returns to auto. numba's count is per calling thread, so `apply()` sets it on the thread that
+runs each Program.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+
+import numba
+
+from graphir.errors import InputError
+
+from .matmul import _num_threads
+
+WINDOW_S = 0.25  # how often auto looks at the machine: long enough for 100 Hz jiffies to mean something
+BUSY_CORES = 0.25  # others' use above this many cores counts a core as taken (background noise stays under)
+
+_fixed: int | None = None  # set_threads(n); None: auto
+
+
+def pool_size() -> int:
+    """numba's thread pool (NUMBA_NUM_THREADS, default the CPU count): the most threads a kernel can use."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def set_threads(n: int | None) -> None:
+    """Fix the kernels' thread count at n (1..pool_size()), or None for auto (the default)."""
+    global _fixed
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"threads must be an int >= 1 or None (auto), got {n!r}")
+        if n > pool_size():
+            raise InputError(f"threads={n} exceeds numba's pool of {pool_size()} threads "
+                             f"(set NUMBA_NUM_THREADS={n} before numba is imported to allow more)")
+    _fixed = n
+
+
+def get_threads() -> int | None:
+    """The fixed thread count, or None when auto."""
+    return _fixed
+
+
+def _read_proc_stat(cpus: frozenset[int]) -> tuple[int, int] | None:
+    """(busy, total) jiffies summed over `cpus`, or None where /proc/stat is unreadable."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines[1:]:
+        if not line.startswith(b"cpu"):
+            break
+        fields = line.split()
+        if int(fields[0][3:]) in cpus:
+            v = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            total += sum(v)
+            busy += sum(v) - v[3] - v[4]
+    return busy, total
+
+
+class LoadWatch:
+    """auto's decision: the pool, less one thread per core that other processes keep busy.
+
+    `stat` returns (busy, total) jiffies of our CPUs (None: unknown), `own_cpu` this process's
+    CPU seconds, `clock` seconds; all three are parameters so tests can drive a machine's load.
+    """
+
+    def __init__(self, cap: int, cpus: int, stat: Callable[[], tuple[int, int] | None],
+                 own_cpu: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
+                 hz: int = 100):
+        self.cap, self.cpus, self.stat, self.own_cpu, self.clock, self.hz = cap, cpus, stat, own_cpu, clock, hz
+        self.threads = cap
+        self.others = 0.0  # cores other processes used over the last window
+        self._t = clock()
+        self._sample = (stat(), own_cpu())
+
+    def current(self) -> int:
+        t = self.clock()
+        if t - self._t < WINDOW_S:
+            return self.threads
+        stat, own = self.stat(), self.own_cpu()
+        (prev_stat, prev_own), self._sample = self._sample, (stat, own)
+        if stat is None or prev_stat is None:
+            return self.threads
+        elapsed, self._t = t - self._t, t
+        busy_s = (stat[0] - prev_stat[0]) / self.hz
+        self.others = max(0.0, busy_s - (own - prev_own)) / elapsed
+        taken = 0 if self.others < BUSY_CORES else math.ceil(self.others - BUSY_CORES)
+        self.threads = max(1, min(self.cap, self.cpus - taken))
+        return self.threads
+
+
+def _default_watch() -> LoadWatch:
+    cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return LoadWatch(pool_size(), len(cpus), lambda: _read_proc_stat(cpus), hz=hz)
+
+
+WATCH = _default_watch()  # sampled from import on, so the first Program call already has a window behind it
+
+
+def threads_now() -> int:
+    """The thread count the next kernel should use."""
+    return _fixed if _fixed is not None else WATCH.current()
+
+
+def apply() -> None:
+    """Set numba's thread count for this calling thread to threads_now() (a Program calls this first)."""
+    n = threads_now()
+    if n != _num_threads():
+        numba.set_num_threads(n)
