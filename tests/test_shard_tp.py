@@ -122,7 +122,7 @@ def test_a_region_that_cannot_be_cut_is_left_whole_with_its_reason():
     assert_same_math(model, graph, 3, "reference")
     text = coverage(graph, "shard-tp{n=3}").text(max_sites=100)
     assert "read shared heads [0, 1] in unequal groups" in text  # rank 1 holds q heads 2, 3, 4
-    assert "output rows split + all_gather" in text
+    assert "blk.0.attn_q.weight rows split + all_gather" in text
 
 
 def test_coverage_and_structure(tiny):

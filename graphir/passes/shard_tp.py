@@ -247,11 +247,11 @@ def _report(graph: Graph, regions: dict, members: set, gathered: set, why: dict,
         if id(m) in regions:
             record_match(m, f"row-parallel + all_reduce over {n} ranks ({regions[id(m)].note})")
         elif id(m) in members:
-            record_match(m, "column-parallel (output rows split)")
+            record_match(m, f"column-parallel ({m.src[0].name} rows split)")
         elif id(m) in gathered:
-            record_match(m, f"output rows split + all_gather ({why.get(id(m), '')})")
+            record_match(m, f"{m.src[0].name} rows split + all_gather ({why.get(id(m), '')})")
         else:
-            record_reject(m, f"fewer than {n} output rows; left whole")
+            record_reject(m, f"{m.src[0].name}: fewer than {n} output rows; left whole")
 
 
 def _rebuild(graph: Graph, n: int, regions: dict, members: set, gathered: set) -> Graph:
