@@ -112,3 +112,18 @@ def test_load_sets_threads_and_checks_them_before_reading_files():
         assert T.get_threads() == 1
     finally:
         T.set_threads(None)
+
+
+def test_cli_threads_option():
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    try:
+        r = CliRunner().invoke(main, ["run", "random:llama-tiny", "--backend", "cpu", "-n", "2", "--threads", "1"])
+        assert r.exit_code == 0, r.output
+        assert T.get_threads() == 1
+    finally:
+        T.set_threads(None)
+    r = CliRunner().invoke(main, ["run", "random:llama-tiny", "--threads", "0"])
+    assert r.exit_code == 2 and "--threads" in r.output
