@@ -249,8 +249,11 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
 @click.option("--ctx", type=click.IntRange(min=1), default=None,
               help=f"KV-cache capacity in tokens, prompt included  [default: the model's context, at most "
                    f"{DEFAULT_MAX_CTX}]")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
+                   "one fewer per core other programs keep busy]")
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-            backend: str | None, pipeline: str, ctx: int | None) -> None:
+            backend: str | None, pipeline: str, ctx: int | None, threads: int | None) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
@@ -264,7 +267,7 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     api = _api(model)
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
-    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx)
+    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, threads=threads)
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
@@ -452,8 +455,11 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--no-llama-cpp", is_flag=True, help="skip the same-run llama-cpp-python comparison")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers (and machine, date, command) to this JSON file")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
+                   "one fewer per core other programs keep busy]")
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
-              no_llama_cpp: bool, json_path: str | None) -> None:
+              no_llama_cpp: bool, json_path: str | None, threads: int | None) -> None:
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
@@ -467,6 +473,10 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     from graphir.bench import bench, render
 
     backend = _checked_backend(backend)
+    if threads is not None:  # per process, like numba's pool: bench's own load() then runs with it
+        from graphir.backends.cpu.threads import set_threads
+
+        set_threads(threads)
     click.echo(f"benchmarking {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     try:
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
@@ -475,7 +485,8 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
                           "--prefill", str(prefill), "--prompt", str(prompt), "--decode", str(decode),
-                          "--repeats", str(repeats)] + (["--no-llama-cpp"] if no_llama_cpp else []))
+                          "--repeats", str(repeats)] + (["--no-llama-cpp"] if no_llama_cpp else [])
+                         + (["--threads", str(threads)] if threads is not None else []))
     result["command"] = command
     render(result, command, file=sys.stdout)
     if json_path:
