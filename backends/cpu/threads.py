@@ -110,7 +110,8 @@ class LoadWatch:
 
 
 def _default_watch() -> LoadWatch:
-    cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+    has_affinity = hasattr(os, "sched_getaffinity")  # Linux; elsewhere /proc/stat is absent anyway
+    cpus = frozenset(os.sched_getaffinity(0) if has_affinity else range(os.cpu_count() or 1))
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     return LoadWatch(pool_size(), len(cpus), lambda: _read_proc_stat(cpus), hz=hz)
 
