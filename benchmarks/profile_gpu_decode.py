@@ -1,10 +1,11 @@
-"""Where a GPU decode token's time goes: the whole Model.feed step, the Program call alone, and the
-captured CUDA graph alone.
+"""Where a GPU decode token's time goes: the whole decode step generate() runs (which samples on the
+device), the Program call alone, and the captured CUDA graph alone.
 
     python benchmarks/profile_gpu_decode.py [MODEL] [--prompt 128] [--tokens 200]
 
-(graph alone) is what the GPU needs per token; (Program call) adds the Input copy, the output copy
-to the host and the error-flag read; (Model.feed) adds the model's Python around it. The gaps are
+(graph alone) is what the GPU needs per token, Input copy and error-flag read included; (Program
+call) adds writing the pinned Inputs, the id's copy back and the wait; (decode step) adds the
+model's Python around it. The gaps are
 host time per token, which the replay issue brings down.
 """
 
@@ -31,19 +32,23 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--kernels", type=int, default=12, help="show the N kernels with the most device time")
     args = ap.parse_args()
     from graphir.backends.gpu.device import stream
 
+    from graphir.generate import Settings
+
     model = graphir.load(args.model, backend="gpu", passes="default")
+    settings = Settings()  # greedy: the step returns the argmax id
     model.feed(np.arange(args.prompt) % 200 + 1, last_only=True)
-    model.feed([1])
-    model.feed([2])  # the decode Program is captured on its second call
-    program = model._program(1, False)
+    model._decode_sample(1, settings)
+    model._decode_sample(2, settings)  # the decode Program is captured on its second call
+    program = model._program(1, False, sampler=True)
     assert program.captured, "decode Program not captured"
-    feed_us = per_call_us(lambda: model.feed([3]), args.tokens)
+    feed_us = per_call_us(lambda: model._decode_sample(3, settings), args.tokens)
     n = model.n_past
     feeds = {"tokens": np.array([3], np.int32), "pos": np.array([n], np.int32), "kv_idx": np.array([n], np.int32),
-             "kv_len": np.array([n + 1], np.int32)}
+             "kv_len": np.array([n + 1], np.int32), "sampling": settings.row()[None]}
     call_us = per_call_us(lambda: program(feeds, model._state), args.tokens)
     s = stream()
 
@@ -55,10 +60,46 @@ def main() -> None:
     steps = len(program._steps)
     print(f"model {args.model}: decode step = {steps} kernels, captured; context {n}")
     print(f"{'what':<34} {'us/token':>9}")
-    for what, us in (("Model.feed (whole step)", feed_us), ("Program call", call_us),
+    for what, us in (("Model decode step (whole step)", feed_us), ("Program call", call_us),
                      ("captured graph alone (launch+sync)", graph_us)):
         print(f"{what:<34} {us:9.1f}")
     print(f"graph time per kernel: {graph_us / steps:.2f} us; host time per token: {feed_us - graph_us:.1f} us")
+
+    if args.kernels:
+        kernel_table(program, args.kernels)
+
+
+def kernel_table(program, top: int) -> None:
+    """Device time per kernel name: each step of the decode Program captured alone, 20 times in a row,
+    into a CUDA graph and replayed (so Python launch cost is out; each kernel still pays its own
+    launch-to-launch gap, as in the whole step's graph)."""
+    import cupy as cp
+
+    from graphir.backends.gpu.device import stream
+
+    s = stream()
+    reps = 20
+    per: dict[str, list[float]] = {}
+    with s:
+        for step in program._steps:
+            step()  # loaded and warm
+            s.begin_capture()
+            for _ in range(reps):
+                step()
+            graph = s.end_capture()
+            graph.launch(s)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(s)
+            graph.launch(s)
+            stop.record(s)
+            stop.synchronize()
+            name = getattr(step, "name", type(step).__name__)
+            per.setdefault(name, []).append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps)
+    total = sum(sum(v) for v in per.values())
+    print(f"{'kernel':<34} {'calls':>5} {'us/call':>8} {'us/step':>8} {'share':>6}")
+    for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{name:<34} {len(v):5d} {sum(v) / len(v):8.2f} {sum(v):8.1f} {100 * sum(v) / total:5.1f}%")
+    print(f"{'sum of kernels, each replayed alone':<34} {sum(len(v) for v in per.values()):5d} {'':>8} {total:8.1f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ What is measured (time.perf_counter, one process, in this order):
   prefill_tok_s_*         prefill_tokens fed at once from an empty cache (warm), best and median of repeats
   decode_tok_s_*          decode_tokens greedy tokens after a prompt of prompt_tokens (warm, EOS ignored),
                           counted from the first sampled token to the last, sampling included
+  prefill_long_tok_s_*    the same at long_prefill_tokens (gpu default 4096), when asked for and the context fits
+  decode_step_device_s    gpu: device time of one captured decode step (its graph replayed alone, CUDA events)
+  host_us_per_token       gpu: best decode time per token minus decode_step_device_s: what Python and the
+                          two small copies add per token, since the host waits for every token's id
+  ttft_new_process_s      a new Python process: import, load, and the first token of the prompt, with the
+                          kernel caches this run filled (what a second `graphir run` waits for)
+  ttft_cold_process_s     the same with empty kernel caches (CUPY_CACHE_DIR and NUMBA_CACHE_DIR fresh):
+                          what the very first run after install waits for
   peak_rss_bytes          getrusage's ru_maxrss so far (the whole process: Python, numba, the model)
   arena_bytes             sum of the arenas of the model's lowered Programs (CPU backend)
   weight_bytes            bytes of weights one decode token reads: every weight once (a tied embedding
@@ -205,9 +213,59 @@ def _prefill_s(model: Model, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+def _decode_step_device_s(model: Model) -> float:
+    """Device seconds of one decode step: the captured graph of generate()'s step replayed alone."""
+    import cupy as cp
+
+    from graphir.backends.gpu.device import stream
+
+    program = model._program(1, False, sampler=True)
+    if not program.captured:
+        return float("nan")
+    s = stream()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    best = float("inf")
+    for _ in range(3):
+        start.record(s)
+        for _ in range(20):
+            program._graph_exec.launch(s)
+        stop.record(s)
+        stop.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / 20)
+    return best
+
+
+NEW_PROCESS = """
+import sys, time
+t0 = time.perf_counter()
+import graphir
+m = graphir.load(sys.argv[1], backend=sys.argv[2], passes=sys.argv[3])
+next(iter(m.generate([int(t) for t in sys.argv[4].split(",")], 1, stop_at_eos=False)))
+print(time.perf_counter() - t0)
+"""
+
+
+def ttft_new_process(spec: str, backend: str, passes: str, prompt: list[int], cold: bool) -> float:
+    """Wall seconds for a new interpreter to import graphir, load `spec` and yield its first token
+    (interpreter start included). `cold`: empty kernel caches, as on the first run after install."""
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        if cold:
+            env["CUPY_CACHE_DIR"] = os.path.join(tmp, "cupy")
+            env["NUMBA_CACHE_DIR"] = os.path.join(tmp, "numba")
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", NEW_PROCESS, spec, backend, passes, ",".join(map(str, prompt))],
+                       env=env, check=True, capture_output=True, text=True)
+        return time.perf_counter() - t0
+
+
 def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
-          llama_cpp: bool = True, llama_cpp_threads: int = 2) -> dict[str, Any]:
+          llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
+          new_process: bool = False) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
@@ -228,7 +286,10 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
         raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
                          f"exceeds the model's context of {ctx}")
-    ids = token_ids(model, max(prefill_tokens, prompt_tokens))
+    if long_prefill_tokens is None:
+        long_prefill_tokens = 4096 if on_gpu else 0
+    long_prefill_tokens = long_prefill_tokens if 0 < long_prefill_tokens <= ctx else 0
+    ids = token_ids(model, max(prefill_tokens, prompt_tokens, long_prefill_tokens))
     prompt, prefill = ids[:prompt_tokens], ids[:prefill_tokens]
 
     ttft_first = _ttft(model, prompt, extra=min(2, decode_tokens))  # the extra tokens lower the decode Program
@@ -236,6 +297,11 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     _prefill_s(model, prefill)  # lowers prefill_tokens' buckets
     prefill_times = [_prefill_s(model, prefill) for _ in range(repeats)]
     decode_times = [_decode_s(model, prompt, decode_tokens) for _ in range(repeats)]
+    step_device_s = _decode_step_device_s(model) if on_gpu else float("nan")
+    long_times: list[float] = []
+    if long_prefill_tokens:
+        _prefill_s(model, ids[:long_prefill_tokens])  # lowers its buckets
+        long_times = [_prefill_s(model, ids[:long_prefill_tokens]) for _ in range(repeats)]
     rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
     arena, n_programs = arena_bytes(model)
     weight_bytes = decode_weight_bytes(model)
@@ -244,6 +310,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
 
     p_best, p_med = _rates(prefill_tokens, prefill_times)
     d_best, d_med = _rates(decode_tokens, decode_times)
+    lp_best, lp_med = _rates(long_prefill_tokens, long_times) if long_times else (0.0, 0.0)
     limit = bandwidth / weight_bytes
     result: dict[str, Any] = {
         "model": spec, "source": model.source, "backend": backend, "passes": passes,
@@ -255,11 +322,19 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         "peak_rss_bytes": rss, "arena_bytes": arena, "programs": n_programs, "weight_bytes": weight_bytes,
         "bandwidth_bytes_s": bandwidth, "bandwidth_limit_tok_s": limit, "decode_fraction_of_limit": d_best / limit,
         "device_memory_bytes": device_bytes,
+        "long_prefill_tokens": long_prefill_tokens, "prefill_long_tok_s_best": lp_best,
+        "prefill_long_tok_s_median": lp_med,
+        "decode_step_device_s": step_device_s if on_gpu else 0.0,
+        "host_us_per_token": (1 / d_best - step_device_s) * 1e6 if on_gpu else 0.0,
+        "ttft_new_process_s": 0.0, "ttft_cold_process_s": 0.0,
         "machine": {**machine(), **({"gpu": gpu_name()} if on_gpu else {})},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "llama_cpp": None, "llama_cpp_note": "",
     }
     del model
+    if new_process:
+        result["ttft_new_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=False)
+        result["ttft_cold_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=True)
     if llama_cpp:
         result["llama_cpp"], result["llama_cpp_note"] = _maybe_llama_cpp(
             result["source"], prefill, prompt, decode_tokens, repeats, llama_cpp_threads)
@@ -333,6 +408,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("TTFT, warm", "ttft_warm_s", lambda v: f"{v:.3f} s"),
     ("prefill tok/s, best", "prefill_tok_s_best", lambda v: f"{v:.1f}"),
     ("prefill tok/s, median", "prefill_tok_s_median", lambda v: f"{v:.1f}"),
+    ("long prefill tok/s, best", "prefill_long_tok_s_best", lambda v: f"{v:.1f}"),
     ("decode tok/s, best", "decode_tok_s_best", lambda v: f"{v:.1f}"),
     ("decode tok/s, median", "decode_tok_s_median", lambda v: f"{v:.1f}"),
     ("peak RSS", "peak_rss_bytes", _mib),
@@ -342,10 +418,15 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("copy bandwidth (read + write)", "bandwidth_bytes_s", lambda v: f"{v / 1e9:.2f} GB/s"),
     ("bandwidth-limit tok/s", "bandwidth_limit_tok_s", lambda v: f"{v:.1f}"),
     ("decode / limit", "decode_fraction_of_limit", lambda v: f"{100 * v:.1f} %"),
+    ("decode step, device only", "decode_step_device_s", lambda v: f"{v * 1e6:.0f} us"),
+    ("host time per decode token", "host_us_per_token", lambda v: f"{v:.1f} us"),
+    ("TTFT, new process (caches warm)", "ttft_new_process_s", lambda v: f"{v:.2f} s"),
+    ("TTFT, new process (caches cold)", "ttft_cold_process_s", lambda v: f"{v:.2f} s"),
 )
 
 
-OPTIONAL = frozenset({"device_memory_bytes"})  # rows shown only when the result has them (non-zero)
+OPTIONAL = frozenset({"device_memory_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
+                      "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})  # rows shown only when the result has them (non-zero)
 
 
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:

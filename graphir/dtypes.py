@@ -62,6 +62,9 @@ def dtype(name: str) -> DType:
         raise GraphError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
 
 
+_RUNTIME = {"f32": np.dtype("float32"), "f16": np.dtype("float16"), "i32": np.dtype("int32")}
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of values of this type at run time (quantized and bf16 compute in f32)."""
-    return np.dtype({"f32": "float32", "f16": "float16", "i32": "int32"}.get(name, "float32"))
+    return _RUNTIME.get(name, _RUNTIME["f32"])

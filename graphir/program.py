@@ -15,10 +15,14 @@ def check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np
     """Every Input present with its declared shape and dtype; returns contiguous arrays."""
     out = {}
     for node in graph.inputs:
-        if node.name not in inputs:
+        arr = inputs.get(node.name)
+        if arr is None:
             raise InputError(f"missing input {node.name!r} ({list(node.shape)} {node.dtype})")
-        arr = np.asarray(inputs[node.name])
         want = numpy_dtype(node.dtype)
+        if type(arr) is np.ndarray and arr.shape == node.shape and arr.dtype == want and arr.flags.c_contiguous:
+            out[node.name] = arr  # the common case, first: a replayed decode step checks its Inputs every call
+            continue
+        arr = np.asarray(arr)
         if arr.shape != node.shape:
             raise InputError(f"input {node.name!r}: shape {list(arr.shape)}, graph expects {list(node.shape)}")
         if arr.dtype != want:
@@ -26,7 +30,7 @@ def check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np
                 raise InputError(f"input {node.name!r}: dtype {arr.dtype}, graph expects {node.dtype}")
             arr = arr.astype(want)
         out[node.name] = np.ascontiguousarray(arr)
-    extra = set(inputs) - {n.name for n in graph.inputs}
+    extra = set(inputs) - {n.name for n in graph.inputs} if len(inputs) != len(out) else ()
     if extra:
         raise InputError(f"unexpected inputs {sorted(extra)}; the graph takes {[n.name for n in graph.inputs]}")
     return out

@@ -98,7 +98,8 @@ def test_captured_sampling_step_equals_launched_step(spec, monkeypatch):
         assert np.array_equal(s_cap[name].get(), s_plain[name].get()), f"{spec}: state {name} differs"
 
 
-def test_new_state_buffers_drop_the_graph():
+def test_new_state_buffers_drop_the_graph(monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHIR_DEBUG_CACHE", "1")  # says so on stderr
     model = graphir.load("random:llama-tiny", backend="gpu", ctx=16)
     gpu = get_backend("gpu")
     graph = model.graph("decode")
@@ -112,5 +113,69 @@ def test_new_state_buffers_drop_the_graph():
     second = gpu.new_state(graph)  # other buffers: the captured pointers are stale
     again = program(feeds, second)["logits"]
     assert not program.captured
+    err = capsys.readouterr().err
+    assert "capturing" in err and "rebinds to new State buffers" in err
     assert np.array_equal(again, out)
     assert float(abs(second[next(iter(second))]).max()) > 0  # written through the new buffers
+
+
+# ---------------------------------------------------------------- replay-lint of the gpu lowering
+def _lowered(spec: str, phase: str, sampler: bool = False):
+    from graphir.generate import with_sampler
+    from graphir.passes import run_pipeline
+
+    model = graphir.load(spec, backend="gpu", passes="default", ctx=64)
+    graph = model.graph(phase, None if phase == "decode" else 8, last_only=phase == "prefill")
+    graph = run_pipeline(with_sampler(graph) if sampler else graph, "default")
+    return model, graph, get_backend("gpu").lower(graph, model.weights)
+
+
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"])
+@pytest.mark.parametrize("phase,sampler", [("decode", False), ("decode", True), ("prefill", False)])
+def test_gpu_lowering_passes_replay_lint(spec, phase, sampler):
+    from graphir.backends.gpu.replay_lint import lint
+
+    _, graph, program = _lowered(spec, phase, sampler)
+    assert lint(program, get_backend("gpu").new_state(graph)) == []
+
+
+def test_gpu_replay_lint_and_the_numbers_catch_a_kv_row_read_while_lowering(monkeypatch):
+    """A set_rows rule that reads the write row from the device while binding and bakes it in (the
+    'KV offset fixed when the graph was built' bug, moved into the backend): the lint names the
+    step, and replays at later positions differ from an honest Program's."""
+    from graphir.backends.gpu import lowering
+    from graphir.backends.gpu.replay_lint import lint
+
+    honest_rule = lowering.RULES["set_rows"]
+
+    def baked(lw, n, ins, outs, p):
+        dst, src, rows = ins
+        row = int(rows.get()[0])  # the bug: a run-time value read at binding
+        zero = lw.scratch(rows.shape, np.int32)
+        zero.fill(0)
+        return honest_rule(lw, n, [dst[row:], src, zero], outs, p)
+
+    model, graph, honest = _lowered("random:llama-tiny", "decode")
+    assert any(n.op == "set_rows" for n in graph.nodes())
+    gpu = get_backend("gpu")
+    broken = gpu.lower(graph, model.weights)
+
+    def feeds(pos):
+        return {"tokens": np.array([pos % 200 + 1], np.int32), "pos": np.array([pos], np.int32),
+                "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32)}
+
+    s_broken, s_honest = gpu.new_state(graph), gpu.new_state(graph)
+    with monkeypatch.context() as m:
+        m.setitem(lowering.RULES, "set_rows", baked)
+        assert lint(broken, gpu.new_state(graph)), "the lint must see launches that change with the Inputs"
+        problems = lint(broken, gpu.new_state(graph))
+        assert all("set_rows" in p for p in problems), problems
+        for name, arr in feeds(0).items():  # the Input buffers hold position 0 when the Program binds
+            broken.input_host[name][...] = arr
+        broken._input_dev.set(broken._input_host_bytes)
+        first = broken(feeds(0), s_broken)["logits"]
+    assert lint(honest, gpu.new_state(graph)) == []
+    assert np.array_equal(first, honest(feeds(0), s_honest)["logits"])  # right where it was bound
+    later = [not np.array_equal(broken(feeds(p), s_broken)["logits"], honest(feeds(p), s_honest)["logits"])
+             for p in range(1, 12)]
+    assert sum(later) >= 10, f"the baked KV row should corrupt later positions: {later}"

@@ -908,9 +908,10 @@ def test_add_rms_norm_mul(shape, rng):
 
 
 @covers("rms_norm_mul_rope")
-@pytest.mark.parametrize("mode,n_dims", [("norm", 64), ("neox", 64), ("neox", 32)])
-def test_rms_norm_mul_rope(mode, n_dims, rng):
-    n, heads, hd = 7, 3, 64
+@pytest.mark.parametrize("mode,hd,n_dims", [("norm", 64, 64), ("neox", 64, 64), ("neox", 64, 32), ("norm", 30, 30),
+                                            ("neox", 100, 64), ("neox", 256, 256)])
+def test_rms_norm_mul_rope(mode, hd, n_dims, rng):
+    n, heads = 7, 3
     x, w = normal(rng, (n, heads, hd)), normal(rng, (hd,))
     pos = np.array([0, 3, 9, 100, 8191, 2, 4095], np.int32)
     node = g.rms_norm_mul_rope(g.input("x", x.shape), g.param("w", w.shape), g.input("pos", (n,), "i32"), eps=1e-6,

@@ -164,6 +164,12 @@ def _rope(lw, n, ins, outs, p):
 
 def _rms_norm_mul_rope(lw, n, ins, outs, p):
     x, w, pos, y = dev(ins[0]), dev(ins[1]), ins[2], outs[0]
+    n_tok, n_heads, head_dim = x.shape
+    if _is_row_weight(w, head_dim) and head_dim <= 1024:  # one kernel: a block per head row
+        threads = cdiv(head_dim, 32) * 32
+        args = (x, w, pos, _inv_freq(lw, p), y, i32(n_heads), i32(head_dim), i32(p["n_dims"]),
+                i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]))
+        return [Launch("rope.cu", "rms_norm_mul_rope_f32", n_tok * n_heads, threads, args, shared=4 * head_dim)]
     if _is_row_weight(w, x.shape[-1]):
         steps = [rms_norm_launch(x, w, y, p["eps"])]
     else:

@@ -20,6 +20,7 @@ GRAPHIR_NO_CAPTURE=1 turns capture off.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +69,7 @@ class GpuProgram:
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
         self._init_inputs()
+        self._state_names = [n.name for n in self.graph.states]
         self._flag_host = pinned((2,), np.int32)  # the error flag, read back once per call
         self._outputs_host: dict[str, np.ndarray] = {}
         self.lw = Lowering(self.weights)  # replaced by each _bind: its scratch belongs to one binding
@@ -124,6 +126,9 @@ class GpuProgram:
 
     def _bind(self, state: Mapping[str, Any]) -> None:
         cp = cupy()
+        if self._graph_exec is not None and flags.enabled("GRAPHIR_DEBUG_CACHE"):
+            print(f"graphir gpu: Program {self.graph.meta.get('phase', '')} rebinds to new State buffers; its "
+                  f"captured graph is dropped and captured again on the second call", file=sys.stderr)
         self.lw = Lowering(self.weights)  # a rebind must not keep the last binding's scratch alive
         self._code_node = {}
         env: dict[int, Any] = {}
@@ -167,6 +172,9 @@ class GpuProgram:
         return self._graph_exec is not None
 
     def _capture(self) -> None:
+        if flags.enabled("GRAPHIR_DEBUG_CACHE"):
+            print(f"graphir gpu: capturing {len(self._steps)} launches of Program "
+                  f"{self.graph.meta.get('phase', '')} into a CUDA graph", file=sys.stderr)
         s = stream()
         s.begin_capture()
         try:
@@ -210,14 +218,17 @@ class GpuProgram:
         outputs as CuPy arrays (copies, safe across calls) instead of numpy."""
         feeds = check_inputs(self.graph, inputs)
         state = state if state is not None else {}
-        given = tuple(id(state.get(n.name)) for n in self.graph.states)
+        given = tuple([id(state.get(name)) for name in self._state_names])
         if given != self._checked_state:  # new buffers: check them once, not on every replayed call
             check_state(self.graph, state)  # shape and dtype: numpy and CuPy buffers alike
             self._checked_state = given
             self._host_state = any(isinstance(state[n.name], np.ndarray) for n in self.graph.states)
         with stream() as s:  # everything in order on the one stream, uploads and binding included
-            dev_state, back = self._device_state(state) if self._host_state else (state, [])
-            key = tuple(id(dev_state[n.name]) for n in self.graph.states)
+            if self._host_state:
+                dev_state, back = self._device_state(state)
+                key = tuple(id(dev_state[name]) for name in self._state_names)
+            else:
+                dev_state, back, key = state, [], given
             if key != self._bound_state:
                 self._bind(dev_state)
                 self._bound_state = key

@@ -55,6 +55,29 @@ extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos,
     }
 }
 
+// y[t, h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]) for x [n_tok, n_heads, head_dim] and w [head_dim]:
+// the q/k norm of Qwen3-style attention and its rotation in one pass, one block per head row
+// (blockDim >= head_dim). The normed row waits in shared memory for its rotation partners; the
+// arithmetic is that of rms_norm_f32 followed by rope_f32, so the two paths agree bitwise.
+extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
+                                                 const int* __restrict__ pos, const double* __restrict__ inv_freq,
+                                                 float* y, int n_heads, int head_dim, int n_dims, int neox,
+                                                 double freq_scale, float eps) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    extern __shared__ float normed[];  // head_dim floats
+    const long long th = blockIdx.x;  // t * n_heads + h
+    const int t = (int)(th / n_heads), j = threadIdx.x;
+    const float v = j < head_dim ? x[th * head_dim + j] : 0.0f;
+    const float ss = block_sum(v * v, red);
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    if (j < head_dim) normed[j] = v * inv * w[j];
+    __syncthreads();
+    if (j >= head_dim) return;
+    float out = normed[j];
+    if (j < n_dims) out = rope_elem(normed, j, n_dims, neox, (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)]);
+    y[th * head_dim + j] = out;
+}
+
 // cache[rows[t], :] = rope(x, pos)[t] for x [n_tok, n_heads, head_dim]: roped K written straight into
 // the KV cache (f32 or f16). A row outside 0..cap-1 is reported, never written.
 #define DEFINE_ROPE_SET_ROWS(name, T, STORE)                                                                       \

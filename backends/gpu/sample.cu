@@ -70,10 +70,11 @@ extern "C" __global__ void sample_f32(const float* __restrict__ logits, const fl
     const int seg = (ncols + blockDim.x - 1) / blockDim.x;
     const int lo = min(ncols, (int)threadIdx.x * seg), hi = min(ncols, lo + seg);
 
-    // 1. the largest logit, first index on ties
+    // 1. the largest logit, first index on ties (strided, so a warp's loads coalesce: this pass is
+    //    all that greedy decoding runs)
     float bv = NEG_INF;
     int bi = NONE;
-    for (int i = lo; i < hi; ++i)
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x)
         if (bi == NONE || x[i] > bv) { bv = x[i]; bi = i; }
     {   // block-wide best: larger value, then lower index
         const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
