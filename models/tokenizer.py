@@ -142,13 +142,16 @@ class Tokenizer:
         if kind == BPE_KIND:
             tk = _gguf_bpe(metadata, tokens, source)
         elif kind == SPM_KIND:
-            tk = _gguf_spm(metadata, tokens, types, source)
+            tokens, file_order = _spm_spelling(tokens)
+            tk = _gguf_spm(metadata, tokens, types, source, file_order)
         else:
             raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
         # Control tokens are matched in text and are special; user-defined ones are matched but not special.
         pairs = list(zip(tokens, types, strict=True))
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty == TOKEN_CONTROL])
-        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == TOKEN_USER_DEFINED])
+        # (whitespace runs, spelled "▁▁" like the vocabulary, match the normalized text, where spaces are "▁")
+        tk.add_tokens([AddedToken(t, special=False, normalized=not t.strip("▁")) for t, ty in pairs
+                       if ty == TOKEN_USER_DEFINED])
         bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         eos = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in ("eos", "eot", "eom")]
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == SPM_KIND))
@@ -335,15 +338,22 @@ def _gguf_bpe(metadata: dict[str, Any], tokens: list[str], source: str) -> token
     return tk
 
 
-def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: list[int], source: str) -> tokenizers.Tokenizer:
+def _spm_spelling(tokens: list[str]) -> tuple[list[str], bool]:
+    """(tokens with whitespace-only pieces spelled in "▁", whether merges follow the file order).
+    Gemma's vocabularies spell those pieces with real spaces (no other SentencePiece vocabulary holds
+    a raw space), and their scores do not follow the merge order, the file order does (as
+    transformers' gemma_tokenizer handles them)."""
+    if not any(" " in t and not t.strip() for t in tokens):
+        return tokens, False
+    return ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens], True
+
+
+def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: list[int], source: str,
+              file_order: bool) -> tokenizers.Tokenizer:
     scores = list(metadata.get("tokenizer.ggml.scores", []))
     if len(scores) != len(tokens):
         raise LoadError(f"{source}: a llama tokenizer needs one tokenizer.ggml.scores entry per token")
-    if any(" " in t and not t.strip() for t in tokens):
-        # Gemma's vocabularies spell whitespace-only pieces with real spaces (no other SentencePiece
-        # vocabulary holds a raw space), and their scores do not follow the merge order, the file
-        # order does (as transformers' gemma_tokenizer handles them).
-        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    if file_order:
         scores = [-i for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
     # Every split of a piece into two known pieces is a merge, ranked by the merged piece's score,
