@@ -11,7 +11,9 @@ build time.
     from graphir.backends.gpu.replay_lint import lint
     problems = lint(program)            # [] when every launch is independent of the Inputs
 
-How: bind the Program twice, its Input buffers filled with different random bytes each time, and
+How: bind the Program twice, its Input buffers filled with different plausible values each time
+(small ints, different in every element between the two bindings: random bytes would make every
+index out of range, and two out-of-range values could bake in the same clamped result), and
 compare the launches. Device arrays compare by role (which Input buffer, else dtype and shape),
 since scratch is allocated anew per binding; numbers compare by value.
 """
@@ -54,10 +56,13 @@ def lint(program: GpuProgram, state: dict[str, Any] | None = None, seed: int = 0
     cp = cupy()
     state = state if state is not None else new_state(program.graph)
     rng = np.random.default_rng(seed)
+    base = {name: rng.integers(0, 4, buf.shape) for name, buf in program.input_buffers.items()}
     seen = []
-    for _ in range(2):
+    for shift in (0, 1 + rng.integers(0, 4)):
         with stream():
-            program._input_dev.set(rng.integers(0, 256, program._input_dev.size, dtype=np.uint8))
+            for name, buf in program.input_buffers.items():
+                vals = base[name] + shift if buf.dtype.kind in "iu" else rng.random(buf.shape) + shift
+                buf.set(vals.astype(buf.dtype))
             program._bind(state)
             cp.cuda.get_current_stream().synchronize()
         seen.append(launches(program))
