@@ -1,6 +1,6 @@
 """Where a decode token's time goes: time every bound step of the cached CPU decode Program.
 
-    python benchmarks/profile_decode.py [MODEL] [--prompt 256]
+    python benchmarks/profile_decode.py [MODEL] [--prompt 256] [--threads N]
 
 Feeds a prompt of --prompt tokens (so attention sees that many keys), then replays the decode
 step's bound kernels one by one and prints milliseconds per token by op, largest first.
@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 import graphir
+from graphir.backends.cpu import threads
 
 
 def main() -> None:
@@ -22,13 +23,16 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: auto, as a run decides)")
     args = ap.parse_args()
+    threads.set_threads(args.threads)
     model = graphir.load(args.model, backend="cpu", passes="default")
     model.feed(np.arange(args.prompt) % 256 + 1, last_only=True)
     model.feed([1])  # lowers the decode Program
     program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (1,))
     per_op: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
+    threads.apply()  # the steps below are replayed without the Program call that would set it
     for _ in range(args.repeats):
         for step, label in zip(program._steps, program._step_nodes):
             t0 = time.perf_counter()
@@ -38,7 +42,7 @@ def main() -> None:
             calls[op] += 1
     total = sum(per_op.values()) / args.repeats
     print(f"{args.model}: {total * 1e3:.2f} ms per decode token at position {model.n_past}, "
-          f"{len(program._steps)} bound steps")
+          f"{len(program._steps)} bound steps, {threads.numba.get_num_threads()} threads")
     for op, seconds in sorted(per_op.items(), key=lambda kv: -kv[1]):
         print(f"  {op:20s} {seconds / args.repeats * 1e3:8.3f} ms  ({calls[op] // args.repeats} calls)")
 

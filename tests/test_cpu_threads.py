@@ -127,3 +127,20 @@ def test_cli_threads_option():
         T.set_threads(None)
     r = CliRunner().invoke(main, ["run", "random:llama-tiny", "--threads", "0"])
     assert r.exit_code == 2 and "--threads" in r.output
+
+
+@pytest.mark.parametrize("shape", [(1, 1536), (7, 1025), (9, 1025), (17, 511)])
+def test_swiglu_serial_and_parallel_kernels_equal_the_formula(shape, rng):
+    """Small inputs take the serial kernel, large ones the parallel one (PARALLEL_MIN_ELEMENTS)."""
+    from graphir.backends.cpu import kernels as K
+    from graphir.backends.cpu.lowering_rules import PARALLEL_MIN_ELEMENTS
+
+    a = (3 * rng.standard_normal(shape)).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    a64 = a.astype(np.float64)
+    want = a64 / (1 + np.exp(-a64)) * b
+    for kernel in (K.swiglu, K.swiglu_split):
+        out = np.empty_like(a)
+        kernel(a, b, out)
+        np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+    assert (a.size >= PARALLEL_MIN_ELEMENTS) == (shape[0] >= 9)  # both sides of the threshold are covered

@@ -61,17 +61,30 @@ def silu(x, out):
             out[r, i] = v / (np.float32(1.0) + np.exp(-v))
 
 
+@njit(**JIT)
+def _swiglu_piece(a, b, out, r, c0, c1):
+    for i in range(c0, c1):
+        v = a[r, i]
+        out[r, i] = v / (np.float32(1.0) + np.exp(-v)) * b[r, i]
+
+
+@njit(**JIT)
+def swiglu(a, b, out):
+    """out = silu(a) * b on the calling thread: a decode row (1536 wide) takes ~9 us, and a parallel
+    region around it cost ~4 us more than it saved (2 cores, quiet)."""
+    for r in range(a.shape[0]):
+        _swiglu_piece(a, b, out, r, 0, a.shape[1])
+
+
 @njit(parallel=True, **JIT)
 def swiglu_split(a, b, out):
-    """out = silu(a) * b, split into 512-wide pieces so even one decode row uses both cores."""
+    """out = silu(a) * b, split into 512-wide pieces so the threads share even a few rows."""
     rows, cols = a.shape
     pieces = (cols + 511) // 512
     for task in prange(rows * pieces):
         r = task // pieces
         c0 = (task % pieces) * 512
-        for i in range(c0, min(cols, c0 + 512)):
-            v = a[r, i]
-            out[r, i] = v / (np.float32(1.0) + np.exp(-v)) * b[r, i]
+        _swiglu_piece(a, b, out, r, c0, min(cols, c0 + 512))
 
 
 @njit(**JIT)

@@ -22,6 +22,11 @@ from . import kernels as K
 from . import matmul as MM
 
 
+# Elementwise kernels go parallel from this many elements: below it a parallel region's ~4 us
+# (waking and joining the other thread) is more than the work it would share.
+PARALLEL_MIN_ELEMENTS = 8192
+
+
 def views_needing_copy(graph: Graph) -> set[int]:
     """View ops whose source is not row-major contiguous: numpy would copy at bind time,
     which would freeze stale data, so the backend copies into a planned slot every step."""
@@ -156,7 +161,8 @@ def _swiglu(n, ins, out, p):
     a, b, o = rows2d(ins[0]), rows2d(ins[1]), rows2d(out[0])
     if a is None or b is None:
         return None
-    return out[0], lambda: K.swiglu_split(a, b, o)
+    kernel = K.swiglu_split if a.size >= PARALLEL_MIN_ELEMENTS else K.swiglu
+    return out[0], lambda: kernel(a, b, o)
 
 
 def _rope(n, ins, out, p):
