@@ -13,9 +13,9 @@ import collections
 import time
 
 import numpy as np
+from graphir.backends.cpu import threads
 
 import graphir
-from graphir.backends.cpu import threads
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ from graphir.ops import OPS
 from . import kernels as K
 from . import matmul as MM
 
-
 # Elementwise kernels go parallel from this many elements: below it a parallel region's ~4 us
 # (waking and joining the other thread) is more than the work it would share.
 PARALLEL_MIN_ELEMENTS = 8192
