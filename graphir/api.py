@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
+from graphir.chat import Conversation
 from graphir.errors import InputError, LoadError
 from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
 from graphir.ir import Graph
@@ -62,6 +63,7 @@ class Model:
         self._graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._state: dict[str, np.ndarray] | None = None
         self.n_past = 0  # KV rows written (the next token's position)
+        self.conversation = Conversation(self)  # the chat turns the KV cache holds
         self._padding_ok: bool | None = None  # _pads_safely(), worked out once
         one = lambda: np.zeros(1, np.int32)  # noqa: E731
         self._step_feeds = {"tokens": one(), "pos": one(), "kv_idx": one(), "kv_len": one(),
@@ -141,6 +143,14 @@ class Model:
         if self._padding_ok is None:
             self._padding_ok = all(n.op != "assign" for n in self.graph("decode").nodes())
         return self._padding_ok
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> str:
+        """The assistant's reply to `messages` ([{"role": "user", "content": "..."}, ...]), rendered with the
+        model's chat template and ended by its end-of-turn token. The KV cache keeps the conversation: a
+        follow-up that extends the same messages reads only its new tokens."""
+        ids = self.conversation.reply(messages, max_new_tokens, temperature, top_k, top_p, seed)
+        return self.tokenizer.decode(list(ids))
 
     def logits(self, token_ids: Iterable[int]) -> np.ndarray:
         """Logits f32 [n, vocab] of every position, from a fresh KV cache."""

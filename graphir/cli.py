@@ -279,6 +279,64 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     click.echo(_timings(stats, load_s, first_s, count, total_s), err=True)
 
 
+# ---------------------------------------------------------------- chat
+@main.command("chat")
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("-p", "--prompt", default=None, help="one user turn: print the reply and exit (default: interactive)")
+@click.option("--system", default=None, help="a system message before the first turn")
+@click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=1), default=256, show_default=True,
+              help="longest reply, in tokens")
+@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
+@click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
+              help="1 disables")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="sampling seed (default: fresh each run)")
+@click.option("--backend", type=BACKEND_CHOICE, default=None, help="default: auto (gpu when CuPy sees a device, else cpu)")
+@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
+              help="pass pipeline applied before lowering ('' for none)")
+@click.option("--ctx", type=click.IntRange(min=1), default=None,
+              help=f"KV-cache capacity in tokens, the whole conversation included  [default: the model's context, "
+                   f"at most {DEFAULT_MAX_CTX}]")
+def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, temperature: float, top_k: int,
+             top_p: float, seed: int | None, backend: str | None, pipeline: str, ctx: int | None) -> None:
+    """Talk to MODEL with its own chat template: one turn with -p, else read turns from stdin until EOF.
+
+    The conversation stays in the KV cache, so each turn reads only its new tokens.
+    """
+    backend = _checked_backend(backend or AUTO)
+    _check_runnable(model)
+    click.echo(f"loading {model} on {backend} ...", err=True)
+    lm = _api(model).load(model, backend=backend, passes=pipeline, ctx=ctx)
+    if lm.tokenizer is None or not getattr(lm.tokenizer, "chat_template", None):
+        raise CliError(f"{model}: no chat template in the model's files; use `graphir run` for raw completion")
+    messages = [{"role": "system", "content": system}] if system else []
+    turns = [prompt] if prompt is not None else _stdin_turns()
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        ids = lm.conversation.reply(messages, n, temperature, top_k, top_p, seed)
+        add_token, flush = _text_stream(lm.tokenizer)
+        pieces = []
+        for token in ids:
+            pieces.append(add_token(int(token)))
+            click.echo(pieces[-1], nl=False)  # click.echo flushes, so the reply streams
+        pieces.append(flush())
+        click.echo(pieces[-1])
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+
+
+def _stdin_turns() -> Iterable[str]:
+    """User turns typed at a '> ' prompt (on stderr, so stdout holds only replies), until EOF."""
+    stdin = click.get_text_stream("stdin")  # one wrapper: a second one would lose what the first buffered
+    while True:
+        click.echo("> ", err=True, nl=False)
+        line = stdin.readline()
+        if not line:
+            click.echo(err=True)
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
 def _no_weights(spec: str) -> CliError:
     return CliError(f"{spec}: a graph file has no weights to run; use a model spec or `example`")
 

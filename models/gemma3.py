@@ -360,6 +360,31 @@ def weights_from_hf(config: Gemma3Config, raw: Weights) -> Weights:
     return out
 
 
+# ---------------------------------------------------------------- chat
+# Gemma's turn format, for GGUF files that carry no template: turns are <start_of_turn>{user|model}\n
+# text <end_of_turn>\n; a system message is prefixed to the first user turn (Gemma has no system role);
+# roles must alternate. Written for graphir from the documented format.
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+{%- set prefix = messages[0]['content'] + '\n\n' -%}
+{%- set turns = messages[1:] -%}
+{%- else -%}
+{%- set prefix = '' -%}
+{%- set turns = messages -%}
+{%- endif -%}
+{%- for m in turns -%}
+{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('roles must alternate user, assistant, user, ... after an optional system message') }}
+{%- endif -%}
+{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}
+{{- (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+
 # ---------------------------------------------------------------- random presets
 PRESETS: dict[str, tuple[Gemma3Config, str]] = {
     # 7 layers: the 6th is global, the rest slide over 16 keys
@@ -395,4 +420,5 @@ FAMILY = Family(
     presets=PRESETS,
     random_weights=random_weights,
     reset_state=no_state_to_reset,
+    default_chat_template=CHAT_TEMPLATE,
 )

@@ -1,0 +1,118 @@
+"""Chat (graphir/chat.py, Model.chat, `graphir chat`): templates render exactly as transformers'
+apply_chat_template; a two-turn chat reads only the new tokens and replies as a fresh run would;
+a template that fails to render gives the template's error in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphir.chat import ChatTemplateError, end_of_turn_id, render
+from graphir.models.gemma3 import CHAT_TEMPLATE as GEMMA3_TEMPLATE
+
+import graphir
+
+CONVERSATIONS = {
+    "user": [{"role": "user", "content": "Hi there"}],
+    "system-user-assistant-user": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2? "},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3 — in 日本語? 😀"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_template():
+    from graphir.models.default_model import smollm2_path
+    from graphir.models.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(smollm2_path()).metadata["tokenizer.chat_template"]
+    except graphir.LoadError as e:
+        pytest.skip(str(e))
+
+
+def hf_tokenizer(bos: str, eos: str):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    vocab = {bos: 0, eos: 1, "<unk>": 2}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                                bos_token=bos, eos_token=eos, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_templates_render_as_transformers_does(smollm2_template, which, conversation, generation_prompt):
+    template, bos, eos = ((smollm2_template, "<|im_start|>", "<|im_end|>") if which == "smollm2"
+                          else (GEMMA3_TEMPLATE, "<bos>", "<eos>"))
+    messages = CONVERSATIONS[conversation]
+    want = hf_tokenizer(bos, eos).apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=generation_prompt)
+    got = render(template, messages, generation_prompt, bos_token=bos, eos_token=eos)
+    assert got == want
+
+
+def test_gemma3_template_writes_gemma_turns():
+    got = render(GEMMA3_TEMPLATE, CONVERSATIONS["system-user-assistant-user"], True, bos_token="<bos>")
+    assert got == ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
+                   "<start_of_turn>model\n4<end_of_turn>\n"
+                   "<start_of_turn>user\nAnd 3+3 — in 日本語? 😀<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_template_errors_are_one_line():
+    with pytest.raises(ChatTemplateError, match=r"^chat template: roles must alternate user, assistant"):
+        render(GEMMA3_TEMPLATE, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(ChatTemplateError) as e:
+        render("{% for m in messages %}{{ m.content }", CONVERSATIONS["user"])
+    assert str(e.value).startswith("chat template: TemplateSyntaxError: ") and "\n" not in str(e.value)
+    with pytest.raises(graphir.InputError, match=r"messages\[0\] = .* needs a 'role' string and a 'content'"):
+        render(GEMMA3_TEMPLATE, [{"content": "no role"}])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return graphir.load("smollm2-135m", backend="cpu")
+    except graphir.LoadError as e:
+        pytest.skip(str(e))
+
+
+def test_end_of_turn_token_comes_from_the_template(smollm2, smollm2_template):
+    tok = smollm2.tokenizer
+    specials = {"bos_token": tok.token(tok.bos_id)} if tok.bos_id is not None else {}
+    assert tok.token(end_of_turn_id(tok, smollm2_template, specials)) == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_two_turn_chat_reuses_the_kv_cache(smollm2):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first = smollm2.chat(messages, max_new_tokens=12)
+    held = len(smollm2.conversation.cached)  # prompt, reply and its end-of-turn token
+    assert "Paris" in first and smollm2.n_past == held
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    second = smollm2.chat(messages, max_new_tokens=12)
+    n_prompt = len(smollm2.tokenizer.encode(render(smollm2.tokenizer.chat_template, messages), add_bos=False))
+    assert smollm2.conversation.last_prefill == n_prompt - held < 20
+    smollm2.reset()  # a fresh run of the whole second prompt replies the same
+    assert smollm2.chat(messages, max_new_tokens=12) == second
+    assert smollm2.conversation.last_prefill == n_prompt
+
+
+def test_cli_chat_one_turn(smollm2):
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    r = CliRunner().invoke(main, ["chat", "smollm2-135m", "-p", "What is the capital of France?", "-n", "12",
+                                  "--backend", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "Paris" in r.output.splitlines()[-1]
+
+
+def test_no_template_is_a_clear_error():
+    m = graphir.load("random:llama-tiny", backend="reference", passes="")
+    with pytest.raises(graphir.InputError, match=r"random:llama-tiny: no chat template"):
+        m.chat([{"role": "user", "content": "hi"}])
