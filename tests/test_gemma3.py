@@ -226,3 +226,15 @@ def test_real_tokenizer_matches_transformers(real_ours, real_hf_tokenizer):
         assert tok.encode(text) == want, text
         assert tok.decode(want) == real_hf_tokenizer.decode(want), text
     assert tok.bos_id == 2 and tok.add_bos and 1 in tok.eos_ids
+
+
+def test_replayed_decode_program_and_replay_lint():
+    """The replay differential check of tests/test_replay.py on the gemma3 decode graph, at positions
+    before, at and past the window of 16: the cached Program equals a fresh one bitwise; replay-lint passes."""
+    from test_replay import CTX, check_replay
+
+    from graphir.passes import run_pipeline
+
+    m = graphir.load("random:gemma3-tiny", backend="cpu", passes="default", ctx=CTX)
+    assert run_pipeline(m.graph("decode"), "replay-lint") is not None
+    check_replay(m, [0, 1, 8, 15, 16, 17, 40, 129, CTX - 1])
