@@ -291,7 +291,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
 @click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
               help="1 disables")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="sampling seed (default: fresh each run)")
-@click.option("--backend", type=BACKEND_CHOICE, default=None, help="default: auto (gpu when CuPy sees a device, else cpu)")
+@click.option("--backend", type=BACKEND_CHOICE, default=None,
+              help="default: auto (gpu when CuPy sees a device, else cpu)")
 @click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
               help="pass pipeline applied before lowering ('' for none)")
 @click.option("--ctx", type=click.IntRange(min=1), default=None,

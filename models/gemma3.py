@@ -289,7 +289,8 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Gemma3C
     if act not in HF_ACTIVATIONS:
         raise LoadError(f"{label}: hidden_activation {act!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
     try:
-        n_layers, d_model, n_heads = int(hf["num_hidden_layers"]), int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        n_layers, d_model = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
+        n_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or d_model // n_heads)
         global_rope, local_rope = _hf_rope(hf, label)
         window = hf.get("sliding_window")

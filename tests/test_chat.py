@@ -5,11 +5,10 @@ a template that fails to render gives the template's error in one line."""
 from __future__ import annotations
 
 import pytest
-
-from graphir.chat import ChatTemplateError, end_of_turn_id, render
 from graphir.models.gemma3 import CHAT_TEMPLATE as GEMMA3_TEMPLATE
 
 import graphir
+from graphir.chat import ChatTemplateError, end_of_turn_id, render
 
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "Hi there"}],

@@ -14,10 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from graphir.errors import LoadError  # noqa: E402
 from graphir.models import gemma3  # noqa: E402
 
 import graphir  # noqa: E402
+from graphir.errors import LoadError  # noqa: E402
 
 IDS = [2, 17, 201, 5, 99, 64, 3, 150, 42, 7, 250]  # 11 tokens: longer than the window of 4
 
@@ -34,7 +34,7 @@ def tiny_hf(tmp_path, **overrides):
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
-        for name, w in model.named_parameters():
+        for w in model.parameters():
             w.copy_(torch.randn(w.shape) * (0.1 if w.ndim == 1 else w.shape[1] ** -0.5))
     model.save_pretrained(tmp_path)
     return model
