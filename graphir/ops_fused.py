@@ -99,3 +99,25 @@ op("gated_delta_net_raw", 8,
 # Collectives (tensor parallel) live in their own module; importing it here registers them wherever the
 # op table is imported.
 import graphir.ops_collective  # noqa: E402,F401
+
+
+# ---------------------------------------------------------------- reduced-precision matmul
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return r.view(np.float32).reshape(np.shape(a))
+
+
+def _mul_mat_bf16_infer(ts: list[Type], p: dict) -> Type:
+    return OPS["mul_mat"].infer(ts, p)
+
+
+def _mul_mat_bf16_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return OPS["mul_mat"].ref(bf16_round(w), bf16_round(x))
+
+
+# Produced by the gemm-bf16 pass for large matmuls: tensor cores run bf16 products at ~16x the f32
+# rate. Its meaning is exact: round both operands to bf16, multiply, accumulate in f32.
+op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accumulation and result)")(
+    (_mul_mat_bf16_infer, _mul_mat_bf16_ref))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _gpu_helpers import gpu_only
 from graphir.backends.registry import get_backend
 from test_ops import covers
 
@@ -17,7 +18,7 @@ from graphir import g
 from graphir.errors import BackendError, GraphError
 from graphir.ir import Graph
 
-BACKENDS = ["reference", "cpu"]
+BACKENDS = ["reference", "cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])]
 SIZES = [1, 7, 511, 1025]
 
 

@@ -404,6 +404,30 @@ def test_mul_mat_batched_broadcast(sw, sx, xdtype, rng):
     close(out, _matmul_loops(w, x), rtol=1e-5, atol=1e-5, dtype="float32")
 
 
+def _to_bf16_frexp(a: np.ndarray) -> np.ndarray:
+    """Round to bfloat16's 8 significant bits, ties to even (numpy's round), via frexp: m in [0.5, 1)."""
+    m, e = np.frexp(a.astype(np.float64))
+    return np.ldexp(np.round(m * 256) / 256, e)
+
+
+@covers("mul_mat_bf16")
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_mul_mat_bf16_rounds_both_operands(dtype, n, rng):
+    n_out, n_in = 511, 1024
+    w32 = normal(rng, (n_out, n_in), 0.1)
+    raw = quantize(w32, dtype) if dtype != "f32" else w32
+    wf = gguf.quants.dequantize(raw, qtype(dtype)).reshape(n_out, n_in) if dtype == "q8_0" else \
+        _bf16_to_f32(raw) if dtype == "bf16" else w32
+    x = normal(rng, (n, n_in))
+    x[0, :3] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)]  # exact ties: rounding to even decides them
+    out = run1(g.mul_mat_bf16(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape)), {"x": x},
+               weights=weights_of(w=(dtype, raw, (n_out, n_in))))
+    want = _to_bf16_frexp(x) @ _to_bf16_frexp(wf).T
+    assert np.abs(want - x.astype(np.float64) @ wf.astype(np.float64).T).max() > 1e-3  # the rounding shows
+    close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
+
+
 # ---------------------------------------------------------------- get_rows
 @covers("get_rows")
 @pytest.mark.parametrize("dtype,rows,dim", [("f32", 1025, 7), ("f16", 511, 64), ("q8_0", 513, 64), ("q4_1", 37, 96),

@@ -159,7 +159,19 @@ def case_delta_net(wtype: str) -> Graph:
     return Graph(outs, updates, meta={"case": "delta_net"})
 
 
+def case_ffn(wtype: str) -> Graph:
+    """A gated FFN: gate and up column-parallel, down row-parallel with an all_reduce (shard-tp);
+    every projection a weight times many rows (gemm-bf16)."""
+    x, d_ff = _x(), 64
+    a = g.mul_mat(_w("blk.0.ffn_gate.weight", d_ff, wtype), x)
+    b = g.mul_mat(_w("blk.0.ffn_up.weight", d_ff, wtype), x)
+    down = g.param("blk.0.ffn_down.weight", (D, d_ff), wtype)
+    return Graph({"y": g.add(x, g.mul_mat(down, g.mul(g.silu(a), b)))}, meta={"case": "ffn"})
+
+
 TARGETED_CASES: dict[str, Case] = {
+    "shard-tp": Case(case_ffn, "all_reduce"),
+    "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),
     "fuse-add-rms-norm-mul": Case(case_add_norm, "add_rms_norm_mul"),
@@ -219,6 +231,9 @@ def test_register_twice_fails():
 
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_pass_keeps_outputs_updates_and_meta(name):
+    if name == "shard-tp":
+        pytest.skip("shard-tp gives each rank its own State updates and records its plan in meta['tp'] "
+                    "(tests/test_shard_tp.py checks both)")
     graph = TARGETED_CASES["fuse-rope-set-rows"].build("f32")  # has outputs, an update and meta
     out = PASSES[name](graph)
     assert list(out.outputs) == list(graph.outputs) and len(out.updates) == len(graph.updates)

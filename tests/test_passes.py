@@ -29,7 +29,16 @@ from graphir.quant import quantize, random_quantized
 from graphir.weights import Weight, Weights
 
 WTYPES = ("f32", "q8_0")
-OPTIONS = {"replay-lint": "{strict=0}"}  # the baked-position case must still run through every pass
+OPTIONS = {"replay-lint": "{strict=0}",  # the baked-position case must still run through every pass
+           "gemm-bf16": "{min_rows=1}"}  # the small test graphs have a few rows: rewrite every matmul
+# Passes that change rounding on purpose, and the tolerance (of max |value|) their result keeps.
+# gemm-bf16 rounds both matmul operands to 8 significant bits (relative error <= 2^-9 each); through
+# the tiny models' two layers and the head the logits move by up to 1.2e-2 of their largest value
+# (measured, llama-tiny prefill); assert_close allows 1e-2 of that plus 1e-2 of each value.
+ROUNDING = {"gemm-bf16": 1e-2}
+# shard-tp's graphs hold each rank's State under its own name: tests/test_shard_tp.py compares them
+# with the unsharded graph through graphir.tp.shard_state.
+VALUE_PASSES = sorted(set(PASSES) - {"shard-tp"})
 KV_OFFSET = 2  # new tokens go to cache rows 2..; rows 0..1 hold (random) earlier keys
 MODELS = ("llama-tiny", "qwen3-tiny")
 MODEL_FUSIONS = {  # fusions `default` must apply to each tiny model
@@ -87,11 +96,12 @@ def run(graph: Graph, weights: Weights) -> tuple[dict, dict]:
     return outputs, state
 
 
-def assert_close(want: dict, got: dict, what: str) -> None:
+def assert_close(want: dict, got: dict, what: str, rounding: float | None = None) -> None:
     assert want.keys() == got.keys(), what
     for k in want:
         a, b = np.asarray(want[k], np.float64), np.asarray(got[k], np.float64)
         tol = 2e-3 if want[k].dtype == np.float16 else 1e-4  # an f16 cache row may round the other way
+        tol = max(tol, rounding or 0.0)
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol * max(1.0, np.abs(a).max()), err_msg=f"{what}: {k}")
 
 
@@ -137,7 +147,7 @@ def source(name: str) -> tuple[Graph, Weights, tuple[dict, dict]]:
 
 # ---------------------------------------------------------------- 1 + 2: same values, verified
 @pytest.mark.parametrize("src", sorted(SOURCES))
-@pytest.mark.parametrize("name", [*sorted(PASSES), "default"])
+@pytest.mark.parametrize("name", [*VALUE_PASSES, "default"])
 def test_pass_keeps_values(name: str, src: str):
     graph, weights, (want_out, want_state) = source(src)
     if name == "default" and src.startswith("replay-lint"):  # default lints strictly: the baked position fails
@@ -146,8 +156,9 @@ def test_pass_keeps_values(name: str, src: str):
         return
     out = run_pipeline(graph, name + OPTIONS.get(name, ""), verify_each=True)
     got_out, got_state = run(out, weights)
-    assert_close(want_out, got_out, f"{name} on {src}: outputs")
-    assert_close(want_state, got_state, f"{name} on {src}: state")
+    tol = ROUNDING.get(name)
+    assert_close(want_out, got_out, f"{name} on {src}: outputs", tol)
+    assert_close(want_state, got_state, f"{name} on {src}: state", tol)
 
 
 # ---------------------------------------------------------------- 3: fires where it must

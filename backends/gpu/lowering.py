@@ -211,6 +211,37 @@ def _concat(lw, n, ins, outs, p):
     return [Launch("copy.cu", kernel, grid_for(y.size), BLOCK, args)]  # lower_node skips empty results
 
 
+def _one_rank(n: Node) -> None:
+    if len(n.src) == 1 and n.params["ranks"] > 1:
+        raise BackendError(f"{n.op} with one source is one rank's collective; the gpu backend runs it through "
+                           f"NCCL across processes, which is not built yet: lower the all-ranks graph instead")
+
+
+def _all_reduce(lw, n, ins, outs, p):
+    """Simulated ranks in one Program: the sum of the rank sources, in rank order (as the reference)."""
+    _one_rank(n)
+    xs, y = [dev(x) for x in ins], outs[0]
+    if len(xs) == 1:
+        return [copy_launch(xs[0], y, what="all_reduce of one rank")]
+    return [binary_launch("add", xs[0], xs[1], y)] + [binary_launch("add", y, x, y) for x in xs[2:]]
+
+
+def _all_gather(lw, n, ins, outs, p):
+    """Simulated ranks in one Program: the rank pieces joined along `axis`, pairwise through scratch."""
+    _one_rank(n)
+    xs, y = [dev(x) for x in ins], outs[0]
+    axis = p["axis"] % y.ndim
+    if len(xs) == 1:
+        return [copy_launch(xs[0], y, what="all_gather of one rank")]
+    steps, acc = [], xs[0]
+    for i, x in enumerate(xs[1:], start=2):
+        shape = acc.shape[:axis] + (acc.shape[axis] + x.shape[axis],) + acc.shape[axis + 1:]
+        out = y if i == len(xs) else lw.scratch(shape, y.dtype)
+        steps += _concat(lw, n, [acc, x], [out], {"axis": axis})
+        acc = out
+    return steps
+
+
 def _set_rows(lw, n, ins, outs, p):
     dst, src, rows = ins[0], dev(ins[1]), ins[2]
     cap = dst.shape[0]
@@ -246,8 +277,11 @@ RULES: dict[str, Callable] = {
     "cast": _copy,
     "concat": _concat,
     "set_rows": _set_rows,
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
     "assign": _assign,
     "mul_mat": matmul.lower_mul_mat,
+    "mul_mat_bf16": matmul.lower_mul_mat_bf16,
     "get_rows": matmul.lower_get_rows,
     "flash_attn": attention.lower_flash_attn,
     "ssm_conv": recurrent.lower_ssm_conv,

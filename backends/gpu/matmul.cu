@@ -590,3 +590,9 @@ extern "C" __global__ void matmul_batched_f32(const void* __restrict__ W, const 
         Y[idx] = s;
     }
 }
+
+// y = x rounded to bf16 (ties to even): the activations of a tensor-core GEMM with bf16 weights
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, u16* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = f32_to_bf16(x[i]);
+}

@@ -9,6 +9,7 @@ mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every wei
   - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
     scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
     one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
+  - mul_mat_bf16 (the gemm-bf16 pass): cuBLAS GemmEx on tensor cores with bf16 operands, any m.
   - anything else (w an activation, or with batch axes): `matmul_batched_f32`, a plain dot per
     output with w's batch axes broadcast through zero strides.
 get_rows(table, ids): `get_rows_<fmt>`, one block per id; a bad id is reported through the error flag.
@@ -144,13 +145,13 @@ def _ensure_scratch(lw: Lowering, need: int) -> None:
     derived[SCRATCH_KEY] = cupy().empty(size, np.float32)
 
 
-def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCall:
-    cp = cupy()
+def _dequantizer(lw: Lowering, w: GpuParam) -> Any:
+    """A function that writes weight `w` as f32 [n_out, n_in] into the store's shared scratch (f32
+    weights: the weight itself) and returns it, for the prefill matmuls."""
     fmt = w.dtype
     n_out, n_in = w.shape
     if fmt == "f32":
-        wt = w.raw.T
-        return HostLibraryCall(lambda: cp.matmul(x2, wt, out=y2), f"mul_mat prefill f32 {n_out}x{n_in} (cuBLAS)")
+        return lambda: w.raw
     need = n_out * n_in
     _ensure_scratch(lw, need)
     derived = lw.weights.derived
@@ -160,12 +161,64 @@ def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCal
     args_head = (w.raw, np.int64(_row_bytes(fmt, n_in)))
     tail = (i32(n_out), i32(n_in))
 
-    def run() -> None:
+    def dequantized() -> Any:
         wf = derived[SCRATCH_KEY][:need].reshape(n_out, n_in)
         kern(grid, (256,), args_head + (wf,) + tail)
-        cp.matmul(x2, wf.T, out=y2)
+        return wf
 
-    return HostLibraryCall(run, f"mul_mat prefill {fmt} {n_out}x{n_in} (dequant + cuBLAS)")
+    return dequantized
+
+
+def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCall:
+    cp = cupy()
+    n_out, n_in = w.shape
+    weight = _dequantizer(lw, w)
+    how = "cuBLAS" if w.dtype == "f32" else "dequant + cuBLAS"
+    return HostLibraryCall(lambda: cp.matmul(x2, weight().T, out=y2), f"mul_mat prefill {w.dtype} {n_out}x{n_in} ({how})")
+
+
+# cuBLAS enums (cublas_api.h, library_types.h); hipBLAS takes the same values through CuPy's ROCm build
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16BF = 0, 14
+_COMPUTE_32F, _COMPUTE_32F_FAST_16BF = 68, 75
+_GEMM_DEFAULT = -1
+
+
+def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    """mul_mat_bf16 (from the gemm-bf16 pass): cuBLAS on tensor cores, bf16 operands, f32 accumulation.
+    bf16 weights are used as stored, x rounded to bf16 by one cast kernel; other formats are
+    dequantized to f32 and cuBLAS rounds both operands to bf16 itself (COMPUTE_32F_FAST_16BF)."""
+    from cupy_backends.cuda.libs import cublas
+
+    w, x, y = ins[0], ins[1], outs[0]
+    if not (isinstance(w, GpuParam) and len(w.shape) == 2):
+        raise BackendError("mul_mat_bf16: the gpu backend takes a 2-D weight (what the gemm-bf16 pass rewrites)")
+    _check_fmt(w.dtype, "mul_mat_bf16")
+    n_out, n_in = w.shape
+    m = math.prod(x.shape[:-1])
+    if m == 0 or n_out == 0:
+        return []
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise BackendError(f"mul_mat_bf16: x must be C-contiguous float32 on the gpu backend, got {x.dtype}")
+    x2, y2 = x.reshape(m, n_in), y.reshape(m, n_out)
+    handle = cupy().cuda.device.get_cublas_handle()
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars, read at each call
+    steps: list = []
+    if w.dtype == "bf16":
+        xb = lw.scratch((m, n_in), np.uint16)
+        steps.append(Launch("matmul.cu", "cast_f32_bf16", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
+                            (x2, xb, np.int64(m * n_in))))
+        a_ptr, b, dtype, compute = (lambda: w.raw.data.ptr), xb, _R_16BF, _COMPUTE_32F
+    else:
+        weight = _dequantizer(lw, w)
+        a_ptr, b, dtype, compute = (lambda: weight().data.ptr), x2, _R_32F, _COMPUTE_32F_FAST_16BF
+
+    def run() -> None:  # column-major: y^T [n_out, m] = w [n_in, n_out]^T . x^T [n_in, m]
+        cublas.gemmEx(handle, _OP_T, _OP_N, n_out, m, n_in, one.ctypes.data, a_ptr(), dtype, n_in,
+                      b.data.ptr, dtype, n_in, zero.ctypes.data, y2.data.ptr, _R_32F, n_out, compute, _GEMM_DEFAULT)
+
+    steps.append(HostLibraryCall(run, f"mul_mat_bf16 {w.dtype} {n_out}x{n_in} (cuBLAS, tensor cores)"))
+    return steps
 
 
 def _merge_batch(wb: tuple[int, ...], xb: tuple[int, ...]) -> tuple[list[int], list[int]]:

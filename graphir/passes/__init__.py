@@ -182,6 +182,7 @@ from graphir.passes import (  # noqa: E402,F401
     fuse_norm,
     fuse_rope,
     fuse_ssm,
+    gemm_bf16,
     replay_lint,
     shard_tp,
     stack,

@@ -1,0 +1,47 @@
+"""gemm-bf16: large matmuls in bfloat16 (mul_mat -> mul_mat_bf16), the precision tensor cores run fast.
+
+A prefill matmul of many tokens is compute-bound; in f32 it runs on the GPU's f32 units, in bf16
+on its tensor cores at many times the rate. The rewrite rounds both operands to bf16 (weights
+stored as bf16 are already exact) and keeps f32 accumulation, the precision HF transformers and
+llama.cpp use for prefill. It is opt-in (`--passes default,gemm-bf16`): the default pipeline keeps
+every product in f32, and `graphir check --passes default,gemm-bf16` shows what the rounding costs.
+
+Only matmuls of a 2-D weight (a Param, or Params stacked by stack-projections) with at least `min_rows` rows of x change: decode steps (a few
+rows) are bandwidth-bound, read the weight once either way, and stay exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from graphir.builder import make
+from graphir.ir import Graph, Node, toposort
+from graphir.passes import register_pass
+from graphir.passes.rewrite import Rewriter, rewrite
+
+
+@register_pass("gemm-bf16", "mul_mat of a 2-D weight by >= min_rows rows -> mul_mat_bf16 "
+                            "(bf16 operands, f32 accumulation): tensor-core prefill")
+@dataclass(frozen=True)
+class GemmBf16:
+    min_rows: int = 16
+
+    def _match(self, n: Node, rw: Rewriter) -> Node | None:
+        if n.op != "mul_mat":
+            return None
+        w, x = n.src
+        if len(w.shape) != 2 or not all(a.op in ("param", "const") for a in toposort([w]) if a.is_leaf):
+            return None  # not a weight (an activation, or with batch axes)
+        rows = math.prod(x.shape[:-1])
+        if rows < self.min_rows:
+            rw.reject(n, f"{rows} rows of x < min_rows={self.min_rows}: bandwidth-bound, kept in f32")
+            return None
+        return n
+
+    def _rewrite(self, n: Node, rw: Rewriter) -> Node:
+        rw.matched(n, "mul_mat_bf16")
+        return make("mul_mat_bf16", rw.new(n.src[0]), rw.new(n.src[1]), name=n.name)
+
+    def __call__(self, graph: Graph) -> Graph:
+        return rewrite(graph, [(self._match, self._rewrite)])
