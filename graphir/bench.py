@@ -425,8 +425,9 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+# rows shown only when the result has them (non-zero)
 OPTIONAL = frozenset({"device_memory_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
-                      "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})  # rows shown only when the result has them (non-zero)
+                      "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})
 
 
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:

@@ -5,7 +5,7 @@
 | GRAPHIR_VERIFY_PASSES=1 | `run_pipeline` runs the verifier after every pass and names the culprit |
 | GRAPHIR_DUMP_PASSES=1   | `run_pipeline` prints a text dump (graphir.dump) after every pass       |
 | GRAPHIR_NO_FUSION=1     | the `default` pipeline skips every fusion and keeps lint + cleanup only |
-| GRAPHIR_DEBUG_CACHE=1   | every program-cache miss prints which part of the key changed, and a gpu Program says when it captures or drops its CUDA graph (stderr) |
+| GRAPHIR_DEBUG_CACHE=1   | cache misses say which key part changed; gpu Programs say when they (re)capture |
 | GRAPHIR_NO_CAPTURE=1    | gpu Programs never capture into CUDA graphs (every call launches kernels) |
 | GRAPHIR_REQUIRE_KERNEL_COMPILERS=1 | the kernel-compile tests fail, not skip, without NVRTC or hipcc (CI) |
 

@@ -131,18 +131,18 @@ def _largest_matrix(lw: Lowering) -> int:
     return max(sizes, default=0)
 
 
-def _ensure_scratch(lw: Lowering, need: int) -> None:
-    """One f32 dequant buffer per weight store, at least `need` elements. It is allocated once for
-    the largest matrix of the store and only replaced by a larger one (a stacked weight): steps
+def _ensure_scratch(lw: Lowering, need: int, key: tuple[str, str] = SCRATCH_KEY, dtype: Any = np.float32) -> None:
+    """One dequant buffer per weight store and `key`, at least `need` elements. It is allocated once
+    for the largest matrix of the store and only replaced by a larger one (a stacked weight): steps
     look it up at call time, so every Program uses the current one and the old one is freed."""
     derived = lw.weights.derived
-    buf = derived.get(SCRATCH_KEY)
+    buf = derived.get(key)
     if buf is not None and buf.size >= need:
         return
     size = max(need, _largest_matrix(lw) if buf is None else 0)
-    derived[SCRATCH_KEY] = None
+    derived[key] = None
     del buf  # free the smaller buffer before allocating the larger one
-    derived[SCRATCH_KEY] = cupy().empty(size, np.float32)
+    derived[key] = cupy().empty(size, dtype)
 
 
 def _dequantizer(lw: Lowering, w: GpuParam) -> Any:
@@ -174,20 +174,25 @@ def _prefill_step(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> HostLibraryCal
     n_out, n_in = w.shape
     weight = _dequantizer(lw, w)
     how = "cuBLAS" if w.dtype == "f32" else "dequant + cuBLAS"
-    return HostLibraryCall(lambda: cp.matmul(x2, weight().T, out=y2), f"mul_mat prefill {w.dtype} {n_out}x{n_in} ({how})")
+    return HostLibraryCall(lambda: cp.matmul(x2, weight().T, out=y2),
+                           f"mul_mat prefill {w.dtype} {n_out}x{n_in} ({how})")
 
+
+BF16_SCRATCH_KEY = ("gpu", "bf16_weight_scratch")  # a non-bf16 weight rounded to bf16 for mul_mat_bf16
 
 # cuBLAS enums (cublas_api.h, library_types.h); hipBLAS takes the same values through CuPy's ROCm build
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14
-_COMPUTE_32F, _COMPUTE_32F_FAST_16BF = 68, 75
+_COMPUTE_32F = 68
 _GEMM_DEFAULT = -1
 
 
 def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     """mul_mat_bf16 (from the gemm-bf16 pass): cuBLAS on tensor cores, bf16 operands, f32 accumulation.
-    bf16 weights are used as stored, x rounded to bf16 by one cast kernel; other formats are
-    dequantized to f32 and cuBLAS rounds both operands to bf16 itself (COMPUTE_32F_FAST_16BF)."""
+    x is rounded to bf16 by our cast kernel (ties to even, as the reference); bf16 weights are used as
+    stored, other formats dequantized to f32 and rounded by the same kernel into a shared scratch.
+    (cuBLAS's own down-conversion, COMPUTE_32F_FAST_16BF, did not round as the reference does: the
+    GPU op tests failed with it on f32 and q8_0 weights, H200, 2026-11-30.)"""
     from cupy_backends.cuda.libs import cublas
 
     w, x, y = ins[0], ins[1], outs[0]
@@ -203,19 +208,31 @@ def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> 
     x2, y2 = x.reshape(m, n_in), y.reshape(m, n_out)
     handle = cupy().cuda.device.get_cublas_handle()
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars, read at each call
-    steps: list = []
+    cast = kernels.get("matmul.cu", "cast_f32_bf16")
+
+    def to_bf16(src: Any, dst: Any) -> None:
+        cast((min(cdiv(src.size, 256), _MAX_GRID),), (256,), (src, dst, np.int64(src.size)))
+
+    xb = lw.scratch((m, n_in), np.uint16)
+    steps = [Launch("matmul.cu", "cast_f32_bf16", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
+                    (x2, xb, np.int64(m * n_in)))]
     if w.dtype == "bf16":
-        xb = lw.scratch((m, n_in), np.uint16)
-        steps.append(Launch("matmul.cu", "cast_f32_bf16", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
-                            (x2, xb, np.int64(m * n_in))))
-        a_ptr, b, dtype, compute = (lambda: w.raw.data.ptr), xb, _R_16BF, _COMPUTE_32F
+        def weight_ptr() -> int:
+            return w.raw.data.ptr
     else:
-        weight = _dequantizer(lw, w)
-        a_ptr, b, dtype, compute = (lambda: weight().data.ptr), x2, _R_32F, _COMPUTE_32F_FAST_16BF
+        dequantized = _dequantizer(lw, w)
+        _ensure_scratch(lw, n_out * n_in, BF16_SCRATCH_KEY, np.uint16)
+        derived = lw.weights.derived
+
+        def weight_ptr() -> int:
+            wb = derived[BF16_SCRATCH_KEY][:n_out * n_in]
+            to_bf16(dequantized(), wb)
+            return wb.data.ptr
 
     def run() -> None:  # column-major: y^T [n_out, m] = w [n_in, n_out]^T . x^T [n_in, m]
-        cublas.gemmEx(handle, _OP_T, _OP_N, n_out, m, n_in, one.ctypes.data, a_ptr(), dtype, n_in,
-                      b.data.ptr, dtype, n_in, zero.ctypes.data, y2.data.ptr, _R_32F, n_out, compute, _GEMM_DEFAULT)
+        cublas.gemmEx(handle, _OP_T, _OP_N, n_out, m, n_in, one.ctypes.data, weight_ptr(), _R_16BF, n_in,
+                      xb.data.ptr, _R_16BF, n_in, zero.ctypes.data, y2.data.ptr, _R_32F, n_out, _COMPUTE_32F,
+                      _GEMM_DEFAULT)
 
     steps.append(HostLibraryCall(run, f"mul_mat_bf16 {w.dtype} {n_out}x{n_in} (cuBLAS, tensor cores)"))
     return steps

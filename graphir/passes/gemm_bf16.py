@@ -6,8 +6,9 @@ stored as bf16 are already exact) and keeps f32 accumulation, the precision HF t
 llama.cpp use for prefill. It is opt-in (`--passes default,gemm-bf16`): the default pipeline keeps
 every product in f32, and `graphir check --passes default,gemm-bf16` shows what the rounding costs.
 
-Only matmuls of a 2-D weight (a Param, or Params stacked by stack-projections) with at least `min_rows` rows of x change: decode steps (a few
-rows) are bandwidth-bound, read the weight once either way, and stay exact.
+Only matmuls of a 2-D weight (a Param, or Params stacked by stack-projections) with at least
+`min_rows` rows of x change: decode steps (a few rows) are bandwidth-bound, read the weight once
+either way, and stay exact.
 """
 
 from __future__ import annotations
