@@ -267,7 +267,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     api = _api(model)
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
-    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, threads=threads)
+    # --threads only when given: without it load() leaves the thread setting as it is (auto)
+    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, **({"threads": threads} if threads else {}))
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
