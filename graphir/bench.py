@@ -265,7 +265,7 @@ def ttft_new_process(spec: str, backend: str, passes: str, prompt: list[int], co
 def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
-          new_process: bool = False) -> dict[str, Any]:
+          new_process: bool = False, compare_hf: bool = False) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
@@ -329,8 +329,13 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         "ttft_new_process_s": 0.0, "ttft_cold_process_s": 0.0,
         "machine": {**machine(), **({"gpu": gpu_name()} if on_gpu else {})},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "llama_cpp": None, "llama_cpp_note": "",
+        "llama_cpp": None, "llama_cpp_note": "", "hf_eager": None, "hf_compiled": None, "hf_note": "",
     }
+    if compare_hf:
+        from graphir.bench_hf import hf_peers
+
+        result["hf_eager"], result["hf_compiled"], result["hf_note"] = hf_peers(
+            model, prefill, prompt, decode_tokens, repeats)
     del model
     if new_process:
         result["ttft_new_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=False)
@@ -425,6 +430,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+HF_ROWS = (("logits vs graphir (max diff / max |logit|)", "logits_rel_diff", lambda v: f"{v:.1e}"),)
 # rows shown only when the result has them (non-zero)
 OPTIONAL = frozenset({"device_memory_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
                       "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})
@@ -444,18 +450,22 @@ def header_lines(result: dict[str, Any], command: str | None = None) -> list[str
     return lines
 
 
+PEERS = (("llama_cpp", "llama.cpp (same run)"), ("hf_eager", "HF eager (same run)"),
+         ("hf_compiled", "HF static+compile (same run)"))
+
+
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """(column titles, rows of text): graphir, then llama.cpp where it ran."""
-    other = result.get("llama_cpp") or None
-    columns = ["metric", "graphir"] + (["llama.cpp (same run)"] if other else [])
+    """(column titles, rows of text): graphir, then each peer that ran (llama.cpp, HF)."""
+    peers = [(title, result[key]) for key, title in PEERS if result.get(key)]
+    columns = ["metric", "graphir"] + [title for title, _ in peers]
     rows = []
-    for label, key, fmt in ROWS:
+    for label, key, fmt in ROWS + HF_ROWS:
         if key in OPTIONAL and not result.get(key):
             continue  # e.g. device memory off the gpu backend
-        row = [label, fmt(result[key])]
-        if other:
-            row.append(fmt(other[key]) if key in other else "")
-        rows.append(row)
+        row = [label, fmt(result[key]) if key in result else ""]
+        row += [fmt(other[key]) if key in other else "" for _, other in peers]
+        if any(cell for cell in row[1:]):
+            rows.append(row)
     return columns, rows
 
 
@@ -463,7 +473,7 @@ def render(result: dict[str, Any], command: str | None = None, file: Any = None,
     """Print the header lines and the table: with rich unless `plain` or rich is missing, else plain text."""
     file = file or sys.stdout
     columns, rows = table_rows(result)
-    notes = [result["llama_cpp_note"]] if result.get("llama_cpp_note") else []
+    notes = [result[k] for k in ("llama_cpp_note", "hf_note") if result.get(k)]
     try:
         from rich.console import Console
         from rich.table import Table

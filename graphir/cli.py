@@ -517,14 +517,16 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--new-process", is_flag=True,
               help="also time the first token in a new process, with warm and with empty kernel caches")
 @click.option("--no-llama-cpp", is_flag=True, help="skip the same-run llama-cpp-python comparison")
+@click.option("--compare", "compare", type=click.Choice(["hf"]), default=None,
+              help="also run HF transformers (eager, and static cache + torch.compile) on the same weights")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers (and machine, date, command) to this JSON file")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
-              long_prefill: int | None, new_process: bool, no_llama_cpp: bool, json_path: str | None,
-              threads: int | None) -> None:
+              long_prefill: int | None, new_process: bool, no_llama_cpp: bool, compare: str | None,
+              json_path: str | None, threads: int | None) -> None:
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
@@ -546,7 +548,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     try:
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
                        decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp,
-                       long_prefill_tokens=long_prefill, new_process=new_process)
+                       long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare == "hf")
     except ValueError as e:
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
@@ -555,6 +557,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
                          + (["--long-prefill", str(long_prefill)] if long_prefill is not None else [])
                          + (["--new-process"] if new_process else [])
                          + (["--no-llama-cpp"] if no_llama_cpp else [])
+                         + (["--compare", compare] if compare else [])
                          + (["--threads", str(threads)] if threads is not None else []))
     result["command"] = command
     render(result, command, file=sys.stdout)

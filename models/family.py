@@ -57,6 +57,9 @@ class Family:
     # rows at or past kv_len are never read)
     reset_state: Callable[[Any, Mapping[str, np.ndarray]], None]
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type" values, when "architectures" is absent
+    # config -> the config.json an HF transformers model of the same shapes is built from (`graphir
+    # bench --compare hf`); None where the family has no such mapping (the comparison is skipped)
+    config_to_hf: Callable[[Any], dict[str, Any]] | None = None
     default_chat_template: str | None = None  # for files that carry none
 
 

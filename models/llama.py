@@ -230,6 +230,19 @@ HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old ch
 HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
 
 
+def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    """The config.json of the HF model with these shapes (the inverse of config_from_hf). Llama GGUF
+    files store Q/K rows permuted for the "norm" rope; their tensors are not HF's, so they have none."""
+    if c.rope_mode != "neox":
+        raise LoadError(f"{c.arch}: rope mode {c.rope_mode!r} (a llama GGUF's permuted Q/K) has no HF equivalent")
+    arch = next(a for a, ours in HF_ARCHITECTURES.items() if ours == c.arch)
+    return {"architectures": [arch], "model_type": c.arch, "vocab_size": c.n_vocab, "hidden_size": c.d_model,
+            "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+            "head_dim": c.head_dim, "intermediate_size": c.d_ff, "rope_theta": c.rope_theta,
+            "rms_norm_eps": c.rms_eps, "tie_word_embeddings": c.tied_embeddings,
+            "max_position_embeddings": c.context_length, "attention_bias": False, "mlp_bias": False}
+
+
 def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaConfig:
     archs = hf.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
@@ -303,4 +316,5 @@ FAMILY = Family(
     presets=PRESETS,
     random_weights=random_weights,
     reset_state=no_state_to_reset,
+    config_to_hf=config_to_hf,
 )
