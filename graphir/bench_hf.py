@@ -72,6 +72,8 @@ def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: i
         def sync_time(fn) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            # a new step for torch.compile's CUDA graphs: the last call's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
             fn()
             torch.cuda.synchronize()
             return time.perf_counter() - t0
@@ -82,8 +84,9 @@ def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: i
                     pad_token_id=0)
         with torch.no_grad():
             for _ in range(2):  # warm-up: kernels, and the compiled path's graphs
-                m.generate(ids, **one)
-                m.generate(ids, **many)
+                for kw in (one, many):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    m.generate(ids, **kw)
             prefill_s = [sync_time(lambda: m(pre)) for _ in range(repeats)]
             first = min(sync_time(lambda: m.generate(ids, **one)) for _ in range(repeats))
             decode_s = [sync_time(lambda: m.generate(ids, **many)) - first for _ in range(repeats)]
