@@ -74,7 +74,6 @@ def kernel_table(program, top: int) -> None:
     into a CUDA graph and replayed (so Python launch cost is out; each kernel still pays its own
     launch-to-launch gap, as in the whole step's graph)."""
     import cupy as cp
-
     from graphir.backends.gpu.device import stream
 
     s = stream()
