@@ -1,0 +1,401 @@
+"""Speculative decoding: a drafter proposes a few tokens, the target model checks them all in one call.
+
+    target = graphir.load("smollm2-135m", dtype="f32")
+    draft = graphir.load("smollm2-135m")                          # any model with the target's vocabulary
+    ids = list(speculative.generate(target, draft, prompt, 64))   # or drafter "lookup": prompt n-grams
+
+A verify call is the target's forward over the pending token and k drafted ones, [t, d1..dk], at
+run-time positions n_past.. It is the prefill graph of a VERIFY_BUCKETS size with every row's output
+kept (no new builder: positions, KV write rows and the KV length are already Inputs, so one Program
+per bucket serves every position and every acceptance pattern; the ProgramCache key holds no
+position). Greedy verify graphs end in the `sample` op at temperature 0, so a call returns one argmax
+id per row; sampling verify graphs return the logits, which the host needs for the acceptance rule.
+A call of m < b tokens is padded as Model.feed pads: padding tokens first, writing the rows past the
+real ones, which no real token reads.
+
+Greedy acceptance keeps the longest prefix of drafts equal to the target's argmax, plus the target's
+token after it, so the output equals plain greedy decoding token for token. Sampling uses the
+speculative-sampling rule (accept d with probability min(1, p(d)/q(d)), else draw from the residual
+max(p - q, 0)), so each token is distributed exactly as the target's `sample` chain (top-k, temperature,
+top-p) would draw it.
+
+Rollback is by KV length: the rows of rejected drafts lie past the new n_past, so no call reads them
+and the next one overwrites them. Models with whole-buffer State (Qwen3.5's conv and recurrent
+states, written with `assign`) cannot roll back that way; they are refused with a clear error until
+the verify graph keeps per-token states (issue 11, item 4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from graphir.errors import InputError
+from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings
+from graphir.ops import SAMPLING_FIELDS
+
+if TYPE_CHECKING:
+    from graphir.api import Model
+
+VERIFY_BUCKETS = (2, 4, 8, 16)  # tokens per verify call: the pending token plus up to 15 drafts
+MAX_DRAFT_LEN = VERIFY_BUCKETS[-1] - 1
+LOOKUP = "lookup"
+
+
+@dataclass
+class Draft:
+    """Proposed tokens; `probs` [len(tokens), vocab]: the distribution each was drawn from, or None when
+    the drafter chose them deterministically (its distribution is one-hot at the token)."""
+
+    tokens: list[int]
+    probs: np.ndarray | None = None
+
+
+class Drafter(Protocol):
+    """Proposes up to k tokens that continue `context` (the prompt, the tokens so far and the pending one)."""
+
+    name: str
+
+    def check(self, target: Model) -> None:
+        """Raise InputError if this drafter cannot draft for `target`."""
+
+    def start(self) -> None:
+        """A new sequence begins."""
+
+    def propose(self, context: Sequence[int], k: int, settings: Settings) -> Draft:
+        """Up to k tokens (fewer, even none, is fine); drawn with `settings` unless greedy."""
+
+
+# ---------------------------------------------------------------- sampling distributions
+def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """f64 [vocab]: the distribution `sample_row` draws from (its kept set, softmax at temperature;
+    one-hot at the first largest logit when greedy)."""
+    x = np.asarray(logits, np.float64).reshape(-1)
+    out = np.zeros(x.size)
+    if temperature <= 0.0 or int(top_k) == 1:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    order = np.argsort(-x, kind="stable")
+    if 0 < int(top_k) < x.size:
+        order = order[: int(top_k)]
+    w = np.exp((x[order] - x[order[0]]) / temperature)
+    if top_p < 1.0:
+        keep = np.cumsum(w) - w < top_p * w.sum()
+        order, w = order[keep], w[keep]
+    out[order] = w / w.sum()
+    return out
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    """The first id (in id order, as `sample_row` walks) whose cumulative probability exceeds u * total."""
+    cum = np.cumsum(probs)
+    return int(min(int(np.searchsorted(cum, u * cum[-1], side="right")), probs.size - 1))
+
+
+def _probs(logits: np.ndarray, settings: Settings) -> np.ndarray:
+    return sampling_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+
+
+def accept_greedy(drafts: Sequence[int], target_ids: Sequence[int]) -> list[int]:
+    """The longest prefix of drafts on which the target's argmax agrees, plus the target's next token.
+    target_ids[i] is the target's choice after the pending token and drafts[:i]."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target_ids[a]:
+        a += 1
+    return [*drafts[:a], int(target_ids[a])]
+
+
+def accept_sampled(draft: Draft, p: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """Speculative sampling: draft token d_i (drawn from q_i) is kept with probability min(1, p_i(d)/q_i(d));
+    the first rejected one is replaced by a draw from norm(max(p_i - q_i, 0)); if every draft is kept, a
+    bonus token is drawn from p_k. p [len(tokens) + 1, vocab]: the target's distributions."""
+    out = []
+    for i, d in enumerate(draft.tokens):
+        q = draft.probs[i] if draft.probs is not None else np.eye(1, p.shape[1], d)[0]
+        if rng.random() * q[d] < p[i, d]:  # u < p/q without dividing by a q of 0
+            out.append(int(d))
+            continue
+        residual = np.maximum(p[i] - q, 0.0)
+        # a reject happens only where p(d) < q(d), so the residual has mass; guard rounding anyway
+        out.append(draw(residual if residual.sum() > 0 else p[i], rng.random()))
+        return out
+    out.append(draw(p[len(draft.tokens)], rng.random()))
+    return out
+
+
+# ---------------------------------------------------------------- drafters
+def _whole_state_write(model: Model) -> str | None:
+    """The first State write that replaces a whole buffer (conv/recurrent state), or None: such a
+    state cannot be rolled back by rewinding the KV length."""
+    for n in model.graph("decode").nodes():
+        if n.op == "assign":
+            return n.describe()
+    return None
+
+
+def _check_rollback(model: Model, role: str) -> None:
+    node = _whole_state_write(model)
+    if node is not None:
+        raise InputError(f"speculative decoding: the {role} {model.source} ({model.config.arch}) writes whole "
+                         f"State buffers ({node}); recurrent and conv states cannot roll back by KV length, "
+                         f"so speculative decoding is not supported for it yet")
+
+
+class DraftModel:
+    """A smaller (or quantized) model sharing the target's vocabulary drafts greedily or by sampling.
+    It keeps its own KV cache: each proposal rewinds it to the tokens it shares with the context
+    (rollback by KV length) and feeds the rest."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.name = f"draft model {model.source}"
+        self._fed: list[int] = []  # the tokens whose KV rows the draft model holds
+
+    def check(self, target: Model) -> None:
+        _check_vocab(self.model, target)
+        _check_rollback(self.model, "draft model")
+
+    def start(self) -> None:
+        self.model.reset()
+        self._fed = []
+
+    def propose(self, context: Sequence[int], k: int, settings: Settings) -> Draft:
+        m = self.model
+        k = min(k, m.config.ctx - len(context) + 1)  # the context and k - 1 drafts must fit its KV cache
+        if k <= 0:
+            return Draft([])
+        keep = _common_prefix(self._fed, context, len(context) - 1)  # at least the last token is fed again
+        m.n_past = keep
+        logits = m.feed(context[keep:], last_only=True)[-1]
+        fed = list(context)
+        tokens: list[int] = []
+        probs = []
+        for i in range(k):
+            if settings.greedy:
+                token = int(np.argmax(logits)) if i == 0 else m._decode_sample(tokens[-1], settings)
+            else:
+                if i:
+                    logits = m.feed([tokens[-1]], last_only=True)[-1]
+                probs.append(_probs(logits, settings))
+                token = draw(probs[-1], settings.rng.random())
+            if i:
+                fed.append(tokens[-1])
+            tokens.append(token)
+        self._fed = fed
+        return Draft(tokens, np.stack(probs) if probs else None)
+
+
+class PromptLookup:
+    """No model: find the latest earlier occurrence of the context's last n tokens (n from max_ngram down
+    to min_ngram) and propose the tokens that followed it. Its proposals are deterministic."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise InputError(f"prompt lookup: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"prompt lookup (n-grams {min_ngram}..{max_ngram})"
+
+    def check(self, target: Model) -> None:
+        pass  # it proposes ids from the context, which are the target's
+
+    def start(self) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int, settings: Settings) -> Draft:
+        ctx = np.asarray(context)
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            tail = ctx[-n:]
+            # candidate starts s with a match ctx[s:s+n] == tail and at least one token after it (s + n < len)
+            starts = np.flatnonzero(ctx[: len(ctx) - n] == tail[0])
+            for s in starts[::-1]:
+                if np.array_equal(ctx[s:s + n], tail):
+                    return Draft([int(t) for t in ctx[s + n:s + n + k]])
+        return Draft([])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _check_vocab(draft: Model, target: Model) -> None:
+    if draft.config.n_vocab != target.config.n_vocab:
+        raise InputError(f"speculative decoding: the draft model {draft.source} has a vocabulary of "
+                         f"{draft.config.n_vocab} tokens, the target {target.source} {target.config.n_vocab}; "
+                         f"a drafter must share the target's tokenizer")
+    a, b = draft.tokenizer, target.tokenizer
+    if a is None or b is None:
+        return  # an HF directory without tokenizer.json: the vocabulary size is all there is to compare
+    if a.vocab_size != b.vocab_size:
+        raise InputError(f"speculative decoding: the draft model {draft.source}'s tokenizer has {a.vocab_size} "
+                         f"tokens, the target {target.source}'s {b.vocab_size}; a drafter must share the "
+                         f"target's tokenizer")
+    for i in np.linspace(0, b.vocab_size - 1, 64).astype(int).tolist():  # a sample: cheap, and catches a remap
+        if a.token(i) != b.token(i):
+            raise InputError(f"speculative decoding: token {i} is {a.token(i)!r} for the draft model "
+                             f"{draft.source} but {b.token(i)!r} for the target {target.source}; a drafter "
+                             f"must share the target's tokenizer")
+
+
+def as_drafter(drafter: Any) -> Drafter:
+    """A Drafter from a Drafter, a loaded Model (a draft model) or "lookup" (prompt lookup)."""
+    from graphir.api import Model
+
+    if isinstance(drafter, Model):
+        return DraftModel(drafter)
+    if drafter == LOOKUP:
+        return PromptLookup()
+    if all(hasattr(drafter, a) for a in ("check", "start", "propose")):
+        return drafter
+    raise InputError(f"speculative decoding: drafter must be a loaded Model, {LOOKUP!r} or a Drafter "
+                     f"(check/start/propose), got {drafter!r}")
+
+
+# ---------------------------------------------------------------- verify
+def verify_bucket(m: int, room: int) -> int:
+    """The verify call size for m tokens: the smallest bucket >= m whose rows fit the `room` KV rows left."""
+    if m == 1:
+        return 1
+    return min(b for b in VERIFY_BUCKETS if b >= m and b <= room)
+
+
+def max_verify_tokens(room: int) -> int:
+    """The most tokens one verify call may take with `room` KV rows left (1: a plain decode step)."""
+    return max([b for b in VERIFY_BUCKETS if b <= room], default=1)
+
+
+def verify_program(target: Model, b: int, greedy: bool) -> Any:
+    """The cached Program of a b-token verify call: the prefill graph with every row's output, ending in the
+    `sample` op (argmax ids) when greedy. b == 1 is the decode graph, the one plain decoding replays."""
+    return target._program(b, False, sampler=greedy)
+
+
+def verify_inputs(n_past: int, tokens: Sequence[int], b: int) -> dict[str, np.ndarray]:
+    """Inputs of a b-token call reading `tokens` at positions n_past..: the b - m padding tokens go first,
+    at the rows past the real ones (which kv_len keeps from every real token), as Model.feed pads."""
+    m = len(tokens)
+    rows = np.arange(n_past, n_past + b, dtype=np.int32)
+    pos = np.concatenate([rows[m:], rows[:m]])
+    ids = np.concatenate([np.full(b - m, tokens[0], np.int32), np.asarray(tokens, np.int32)])
+    return {"tokens": ids, "pos": pos, "kv_idx": pos.copy(), "kv_len": np.array([n_past + m], np.int32)}
+
+
+def verify(target: Model, tokens: Sequence[int], greedy: bool) -> np.ndarray:
+    """Feed `tokens` at n_past.. in one call; the target's argmax ids [m] (greedy) or logits [m, vocab].
+    n_past is left unchanged: the caller advances it past the accepted tokens."""
+    m, n = len(tokens), target.n_past
+    b = verify_bucket(m, target.config.ctx - n)
+    target._ensure_state()
+    inputs = verify_inputs(n, tokens, b)
+    if greedy:
+        inputs[SAMPLING_INPUT] = np.zeros((b, len(SAMPLING_FIELDS)), np.float32)  # temperature 0: argmax
+    out = verify_program(target, b, greedy)(inputs, target._state)
+    return np.asarray(out[TOKEN_OUTPUT] if greedy else out["logits"])[b - m:]
+
+
+# ---------------------------------------------------------------- the loop
+@dataclass
+class SpecStats:
+    verify_calls: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    new_tokens: int = 0  # tokens produced by verify calls (accepted drafts plus the target's own)
+    accepted_per_call: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.new_tokens / self.verify_calls if self.verify_calls else 0.0
+
+
+def generate(target: Model, drafter: Any, prompt_ids: Sequence[int], max_new_tokens: int, draft_len: int = 4,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stop_at_eos: bool = True) -> Iterator[int]:
+    """Yield new token ids as Model.generate does, with `drafter` (a Model, "lookup" or a Drafter) proposing
+    up to `draft_len` tokens per verify call. Greedy output equals plain greedy decoding token for token;
+    sampled output has the target's distribution. Everything is checked before the first token is asked
+    for; target.stats gains verify_calls, draft_tokens, accepted_tokens (see `last_stats`)."""
+    ids = target._check_ids(prompt_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, (int, np.integer)) or not 1 <= draft_len:
+        raise InputError(f"draft_len must be an int >= 1, got {draft_len!r}")
+    if draft_len > MAX_DRAFT_LEN:
+        raise InputError(f"draft_len {draft_len} is above the largest verify bucket: a verify call reads the "
+                         f"pending token and the drafts, at most {VERIFY_BUCKETS[-1]} tokens "
+                         f"(VERIFY_BUCKETS {VERIFY_BUCKETS}), so draft_len <= {MAX_DRAFT_LEN}")
+    target._check_fits(len(ids), int(max_new_tokens))
+    settings = Settings(temperature, top_k, top_p, seed)
+    drafter = as_drafter(drafter)
+    _check_rollback(target, "target")
+    drafter.check(target)
+    return _run(target, drafter, ids.tolist(), int(max_new_tokens), int(draft_len), settings, stop_at_eos)
+
+
+def last_stats(target: Model) -> SpecStats:
+    """The SpecStats of the target's latest speculative generation."""
+    return target.stats["speculative"]
+
+
+def _run(target: Model, drafter: Drafter, prompt: list[int], max_new: int, draft_len: int, settings: Settings,
+         stop_at_eos: bool) -> Iterator[int]:
+    if max_new <= 0:
+        return
+    stats = SpecStats()
+    target.reset()
+    target._clear_run_stats()
+    target.stats["speculative"] = stats
+    drafter.start()
+    context = list(prompt)
+    token = target._prefill_sample(prompt, settings)  # the first token, exactly as plain generation reads it
+    produced = 0
+    while True:
+        if stop_at_eos and token in target.eos_ids:
+            return
+        yield token
+        produced += 1
+        context.append(token)
+        if produced == max_new:
+            return
+        t0 = time.perf_counter()
+        new = _step(target, drafter, context, min(draft_len, max_new - produced - 1), settings, stats)
+        target._add_stats("decode", len(new), t0)
+        for t in new[:-1]:  # the last one is the next pending token
+            if stop_at_eos and t in target.eos_ids:
+                return
+            yield t
+            produced += 1
+            context.append(t)
+        token = new[-1]
+
+
+def _step(target: Model, drafter: Drafter, context: list[int], k: int, settings: Settings,
+          stats: SpecStats) -> list[int]:
+    """One draft-and-verify round after `context` (its last token pending: not yet fed to the target);
+    the new tokens, at least one. target.n_past moves past the pending token and the accepted drafts."""
+    k = min(k, max_verify_tokens(target.config.ctx - target.n_past) - 1)
+    draft = drafter.propose(context, k, settings) if k > 0 else Draft([])
+    draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+    tokens = [context[-1], *draft.tokens]
+    if settings.greedy:  # nothing drafted: a 1-token call, the decode Program plain decoding replays
+        new = accept_greedy(draft.tokens, verify(target, tokens, greedy=True))
+    else:
+        logits = verify(target, tokens, greedy=False)
+        new = accept_sampled(draft, np.stack([_probs(row, settings) for row in logits]), settings.rng)
+    target.n_past += len(new)  # the pending token and the accepted drafts; the rest roll back
+    stats.verify_calls += 1
+    stats.draft_tokens += len(draft.tokens)
+    stats.accepted_tokens += len(new) - 1
+    stats.new_tokens += len(new)
+    stats.accepted_per_call.append(len(new) - 1)
+    return new
