@@ -20,6 +20,7 @@ class FakeMachine:
         self.busy = 0  # jiffies, 100 Hz
         self.own = 0.0
         self.readable = True
+        self.reads = 0
 
     def run(self, seconds: float, ours: float, others: float) -> None:
         self.t += seconds
@@ -27,8 +28,11 @@ class FakeMachine:
         self.own += ours * seconds
 
     def watch(self, cap: int, cpus: int) -> T.LoadWatch:
-        return T.LoadWatch(cap, cpus, lambda: (self.busy, 0) if self.readable else None,
-                           own_cpu=lambda: self.own, clock=lambda: self.t, hz=100)
+        return T.LoadWatch(cap, cpus, self.stat, own_cpu=lambda: self.own, clock=lambda: self.t, hz=100)
+
+    def stat(self) -> tuple[int, int] | None:
+        self.reads += 1
+        return (self.busy, 0) if self.readable else None
 
 
 def test_auto_uses_the_pool_on_a_quiet_machine_and_one_thread_beside_a_hog():
@@ -65,6 +69,9 @@ def test_auto_keeps_the_pool_where_proc_stat_is_unreadable():
     w = m.watch(cap=2, cpus=2)
     m.run(0.5, ours=0.5, others=1.5)
     assert w.current() == 2
+    reads = m.reads
+    m.run(0.1, ours=0.5, others=1.5)
+    assert w.current() == 2 and m.reads == reads  # tried once a window, not at every call
 
 
 def test_set_threads_validates_and_fixes_the_count():

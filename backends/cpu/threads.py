@@ -99,9 +99,9 @@ class LoadWatch:
             return self.threads
         stat, own = self.stat(), self.own_cpu()
         (prev_stat, prev_own), self._sample = self._sample, (stat, own)
+        elapsed, self._t = t - self._t, t
         if stat is None or prev_stat is None:
             return self.threads
-        elapsed, self._t = t - self._t, t
         busy_s = (stat[0] - prev_stat[0]) / self.hz
         self.others = max(0.0, busy_s - (own - prev_own)) / elapsed
         taken = 0 if self.others < BUSY_CORES else math.ceil(self.others - BUSY_CORES)
