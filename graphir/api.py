@@ -31,17 +31,17 @@ from graphir.errors import InputError, LoadError
 from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, registry
+from graphir.models.default_model import DEFAULT_MODEL
 from graphir.models.family import ModelConfig
 from graphir.models.hf_dir import TOKENIZER_FILE
 from graphir.ops import SAMPLING_FIELDS, sample_row
-from graphir.program import new_state
+from graphir.run_inputs import new_state
 from graphir.weights import Weights
 
 PREFILL_BUCKETS = (512, 128, 32, 8, 1)
 # A call's fixed cost in prefill tokens: SmolLM2 Q4_1 on 2 cores, 8 / 32 / 128 tokens in 54 / 146 / 542 ms
 # is about 10 ms a call plus 4.2 ms a token.
 CALL_COST = 3
-DEFAULT_MODEL = "smollm2-135m"
 
 
 class Model:

@@ -44,7 +44,7 @@ from graphir.backends.reference import lower
 from graphir.errors import GraphError
 from graphir.ir import Graph
 from graphir.passes import CoverageReport, run_pipeline
-from graphir.program import new_state
+from graphir.run_inputs import new_state
 from graphir.weights import Weights
 
 DEFAULT_TOL = 1e-4

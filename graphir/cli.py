@@ -33,10 +33,11 @@ from graphir.diff import diff_html
 from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
 from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
+from graphir.models.default_model import DEFAULT_MODEL
 from graphir.models.hf_dir import TOKENIZER_FILE, read_text
 from graphir.models.loader import DEFAULT_MAX_CTX
+from graphir.passes import PASSES, parse_pipeline, pipelines, run_pipeline
 
-DEFAULT_MODEL = "smollm2-135m"
 _EXTENSIONS = {".txt": "text", ".dot": "dot", ".gv": "dot", ".json": "json", ".html": "html", ".htm": "html"}
 
 
@@ -83,10 +84,9 @@ BACKEND_CHOICE = click.Choice([*BACKENDS, AUTO])
 
 def _pipeline_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Parse a --passes pipeline without running it, so a bad name or option fails before any model loads."""
-    parse = getattr(_import_or_none("graphir.passes"), "parse_pipeline", None)
-    if value and parse is not None:
+    if value:
         try:
-            parse(value)
+            parse_pipeline(value)
         except GraphirError as e:
             raise click.BadParameter(str(e), ctx, param) from None
     return value
@@ -108,24 +108,14 @@ def main() -> None:
 
 
 # ---------------------------------------------------------------- passes
-def _pass_registry() -> dict[str, Any]:
-    return dict(getattr(_import_or_none("graphir.passes"), "PASSES", None) or {})
-
-
 @main.command("passes")
 def passes_cmd() -> None:
     """List the registered graph passes with a one-line description each, then each named pipeline's passes."""
-    registry = _pass_registry()
-    if not registry:
-        click.echo("no passes registered yet")
-        return
-    width = max(len(name) for name in registry)
-    for name, p in registry.items():
-        click.echo(f"{name:<{width}}  {getattr(p, 'description', '')}")
-    pipelines = getattr(_import_or_none("graphir.passes"), "pipelines", dict)()
-    if pipelines:
-        click.echo("\npipelines (a name in --passes runs these in order):")
-    for name, members in pipelines.items():
+    width = max(len(name) for name in PASSES)
+    for name, p in PASSES.items():
+        click.echo(f"{name:<{width}}  {p.description}")
+    click.echo("\npipelines (a name in --passes runs these in order):")
+    for name, members in pipelines().items():
         click.echo(f"{name} = {', '.join(members)}")
 
 
@@ -157,33 +147,12 @@ def load_graph(spec: str, phase: str) -> Graph:
 
 def _load_for_graphs(spec: str) -> Any:
     """A model whose graphs and weights are read, never run: no backend to import, no passes to apply."""
-    return _api(spec).load(spec, backend="reference", passes="")
+    return _api().load(spec, backend="reference", passes="")
 
 
-def _api(spec: str) -> Any:
-    try:
-        api = importlib.import_module("graphir.api")  # lazily: loading models pulls in the model stack
-    except ImportError as e:
-        raise CliError(f"cannot resolve model spec {spec!r}: graphir.api is not available ({e}); "
-                       f"use 'example' or a .json graph file") from None
-    return api
-
-
-def _run_pipeline(graph: Graph, pipeline: str) -> Graph:
-    run_pipeline = getattr(_import_or_none("graphir.passes"), "run_pipeline", None)
-    if run_pipeline is None:
-        raise CliError("--passes needs graphir.passes.run_pipeline, which is not available yet")
-    return run_pipeline(graph, pipeline)
-
-
-def _import_or_none(name: str) -> Any:
-    """The module, or None if it does not exist yet; a module that exists but fails to import still raises."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return None
+def _api() -> Any:
+    """graphir.api, imported when a command needs a model (it pulls in the model stack)."""
+    return importlib.import_module("graphir.api")
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -222,7 +191,7 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
         raise click.UsageError("--layers folds text, dot and html views; JSON always holds the whole graph")
     graph = load_graph(spec, phase)
     if pipeline:
-        after = _run_pipeline(graph, pipeline)
+        after = run_pipeline(graph, pipeline)
         if diff:
             _emit((diff_html if fmt == "html" else diff_graphs)(graph, after, layers), output)
             return
@@ -264,7 +233,7 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
         return
     backend = _checked_backend(backend or AUTO)
     _check_runnable(model)
-    api = _api(model)
+    api = _api()
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
     # --threads only when given: without it load() leaves the thread setting as it is (auto)
@@ -308,7 +277,7 @@ def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, tempera
     backend = _checked_backend(backend or AUTO)
     _check_runnable(model)
     click.echo(f"loading {model} on {backend} ...", err=True)
-    lm = _api(model).load(model, backend=backend, passes=pipeline, ctx=ctx)
+    lm = _api().load(model, backend=backend, passes=pipeline, ctx=ctx)
     if lm.tokenizer is None or not getattr(lm.tokenizer, "chat_template", None):
         raise CliError(f"{model}: no chat template in the model's files; use `graphir run` for raw completion")
     messages = [{"role": "system", "content": system}] if system else []

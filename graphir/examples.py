@@ -130,7 +130,7 @@ def run_example(prompt_ids: list[int], max_new_tokens: int = 4, seed: int = 0, b
                 config: ExampleConfig = ExampleConfig()) -> ExampleRun:
     """Prefill the prompt, then replay one decode Program per new token (greedy)."""
     from graphir.backends.registry import get_backend
-    from graphir.program import new_state
+    from graphir.run_inputs import new_state
 
     if not prompt_ids:
         raise InputError("example: the prompt is empty; give at least one token")

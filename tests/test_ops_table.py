@@ -1,6 +1,6 @@
 """The op table is complete: every op has a doc, a reference, a sane params schema and a formula test.
 
-Fused ops may be registered by graphir/ops_fused.py (imported by graphir.ops or graphir.passes),
+Fused ops may be registered by graphir/ops/fused.py (imported by graphir.ops),
 so the passes package is imported first and those ops are held to the same rules.
 """
 
@@ -17,7 +17,7 @@ from graphir.errors import GraphError
 from graphir.ir import LEAF_OPS
 
 IMPORT_ERRORS: dict[str, str] = {}
-for _mod in ("graphir.ops_fused", "graphir.passes"):
+for _mod in ("graphir.ops.fused", "graphir.ops.collective", "graphir.passes"):
     try:
         importlib.import_module(_mod)
     except Exception as e:  # noqa: BLE001 - recorded here so the op checks below still run, then failed

@@ -270,3 +270,20 @@ def test_coverage_report_counts_and_renders():
     assert len(pc.matched) == 2 and pc.nodes_after > pc.nodes_before
     assert any("v" in s and "f16" in why for s, why in pc.rejected), pc.rejected
     assert "stack-projections: 2 matched, 1 rejected" in report.text()
+
+
+def test_a_rule_that_wires_in_a_replaced_source_by_hand_fails():
+    """The rewrite walker's check: reading an old node the walk already replaced is an error, not a
+    silently stale subgraph; rw.make swaps old sources for their rebuilt versions."""
+    from graphir.builder import make
+    from graphir.passes.rewrite import rewrite
+
+    x = g.input("x", (3, 4))
+    graph = Graph({"y": g.mul(g.silu(x), x)})
+    to_sigmoid = (lambda n, rw: n if n.op == "silu" else None, lambda n, rw: rw.make("sigmoid", n.src[0]))
+    by_hand = (lambda n, rw: n if n.op == "mul" else None, lambda n, rw: make("add", *n.src))
+    with pytest.raises(GraphError, match=r"rewrite of mul.*reads the old silu.*rw\.make"):
+        rewrite(graph, [to_sigmoid, by_hand])
+    with_make = (lambda n, rw: n if n.op == "mul" else None, lambda n, rw: rw.make("add", *n.src))
+    out = rewrite(graph, [to_sigmoid, with_make])
+    assert [n.op for n in out.nodes() if n.op not in ("input",)] == ["sigmoid", "add"]

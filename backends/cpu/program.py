@@ -19,7 +19,7 @@ from graphir.errors import BackendError, GraphirError
 from graphir.ir import Graph, Node
 from graphir.memplan import MemPlan, plan_memory, result_types
 from graphir.ops import OPS
-from graphir.program import check_inputs, check_state
+from graphir.run_inputs import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 

@@ -15,8 +15,8 @@ from graphir.dtypes import numpy_dtype
 from graphir.errors import BackendError, GraphError
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
-from graphir.program import check_inputs, check_state
 from graphir.quant import dequantize
+from graphir.run_inputs import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 

@@ -48,8 +48,8 @@ def _match(add: Node, rw: Rewriter) -> AddNormMul | None:
 def _fuse(m: AddNormMul, rw: Rewriter) -> Node:
     # The add is replaced by result 1 (every other reader still needs the residual);
     # the mul, later in topological order, by result 0.
-    a, b, w = rw.new(m.add.src[0]), rw.new(m.add.src[1]), rw.new(m.weight)
-    fused = make("add_rms_norm_mul", a, b, w, name=m.norm.name, eps=m.norm.params["eps"])
+    fused = rw.make("add_rms_norm_mul", m.add.src[0], m.add.src[1], m.weight, name=m.norm.name,
+                    eps=m.norm.params["eps"])
     rw.replace(m.mul, make("item", fused, index=0, name=m.mul.name))
     rw.matched(m.mul, "add_rms_norm_mul")
     return make("item", fused, index=1, name=m.add.name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from graphir.builder import make
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
@@ -29,9 +28,8 @@ def _match_rope_set_rows(n: Node, rw: Rewriter) -> tuple[Node, Node] | None:
 
 def _fuse_rope_set_rows(m: tuple[Node, Node], rw: Rewriter) -> Node:
     n, rope = m
-    cache, idx = rw.new(n.src[0]), rw.new(n.src[2])
     rw.matched(n, "rope_set_rows")
-    return make("rope_set_rows", cache, rw.new(rope.src[0]), rw.new(rope.src[1]), idx, name=n.name,
+    return rw.make("rope_set_rows", n.src[0], rope.src[0], rope.src[1], n.src[2], name=n.name,
                 **rope.params.as_dict())
 
 
@@ -63,7 +61,7 @@ def _match_norm_rope(n: Node, rw: Rewriter) -> tuple[Node, Node, Node, Node] | N
 def _fuse_norm_rope(m: tuple[Node, Node, Node, Node], rw: Rewriter) -> Node:
     rope, norm, weight, _ = m
     rw.matched(rope, "rms_norm_mul_rope")
-    return make("rms_norm_mul_rope", rw.new(norm.src[0]), rw.new(weight), rw.new(rope.src[1]), name=rope.name,
+    return rw.make("rms_norm_mul_rope", norm.src[0], weight, rope.src[1], name=rope.name,
                 eps=norm.params["eps"], **rope.params.as_dict())
 
 

@@ -24,7 +24,7 @@ def _match_conv_silu(conv: Node, rw: Rewriter) -> tuple[Node, Node, Node] | None
 
 def _fuse_conv_silu(m: tuple[Node, Node, Node], rw: Rewriter) -> Node:
     conv, y, silu = m
-    fused = make("ssm_conv_silu", *(rw.new(s) for s in conv.src), name=conv.name)
+    fused = rw.make("ssm_conv_silu", *conv.src, name=conv.name)
     # item 0 now means silu(y): the raw item (no other reader) and the silu both become it; item 1 follows.
     act = make("item", fused, index=0, name=silu.name)
     rw.replace(y, act)
@@ -68,9 +68,9 @@ def _match_gdn_raw(n: Node, rw: Rewriter) -> tuple[Node, tuple[Node, Node, Node]
 
 def _fuse_gdn_raw(m: tuple[Node, tuple[Node, Node, Node], Node], rw: Rewriter) -> Node:
     n, (alpha, dt, a_neg), b = m
-    q, k, v, state = (rw.new(n.src[i]) for i in (0, 1, 2, 5))
+    q, k, v, state = (n.src[i] for i in (0, 1, 2, 5))
     rw.matched(n, "gated_delta_net_raw")
-    return make("gated_delta_net_raw", q, k, v, rw.new(alpha), rw.new(b), rw.new(a_neg), rw.new(dt), state,
+    return rw.make("gated_delta_net_raw", q, k, v, alpha, b, a_neg, dt, state,
                 name=n.name, scale=n.params["scale"])
 
 

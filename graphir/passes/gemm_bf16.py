@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from graphir.builder import make
 from graphir.ir import Graph, Node, toposort
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
@@ -42,7 +41,7 @@ class GemmBf16:
 
     def _rewrite(self, n: Node, rw: Rewriter) -> Node:
         rw.matched(n, "mul_mat_bf16")
-        return make("mul_mat_bf16", rw.new(n.src[0]), rw.new(n.src[1]), name=n.name)
+        return rw.make("mul_mat_bf16", *n.src, name=n.name)
 
     def __call__(self, graph: Graph) -> Graph:
         return rewrite(graph, [(self._match, self._rewrite)])

@@ -7,6 +7,11 @@ The walker visits old nodes in topological order; the first rule whose rewrite r
 Node replaces that node, and every later user is rebuilt on the replacement (names kept).
 A rewrite that also replaces nodes *after* this one (a fused op's second result standing
 in for its residual, the other projections of a stack) says so with `rw.replace(old, new)`.
+
+A rewrite builds its nodes with `rw.make(op, *sources, **params)`, handing it sources from the
+*old* graph as they are: each is swapped for its rebuilt counterpart. The walker then checks every
+replacement: one that still reaches an old node this walk has replaced (a source wired in by hand,
+without `rw.make` or `rw.new`) is a GraphError naming both, never a silently stale subgraph.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from graphir.builder import make
 from graphir.errors import GraphError
 from graphir.ir import Graph, Node, toposort
 from graphir.passes.report import record_match, record_reject
@@ -31,6 +37,7 @@ class Rewriter:
         self.order = graph.ids()  # id(old) -> topological position
         self._memo: dict[int, Node] = {}  # id(old) -> its replacement
         self._visited: set[int] = set()
+        self._built: set[int] = set()  # ids of replacement nodes already checked by _check_wiring
 
     def users(self, old: Node) -> list[Node]:
         """The old graph's readers of `old` (a node reading it twice appears twice)."""
@@ -49,6 +56,28 @@ class Rewriter:
                 if id(n) not in self._visited:
                     self._visit(n)
         return self._memo[id(old)]
+
+    def make(self, opname: str, *sources: Node, name: str | None = None, **params: Any) -> Node:
+        """A new node over `sources`: old-graph nodes are swapped for their rebuilt counterparts,
+        nodes this rule just made are used as they are."""
+        return make(opname, *(self.new(s) if id(s) in self.order else s for s in sources), name=name, **params)
+
+    def _check_wiring(self, old: Node, new: Node) -> None:
+        """`new` (the replacement of `old`) must not reach an old node that this walk replaced."""
+        built = self._built
+        stack, seen = [new], set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen or id(x) in built:
+                continue
+            seen.add(id(x))
+            if id(x) in self.order:  # an old node: fine only if the walk kept it as it is
+                if self._memo.get(id(x), x) is not x:
+                    raise GraphError(f"rewrite of {old.describe()}: the replacement reads the old {x.describe()}, "
+                                     f"which this pass rebuilt; build it with rw.make(...) (or rw.new(source))")
+                continue
+            stack.extend(x.src)
+        built.update(seen)
 
     def rebuild(self, old: Node) -> Node:
         """`old` with its sources swapped for their rebuilt versions (itself if none changed)."""
@@ -73,6 +102,7 @@ class Rewriter:
                 continue
             r = rewrite_fn(m, self)
             if r is not None:
+                self._check_wiring(n, r)
                 self._memo[id(n)] = r
                 return
         self._memo[id(n)] = self.rebuild(n)

@@ -49,7 +49,7 @@ def _stack(group: list[Node], rw: Rewriter) -> Node:
     for w in weights[1:]:
         stacked = g.concat(stacked, w, axis=0)
     stacked = stacked.replace(name="+".join(w.name for w in weights))
-    y = g.mul_mat(stacked, rw.new(group[0].src[1]), name="+".join(map(_label, group)))
+    y = rw.make("mul_mat", stacked, group[0].src[1], name="+".join(map(_label, group)))
     start = {}
     offset = 0
     for w in weights:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from graphir.builder import make
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
@@ -24,7 +23,7 @@ def _match(n: Node, rw: Rewriter) -> tuple[Node, Node, Node] | None:
 def _fuse(m: tuple[Node, Node, Node], rw: Rewriter) -> Node:
     n, silu, b = m
     rw.matched(n, "swiglu_split")
-    return make("swiglu_split", rw.new(silu.src[0]), rw.new(b), name=n.name)
+    return rw.make("swiglu_split", silu.src[0], b, name=n.name)
 
 
 # silu(gate) is read once, inside the product: it need not be stored. If silu has other users

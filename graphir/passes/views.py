@@ -6,7 +6,7 @@ non-contiguous view; as one view (strides [row, head_dim, 1]) no backend has to 
 
 from __future__ import annotations
 
-from graphir.builder import is_state_chain, make
+from graphir.builder import is_state_chain
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
@@ -56,7 +56,7 @@ def _view_of_view(n: Node, rw: Rewriter) -> tuple[Node, Node, tuple[int, ...]] |
 def _fold(m: tuple[Node, Node, tuple[int, ...]], rw: Rewriter) -> Node:
     n, v, strides = m
     rw.matched(n, "view")
-    return make("view", rw.new(v.src[0]), name=n.name, shape=n.shape, strides=strides, offset=v.params["offset"])
+    return rw.make("view", v.src[0], name=n.name, shape=n.shape, strides=strides, offset=v.params["offset"])
 
 
 # A view of a view is still a view: fold the layout change into the strides.

@@ -1,4 +1,4 @@
-"""What every backend's Program shares: checking runtime inputs and making State buffers."""
+"""What a Program is fed, for every backend: Inputs checked against the graph, State buffers made and checked."""
 
 from __future__ import annotations
 

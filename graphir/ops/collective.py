@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphir.errors import GraphError
-from graphir.ops import REQUIRED, Type, need, need_float, op
+from graphir.ops.core import REQUIRED, Type, need, need_float, op
 
 MAX_RANKS = 64
 

@@ -5,8 +5,8 @@ against them. They receive dequantized float32 arrays for Params (the reference 
 dequantizes), and return new arrays, except ops marked `writes`, which update src[0]
 (a State, or another write to one) in place and return it.
 
-Adding an op: one `@op(...)` entry here (or in ops_fused.py for fused ops) plus tests;
-tests/test_ops_table.py fails if an op has no numpy-formula test.
+Adding an op: one `@op(...)` entry here (or in fused.py for fused ops, collective.py for
+collectives) plus tests; tests/test_ops_table.py fails if an op has no numpy-formula test.
 """
 
 from __future__ import annotations
@@ -568,4 +568,3 @@ op("gated_delta_net", 6,
    "gated delta rule over tokens t: S *= exp(g_t); S += k_t (beta_t (v_t - k_t^T S))^T; o_t = (scale q_t)^T S; "
    "state [v_heads, d_k, d_v]; returns (o, new_state)",
    {"scale": (float, REQUIRED)}, multi=True)((_gdn_infer, _gdn_ref))
-import graphir.ops_fused  # noqa: E402,F401

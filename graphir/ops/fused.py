@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphir.ops import OPS, REQUIRED, Type, _binary_infer, _norm_ref, _rope_infer, _set_rows_infer, need, numel, op
+from graphir.ops.core import (
+    OPS,
+    REQUIRED,
+    Type,
+    _binary_infer,
+    _norm_ref,
+    _rope_infer,
+    _set_rows_infer,
+    need,
+    numel,
+    op,
+)
 
 _rms_norm = _norm_ref("rms")
 _rope_params = {"n_dims": (int, REQUIRED), "mode": (str, "norm"), "theta": (float, 10000.0),
@@ -98,7 +109,6 @@ op("gated_delta_net_raw", 8,
 
 # Collectives (tensor parallel) live in their own module; importing it here registers them wherever the
 # op table is imported.
-import graphir.ops_collective  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- reduced-precision matmul
