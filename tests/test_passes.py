@@ -24,8 +24,8 @@ from graphir.errors import GraphError
 from graphir.examples import build_example, example_weights
 from graphir.ir import Graph
 from graphir.passes import PASSES, coverage, run_pipeline
-from graphir.program import new_state
 from graphir.quant import quantize, random_quantized
+from graphir.run_inputs import new_state
 from graphir.weights import Weight, Weights
 
 WTYPES = ("f32", "q8_0")

@@ -19,7 +19,7 @@ from graphir.models.gguf_file import GGUFFile  # noqa: E402
 from graphir.models.hf_dir import load_hf_dir  # noqa: E402
 
 from graphir.passes import coverage, run_pipeline  # noqa: E402
-from graphir.program import new_state  # noqa: E402
+from graphir.run_inputs import new_state  # noqa: E402
 from graphir.weights import Weight, Weights  # noqa: E402
 
 IDS = [3, 17, 250, 99, 0, 299, 42, 42, 7, 128, 64]

@@ -20,7 +20,7 @@ from graphir import taint
 from graphir.builder import g
 from graphir.errors import GraphError
 from graphir.passes import run_pipeline
-from graphir.program import new_state
+from graphir.run_inputs import new_state
 
 CTX = 160
 PRESETS = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]

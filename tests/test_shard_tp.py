@@ -22,7 +22,7 @@ from graphir.api import Model
 from graphir.check import check
 from graphir.errors import BackendError, GraphError, LoadError
 from graphir.passes import coverage, run_pipeline
-from graphir.program import new_state
+from graphir.run_inputs import new_state
 
 REL = 1e-5
 REL_DEEP = 1e-4  # tests/test_cpu_models.py's REL_BACKENDS: same math, another summation order
