@@ -207,9 +207,16 @@ class Model:
         return int(out[0])
 
     def _ensure_state(self) -> None:
+        """State buffers for the graphs this model runs: after its passes, which may rename or split
+        them (shard-tp gives each rank its own)."""
         if self._state is None:
+            graph = self.graph("decode")
+            if self.passes:
+                from graphir.passes import run_pipeline
+
+                graph = run_pipeline(graph, self.passes)
             backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
-            self._state = backend_state(self.graph("decode"))
+            self._state = backend_state(graph)
 
     # ---- checks and stats ----
 

@@ -45,10 +45,10 @@ def load_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, Weights, dict[st
     return config, family.weights_from_hf(config, raw), hf
 
 
-def ours_to_hf(name: str, arch: str = "llama") -> str:
-    """The HF tensor name of our Param `name` in checkpoints of GGUF architecture `arch` (tests write
-    HF files with it)."""
-    return registry.for_gguf({"general.architecture": arch}, "ours_to_hf").hf_names.to_file(name)
+def ours_to_hf(name: str, config: ModelConfig) -> str:
+    """The HF tensor name of our Param `name` in checkpoints of `config`'s family (tests write HF
+    files with it)."""
+    return registry.family_of(config).hf_names.to_file(name)
 
 
 def convert_weights(weights: Weights, dtype: str) -> Weights:

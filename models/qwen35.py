@@ -143,7 +143,9 @@ def state_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
 def reset_recurrent(config: Qwen35Config, state: Mapping[str, np.ndarray]) -> None:
     """Zero the conv and recurrent states (a new sequence); KV rows past kv_len are never read."""
     for name, buf in state.items():
-        if name.rsplit(".", 1)[-1] in RECURRENT_STATES:
+        # a pass may derive State names from ours ("blk.0.ssm_conv@tp1of2", one rank's part): the kind
+        # is the last dotted part before any "@"
+        if name.rsplit(".", 1)[-1].split("@", 1)[0] in RECURRENT_STATES:
             buf[...] = 0
 
 

@@ -33,7 +33,7 @@ def tiny_arrays(config=TINY) -> dict[str, np.ndarray]:
 def hf_dir(tmp_path, config=TINY, arrays=None, **overrides):
     """A tiny HF llama directory from the preset's weights (HF names)."""
     arrays = tiny_arrays(config) if arrays is None else arrays
-    save_file({ours_to_hf(n): a for n, a in arrays.items()}, str(tmp_path / "model.safetensors"))
+    save_file({ours_to_hf(n, config): a for n, a in arrays.items()}, str(tmp_path / "model.safetensors"))
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=config.n_vocab,
                hidden_size=config.d_model, intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
                num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,

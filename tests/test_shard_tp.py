@@ -212,3 +212,17 @@ def test_smollm2_four_layers(smollm2, n, backend):
 @pytest.mark.slow
 def test_smollm2_all_layers(smollm2):
     assert_same_math(smollm2, smollm2.graph("decode"), 2, "reference", tol=REL_DEEP)
+
+
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"])
+def test_load_with_shard_tp_generates_the_unsharded_tokens(spec):
+    """graphir.load(..., passes="shard-tp{n=2},default"): the model makes State for the ranks' graphs,
+    greedy tokens equal the unsharded model's, and a second sequence starts from reset state
+    (Qwen3.5's per-rank recurrent states are zeroed too)."""
+    ids = list(b"Hello there")
+    plain = graphir.load(spec, backend="cpu", passes="default")
+    sharded = graphir.load(spec, backend="cpu", passes="shard-tp{n=2},default")
+    want = list(plain.generate(ids, 20, stop_at_eos=False))
+    assert list(sharded.generate(ids, 20, stop_at_eos=False)) == want
+    assert any("@tp1of2" in name for name in sharded._state)
+    assert list(sharded.generate(ids, 20, stop_at_eos=False)) == want
