@@ -156,6 +156,9 @@ class DraftModel:
         self._fed: list[int] = []  # the tokens whose KV rows the draft model holds
 
     def check(self, target: Model) -> None:
+        if self.model is target:
+            raise InputError(f"speculative decoding: the draft model is the target {target.source} itself; the two "
+                             f"need their own KV caches, so load the draft model separately")
         _check_vocab(self.model, target)
         _check_rollback(self.model, "draft model")
 
