@@ -47,7 +47,7 @@ def models(request):
     spec, backend = request.param
     target = load(spec, backend)
     return target, {"q8_0 copy": load(spec, backend, dtype="q8_0"), "other family": load(TINY[spec], backend),
-                    "lookup": "lookup"}
+                    "lookup": sp.PromptLookup(min_ngram=1)}  # 1-grams too: more drafts, more verify patterns
 
 
 @pytest.mark.parametrize("drafter", ["q8_0 copy", "other family", "lookup"])
@@ -326,10 +326,11 @@ def test_recurrent_target_is_refused_clearly():
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
-    lookup = sp.PromptLookup(max_ngram=3)
+    lookup = sp.PromptLookup(max_ngram=3, min_ngram=1)
     greedy = Settings()
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 4, greedy).tokens == [5, 6, 1, 2]
     assert lookup.propose([7, 8, 9], 4, greedy).tokens == []  # no earlier n-gram
+    assert sp.PromptLookup().propose([4, 5, 4], 3, greedy).tokens == []  # 1-grams are off by default
     assert lookup.propose([4, 4], 3, greedy).tokens == [4]  # a 1-gram match, cut at the context's end
     with pytest.raises(graphir.InputError, match="min_ngram <= max_ngram"):
         sp.PromptLookup(max_ngram=0)
