@@ -67,7 +67,6 @@ _LAYOUT = {
     "iq4_xs": (256, 136),
 }
 SUPPORTED = tuple(_LAYOUT)
-_CODES = {n: i for i, n in enumerate(_LAYOUT)}
 _STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}
 
 MV_MAX_TOKENS = 3  # up to this many tokens take the GEMV path (measured crossover with the tiled path)
@@ -380,8 +379,8 @@ def _deq_source(name: str) -> str:
 
 _KERNEL = """
 @njit(fastmath=True, parallel=True, cache=True)
-def _kernel(code, w, w16, x, y, ids, tab, kv, nth, mode):
-    # code: dtype number (_CODES); w / w16: the weight rows as bytes / as uint16 words.
+def _kernel_{name}(w, w16, x, y, ids, tab, kv, nth, mode):
+    # w / w16: the weight rows as bytes / as uint16 words.
     # mode 0: GEMV (few tokens); 1: tiled GEMM; 2: get_rows (y[k] = W[ids[k]], x unused).
     n_out = ids.shape[0] if mode == 2 else w.shape[0]
     n_in = y.shape[1] if mode == 2 else x.shape[1]
@@ -396,7 +395,7 @@ def _kernel(code, w, w16, x, y, ids, tab, kv, nth, mode):
             r0 = u * rt
             nr = min(rt, n_out - r0)
             dst = y[r0:r0 + nr] if mode == 2 else buf
-{dispatch}
+            _deq_{name}(w, w16, r0, nr, ids, dst, tab, kv, scr)
             if mode == 0:
                 _gemv(buf, nr, x, y, r0)
             elif mode == 1:
@@ -407,57 +406,56 @@ f32, u8, i8, u32 = np.float32, np.uint8, np.int8, np.uint32  # short names used 
 
 
 def _kernel_source() -> str:
-    ind = " " * 12
-    lines = []
-    for n, i in _CODES.items():
-        lines.append(f"{ind}{'if' if i == 0 else 'elif'} code == {i}:")
-        lines.append(f"{ind}    _deq_{n}(w, w16, r0, nr, ids, dst, tab, kv, scr)")
-    return "".join(_deq_source(n) for n in _LAYOUT) + _KERNEL.format(dispatch="\n".join(lines))
+    return "".join(_deq_source(n) + _KERNEL.format(name=n) for n in _LAYOUT)
 
 
 exec(compile(_kernel_source(), __file__, "exec"), globals())
-_kernel = globals()["_kernel"]
-_DISPATCHERS = [_tile_rows, _gemv, _tile] + [globals()[f"_deq_{n}"] for n in _LAYOUT] + [_kernel]
+_KERNELS = {n: globals()[f"_kernel_{n}"] for n in _LAYOUT}
 _NO_IDS = np.zeros(0, np.int64)
 _NO_X = np.zeros((0, 0), np.float32)
 
 
 def _signature():
-    """The kernel's one signature. Inputs are typed read-only, so writeable arrays and read-only ones
-    (np.memmap mode "r", as GGUF files are mapped) share the same machine code."""
+    """Every dtype's kernel has this one signature. Inputs are typed read-only, so writeable arrays and
+    read-only ones (np.memmap mode "r", as GGUF files are mapped) share the same machine code."""
     t = numba.types
     ro = lambda dt, nd: t.Array(dt, nd, "C", readonly=True)
-    return (t.int64, ro(t.uint8, 2), ro(t.uint16, 2), ro(t.float32, 2), t.Array(t.float32, 2, "C"),
+    return (ro(t.uint8, 2), ro(t.uint16, 2), ro(t.float32, 2), t.Array(t.float32, 2, "C"),
             ro(t.int64, 1), ro(t.float32, 1), ro(t.float32, 1), t.int64, t.int64)  # fmt: skip
 
 
-def _compile() -> None:
-    """Compile the kernel, or load it from numba's cache, with LLVM's SLP vectorizer on.
+def _compile(dtype: str):
+    """`dtype`'s kernel, compiled (or loaded from numba's cache) with LLVM's SLP vectorizer on.
 
-    numba leaves SLP off by default and reads the flag while it optimizes, so switching it on
-    around this compile affects only these kernels. Later compiles are disabled: every call has
-    the one signature (matmul and get_rows normalize their inputs to it).
+    One kernel per dtype, compiled when a weight of that dtype is first bound: a model compiles only
+    the dequantizers its file uses (SmolLM2: q4_1 and q8_0, ~2 s each on 2 cores where one kernel over
+    all 12 dtypes took 14 s). numba leaves SLP off by default and reads the flag while it optimizes,
+    so switching it on around this compile affects only these kernels. Later compiles are disabled:
+    every call has the one signature (matmul and get_rows normalize their inputs to it).
     """
-    global _READY
+    kernel = _KERNELS[dtype]
+    if dtype in _READY:
+        return kernel
     old = _nb_config.SLP_VECTORIZE
     _nb_config.SLP_VECTORIZE = 1
     try:
         try:
-            _kernel.compile(_signature())
+            kernel.compile(_signature())
         except Exception:
             # A cache entry numba cannot load (a truncated file, or one from another numba build):
-            # drop this module's cache and compile afresh. (A second module name for this file can
+            # drop this kernel's entries and compile afresh. (A second module name for this file can
             # no longer write one: backends/cpu/__init__.py makes `backends.cpu.*` the installed modules.)
-            for d in _DISPATCHERS:
+            for d in (_tile_rows, _gemv, _tile, globals()[f"_deq_{dtype}"], kernel):
                 d._cache.flush()
-            _kernel.compile(_signature())
+            kernel.compile(_signature())
     finally:
         _nb_config.SLP_VECTORIZE = old
-    _kernel.disable_compile()
-    _READY = True
+    kernel.disable_compile()
+    _READY.add(dtype)
+    return kernel
 
 
-_READY = False
+_READY: set[str] = set()  # dtypes whose kernel is compiled
 
 try:  # the ctypes entry point behind numba.get_num_threads: 0.3 us instead of 2 us a call
     from numba.np.ufunc.parallel import _get_num_threads as _raw_num_threads
@@ -511,18 +509,17 @@ def _prepare(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None):
         out = np.empty(oshape, np.float32)
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise GraphError(f"matmul: out must be C-contiguous float32 {oshape}, got {out.dtype} {out.shape}")
-    if not _READY:
-        _compile()
+    kernel = _compile(dtype)
     y = out if out.ndim == 2 else out.reshape(-1, n_out)
     mode = 0 if x.shape[0] <= MV_MAX_TOKENS else 1
-    return (_CODES[dtype], w, w16, x, y, _NO_IDS, _F16, _KVALUES), mode, out
+    return kernel, (w, w16, x, y, _NO_IDS, _F16, _KVALUES), mode, out
 
 
 def matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W.T for W [n_out, n_in] stored as `dtype`; x float32 [..., n_in] -> y float32 [..., n_out]."""
-    args, mode, out = _prepare(w, dtype, x, out)
+    kernel, args, mode, out = _prepare(w, dtype, x, out)
     if out.size:
-        _kernel(*args, _num_threads(), mode)
+        kernel(*args, _num_threads(), mode)
     return out
 
 
@@ -536,10 +533,9 @@ def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | N
     """
     if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim > 2:
         raise GraphError("prepare_matmul: x must be a C-contiguous float32 array of 1 or 2 dims (it is read in place)")
-    args, mode, out = _prepare(w, dtype, x, out)
+    kernel, args, mode, out = _prepare(w, dtype, x, out)
     if not out.size:
         return (lambda: None), out
-    kernel = _kernel
 
     def run() -> None:
         kernel(*args, _num_threads(), mode)
@@ -560,7 +556,5 @@ def get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray | None 
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise GraphError(f"get_rows: out must be C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
     if flat.size and n_in:
-        if not _READY:
-            _compile()
-        _kernel(_CODES[dtype], w, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES, _num_threads(), 2)
+        _compile(dtype)(w, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES, _num_threads(), 2)
     return out
