@@ -164,9 +164,17 @@ class Model:
         return out
 
     def generate(self, prompt_ids: Iterable[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> Iterator[int]:
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, draft: Any = None,
+                 draft_len: int = 4) -> Iterator[int]:
         """Yield new token ids as they are produced, from a fresh KV cache. Inputs are checked here,
-        before the first token is asked for; an EOS id ends generation and is not yielded."""
+        before the first token is asked for; an EOS id ends generation and is not yielded.
+        `draft` (a loaded Model sharing the vocabulary, "lookup", or a graphir.speculative Drafter) turns on
+        speculative decoding with up to `draft_len` drafted tokens per verify call (graphir/speculative.py)."""
+        if draft is not None:
+            from graphir import speculative
+
+            return speculative.generate(self, draft, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
+                                        top_p, seed, stop_at_eos)
         ids = self._check_ids(prompt_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")

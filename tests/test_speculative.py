@@ -67,6 +67,16 @@ def test_greedy_speculative_equals_plain_greedy(models, drafter):
         assert accepted > 40  # the verify calls really kept drafts (the equality above is not plain decoding)
 
 
+def test_model_generate_takes_a_drafter(models):
+    target, drafters = models
+    prompt = prompt_of(10)
+    plain = list(target.generate(prompt, 20, stop_at_eos=False))
+    assert list(target.generate(prompt, 20, stop_at_eos=False, draft=drafters["q8_0 copy"], draft_len=5)) == plain
+    assert sp.last_stats(target).accepted_tokens > 0
+    with pytest.raises(graphir.InputError, match="draft_len 99 is above the largest verify bucket"):
+        target.generate(prompt, 20, draft="lookup", draft_len=99)
+
+
 def test_verify_buckets_are_all_used_and_cached(models):
     """Draft lengths 1..8 use every verify bucket; a second run with other tokens lowers nothing new."""
     target, drafters = models
