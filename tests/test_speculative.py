@@ -62,9 +62,22 @@ def test_greedy_speculative_equals_plain_greedy(models, drafter):
         assert spec == plain, f"{target.source} drafter {drafter} draft_len {k} prompt {n}"
         stats = sp.last_stats(target)
         assert stats.new_tokens == new - 1 and stats.draft_tokens <= k * stats.verify_calls
+        assert sum(stats.accepted_per_call) == stats.accepted_tokens
         accepted += stats.accepted_tokens
     if drafter != "other family":
         assert accepted > 40  # the verify calls really kept drafts (the equality above is not plain decoding)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_model_rolls_back_by_length_too(backend):
+    """Gemma 3 (sliding window 16 in the tiny preset): drafts and rollbacks across the window's edge."""
+    target = load("random:gemma3-tiny", backend)
+    drafters = (load("random:gemma3-tiny", backend, dtype="q8_0"), sp.PromptLookup(min_ngram=1))
+    for drafter, k, n in ((drafters[0], 6, 12), (drafters[1], 3, 30)):
+        prompt = prompt_of(n, seed=n)
+        plain = list(target.generate(prompt, 32, stop_at_eos=False))
+        assert list(sp.generate(target, drafter, prompt, 32, draft_len=k, stop_at_eos=False)) == plain
+        assert sp.last_stats(target).accepted_tokens > 0
 
 
 def test_model_generate_takes_a_drafter(models):
