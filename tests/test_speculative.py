@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from _gpu_helpers import gpu_only
 from graphir.backends.registry import get_backend
-from graphir.models import presets
-from test_replay import copy_state, random_state
+from graphir.models import llama, presets
+from test_replay import copy_state, random_state, windowed_attention
 
 import graphir
 from graphir import speculative as sp
@@ -192,6 +192,33 @@ def test_verify_graph_passes_replay_lint_and_holds_no_position():
     for b in sp.VERIFY_BUCKETS:
         a, c = verify_graph(model, b, True), verify_graph(model, b, True)
         assert run_pipeline(a, "replay-lint") is a and a.signature() == c.signature()
+
+
+def test_a_verify_graph_with_a_baked_kv_offset_is_caught(monkeypatch):
+    """The issue's first seed bug: a cached verifier whose KV reads sit at a build-time offset (here a window
+    view placed for the position it was built at) instead of following the run-time write rows. replay-lint
+    names the view; replayed at other positions its numbers leave those of a verifier built there."""
+    model = load("random:llama-tiny", "cpu")
+
+    def broken(position: int):
+        with monkeypatch.context() as m:
+            m.setattr(llama, "_attention", windowed_attention(position))
+            return model.graph("prefill", 4)
+
+    with pytest.raises(graphir.GraphError, match=r"replay-lint: .*view 'blk\.0\.k_window'.*position=43"):
+        run_pipeline(broken(43), "replay-lint")
+    backend = get_backend(model.backend)
+    lower = lambda position: backend.lower(broken(position), model.weights)  # noqa: E731
+    cached, state = lower(43), random_state(model.graph("decode"), seed=3)
+
+    def run(program, n_past: int):
+        inputs = sp.verify_inputs(n_past, [5, 6, 7, 8], 4)
+        del inputs["kv_len"]  # the broken window's length is a const
+        return program(inputs, copy_state(state))["logits"]
+
+    assert np.array_equal(run(cached, 40), run(lower(43), 40))  # right where it was built: one position misses it
+    for n_past in (41, 60, CTX - 4):
+        assert not np.allclose(run(cached, n_past), run(lower(n_past + 3), n_past), rtol=1e-3, atol=1e-3)
 
 
 def test_rejected_rows_are_never_read():
