@@ -8,6 +8,7 @@
 | GRAPHIR_DEBUG_CACHE=1   | cache misses say which key part changed; gpu Programs say when they (re)capture |
 | GRAPHIR_NO_CAPTURE=1    | gpu Programs never capture into CUDA graphs (every call launches kernels) |
 | GRAPHIR_REQUIRE_KERNEL_COMPILERS=1 | the kernel-compile tests fail, not skip, without NVRTC or hipcc (CI) |
+| GRAPHIR_NO_PRECOMPILE=1 | cpu backend, cold numba cache: no helper process compiles matmul kernels meanwhile |
 
 A flag is on when its variable is set to anything but "" or "0".
 """
@@ -23,6 +24,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_DEBUG_CACHE": "print why each program-cache lookup missed, and gpu captures and recaptures",
     "GRAPHIR_NO_CAPTURE": "gpu Programs launch every kernel from Python, never from a captured graph",
     "GRAPHIR_REQUIRE_KERNEL_COMPILERS": "kernel-compile tests fail without NVRTC or hipcc",
+    "GRAPHIR_NO_PRECOMPILE": "cpu backend: this process compiles every kernel itself, with no helper process",
 }
 
 

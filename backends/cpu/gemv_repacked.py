@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit, prange  # noqa: F401  (prange is used by the generated kernels)
 from numba.core import config as _nb_config
 
+from . import precompile
 from .matmul import _F16, _num_threads
 
 __all__ = ["repack", "prepare"]
@@ -136,6 +137,12 @@ def _block_sums(x, sx):
 exec(compile(_kernel_source(), __file__, "exec"), globals())
 _gemv_q4 = globals()["_gemv_q4"]
 _gemv_q8 = globals()["_gemv_q8"]
+_KERNELS = {"q4": _gemv_q4, "q8": _gemv_q8}
+
+
+def kind_of(dtype: str) -> str | None:
+    """Which kernel serves weights of `dtype` ("q4", "q8"), or None where this module does not."""
+    return "q8" if dtype == "q8_0" else "q4" if dtype in _SUPPORTED else None
 _READY: set[str] = set()  # "q4" / "q8": kernels compiled
 
 
@@ -145,6 +152,7 @@ def _compile(kind: str) -> None:
     without q8_0 weights never compiles the q8 kernel (~1.5 s on 2 cores)."""
     if kind in _READY:
         return
+    precompile.wait(f"gemv:{kind}")  # the helper process may be compiling it: then load it from the cache
     t = numba.types
     a2 = lambda dt: t.Array(dt, 2, "C")  # noqa: E731
     f1 = t.Array(t.float32, 1, "C")
@@ -191,7 +199,7 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
     n_tok = x2.shape[0]
     if not 1 <= n_tok <= max_tokens or x2.shape[1] != n_in or out2.shape != (n_tok, rows):
         return None
-    _compile("q8" if dtype == "q8_0" else "q4")
+    _compile(kind_of(dtype))
     if not key:  # no stable identity for this weight: repack it privately
         cache = None
     ck = ("gemv_soa", dtype) + tuple(key or ())

