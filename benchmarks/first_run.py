@@ -61,23 +61,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", type=int, default=3, help="warm-cache runs after the cold one")
     ap.add_argument("--cache-dir", default=None, help="NUMBA_CACHE_DIR to use (default: a fresh temporary one)")
+    ap.add_argument("--installed-cache", action="store_true",
+                    help="leave NUMBA_CACHE_DIR unset: numba's own place (__pycache__ beside the installed sources), "
+                         "as after `pip install .`; every run is labelled warm, so empty that place first")
     ap.add_argument("run_args", nargs="*", help="arguments of `graphir run` (after --); default: README's")
     a = ap.parse_args()
     run_args = a.run_args or README_ARGS
     prompt = run_args[run_args.index("-p") + 1]
     graphir = Path(sys.executable).with_name("graphir")
     cmd = [str(graphir), "run", *run_args]
-    tmp = a.cache_dir or tempfile.mkdtemp(prefix="numba-cache-")
-    env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "PYTHONUNBUFFERED": "1"}
-    print(f"command: {' '.join(cmd)}   NUMBA_CACHE_DIR={tmp}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    fresh = not (a.cache_dir or a.installed_cache)
+    tmp = tempfile.mkdtemp(prefix="numba-cache-") if fresh else a.cache_dir
+    if tmp:
+        env["NUMBA_CACHE_DIR"] = tmp
+    else:
+        env.pop("NUMBA_CACHE_DIR", None)
+    print(f"command: {' '.join(cmd)}   NUMBA_CACHE_DIR={tmp or '(unset)'}")
     try:
         for i in range(1 + a.warm):
             r = one_run(cmd, prompt, env)
-            label = "cold" if i == 0 and not a.cache_dir else "warm"
+            label = "cold" if i == 0 and fresh else "run" if a.installed_cache and i == 0 else "warm"
             note = f"   note at {r['note_s']:.2f} s" if r["note_s"] is not None else ""
             print(f"{label}: first token {r['first_token_s']:.2f} s   process {r['total_s']:.2f} s{note}", flush=True)
     finally:
-        if not a.cache_dir:
+        if fresh:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
