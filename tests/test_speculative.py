@@ -120,11 +120,18 @@ def test_eos_ends_speculative_generation_like_plain(models):
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_greedy_speculative_equals_plain_greedy():
+    """On the GPU a verify call's rows go through other kernels than a decode step (a GEMV for m rows,
+    cuBLAS above 8, the prefill attention kernel above 4 queries), so logits may differ in the last
+    bits: the tokens must agree, or part at a near-tie of the plain path's logits."""
     target = load("random:llama-tiny", "gpu")
     for drafter, k in ((load("random:llama-tiny", "gpu", dtype="q8_0"), 5), ("lookup", 3), ("lookup", 8)):
         prompt = prompt_of(9 + k, seed=k)
         plain = list(target.generate(prompt, 40, stop_at_eos=False))
-        assert list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False)) == plain
+        got = list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False))
+        i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
+        if i is not None:
+            top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
+            assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
 
 
 # ---------------------------------------------------------------- SmolLM2 (its GGUF, cpu backend)
