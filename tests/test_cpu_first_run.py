@@ -26,32 +26,35 @@ def test_jobs_follow_the_lowering_choices():
                               "matmul:q5_k:tile", "matmul:f32:gemv"]
 
 
-# Starts the helper for a q8_0 table read by get_rows (this process's own job: it needs it first) and a
-# q8_0 weight multiplied by 5 rows (the helper's), waits until the helper says it is done, then runs both
-# and reports whether each matches numpy and which kernels this process compiled itself.
+# Records what a bound Program would (lowering_rules.RECORD): a q8_0 weight times 5 rows, a q8_0 table read by
+# get_rows, an rms_norm. This process compiles the first (it needs it first); the helper takes the others from
+# the back. Then runs all three and reports whether each matches numpy and which kernels this process compiled.
 _PROBE = r"""
 import json, time
 import numpy as np
-from graphir.backends.cpu import matmul as MM, precompile
+from graphir.backends.cpu import kernels as K, matmul as MM, precompile
 from graphir.quant import dequantize, quantize
-precompile.start([("q8_0", 5), ("q8_0", None)])  # bind order: the product, then get_rows
-mine, theirs = "matmul:q8_0:tile", "matmul:q8_0:rows"
-states = []
-t0 = time.monotonic()
-while precompile.state(theirs) not in ("done", "gone") and time.monotonic() - t0 < 300:
-    states.append(precompile.state(theirs))
-    time.sleep(0.05)
 rng = np.random.default_rng(3)
+x = rng.standard_normal((5, 64)).astype(np.float32)
+o = np.empty_like(x)
+eps = np.float32(1e-6)
+precompile.prepare([("mm", "q8_0", 5), ("mm", "q8_0", None), ("kernel", K.rms_norm, (x, eps, o))])
+theirs = ["matmul:q8_0:rows", "kernel:graphir.backends.cpu.kernels:rms_norm:0"]
+t0 = time.monotonic()
+while any(precompile.state(j) not in ("done", "gone") for j in theirs) and time.monotonic() - t0 < 300:
+    time.sleep(0.05)
 w = rng.standard_normal((7, 64)).astype(np.float32)
 wq = quantize(w, "q8_0")
 wd = dequantize(wq, "q8_0", w.shape)
-x = rng.standard_normal((5, 64)).astype(np.float32)
 ids = np.array([6, 0, 3], np.int64)
+K.rms_norm(x, eps, o)
 ok = {"tile": bool(np.allclose(MM.matmul(wq, "q8_0", x), x @ wd.T, rtol=1e-5, atol=1e-5)),
-      "rows": bool(np.array_equal(MM.get_rows(wq, "q8_0", ids), wd[ids]))}
+      "rows": bool(np.array_equal(MM.get_rows(wq, "q8_0", ids), wd[ids])),
+      "rms_norm": bool(np.allclose(o, x / np.sqrt((x * x).mean(1, keepdims=True) + eps), rtol=1e-5, atol=1e-6))}
 compiled = sorted(f"{d}:{m}" for (d, m), k in MM._KERNELS.items() if k.stats.cache_misses)
-print(json.dumps({"ok": ok, "state": precompile.state(theirs), "mine": precompile.state(mine),
-                  "compiled": compiled}))
+compiled += ["rms_norm"] if K.rms_norm.stats.cache_misses else []
+print(json.dumps({"ok": ok, "states": [precompile.state(j) for j in theirs],
+                  "mine": precompile.state("matmul:q8_0:tile"), "compiled": compiled}))
 """
 
 
@@ -61,12 +64,12 @@ def test_helper_compiles_into_the_cache_and_this_process_loads_it(tmp_path):
     r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["ok"] == {"tile": True, "rows": True}, out
+    assert out["ok"] == {"tile": True, "rows": True, "rms_norm": True}, out
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: no helper process by design")
     assert out["mine"] is None, out  # this process's first job never went to the helper
-    assert out["state"] == "done", out
-    # the helper's kernel came from the cache: this process compiled only its own
+    assert out["states"] == ["done", "done"], out
+    # the helper's kernels came from the cache: this process compiled only its own
     assert out["compiled"] == ["q8_0:tile"], out
 
 

@@ -199,7 +199,6 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
     n_tok = x2.shape[0]
     if not 1 <= n_tok <= max_tokens or x2.shape[1] != n_in or out2.shape != (n_tok, rows):
         return None
-    _compile(kind_of(dtype))
     if not key:  # no stable identity for this weight: repack it privately
         cache = None
     ck = ("gemv_soa", dtype) + tuple(key or ())
@@ -210,9 +209,12 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
             cache[ck] = packed
     d, c, qs = packed
     xs, ys = list(x2), list(out2)  # per-token row views of the very buffers (read / written in place)
+    ready: list = []  # the kernel compiles at the first call, not here (as in matmul.prepare_matmul)
     if dtype == "q8_0":
 
         def run() -> None:
+            if not ready:
+                ready.append(_compile("q8"))
             nth = _num_threads()
             for xt, yt in zip(xs, ys):
                 _gemv_q8(d, qs, xt, yt, nth)
@@ -222,6 +224,8 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
     ss = list(sx)
 
     def run() -> None:
+        if not ready:
+            ready.append(_compile("q4"))
         nth = _num_threads()
         _block_sums(x2, sx)
         for xt, st, yt in zip(xs, ss, ys):

@@ -21,6 +21,17 @@ from graphir.ops import OPS
 from . import kernels as K
 from . import matmul as MM
 
+# While CpuProgram._bind runs, the kernels its steps will call, in step order: ("mm", weight dtype, rows of x,
+# or None for get_rows) and ("kernel", numba dispatcher, args). precompile.py compiles them before the first
+# call, sharing the work with a helper process on a cold cache. None: not recording.
+RECORD: list | None = None
+
+
+def _note(*uses: tuple) -> None:
+    if RECORD is not None:
+        RECORD.extend(uses)
+
+
 # Elementwise kernels go parallel from this many elements: below it a parallel region's ~4 us
 # (waking and joining the other thread) is more than the work it would share.
 PARALLEL_MIN_ELEMENTS = 8192
@@ -72,6 +83,7 @@ def _unary2d(kernel: Callable, x: np.ndarray, out: np.ndarray, *args: Any) -> Ca
     x2, o2 = rows2d(x), rows2d(out)
     if x2 is None:
         return lambda: kernel(np.ascontiguousarray(x).reshape(o2.shape), *args, o2)
+    _note(("kernel", kernel, (x2, *args, o2)))
     return lambda: kernel(x2, *args, o2)
 
 
@@ -114,6 +126,7 @@ def _mul_mat(n, ins, out, p):
         return None  # activations x activations, batched weights or f16 activations: numpy reference
     x2, o2 = rows2d(x), rows2d(o)
     raw, dt = w.raw, w.dtype
+    _note(("mm", dt, int(np.prod(x.shape[:-1]))))
     if x2 is not None and x2.flags.c_contiguous:
         if x2.shape[0] <= 4:  # decode: q4_0 / q4_1 / q8_0 weights repacked once (gemv_repacked.py)
             from . import gemv_repacked as GR
@@ -133,6 +146,7 @@ def _get_rows(n, ins, out, p):
     if not isinstance(table, ParamRef):
         return None
     raw, dt = table.raw, table.dtype
+    _note(("mm", dt, None))
 
     def step() -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
@@ -161,6 +175,7 @@ def _swiglu(n, ins, out, p):
     if a is None or b is None:
         return None
     kernel = K.swiglu_split if a.size >= PARALLEL_MIN_ELEMENTS else K.swiglu
+    _note(("kernel", kernel, (a, b, o)))
     return out[0], lambda: kernel(a, b, o)
 
 
@@ -168,6 +183,7 @@ def _rope(n, ins, out, p):
     x, pos, o = ins[0], ins[1], out[0]
     inv_freq = _inv_freq(p)
     neox = p["mode"] == "neox"
+    _note(("kernel", K.rope, (x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)))
     return o, lambda: K.rope(x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
 
 
@@ -183,6 +199,7 @@ def _add_rms_norm_mul(n, ins, out, p):
     if a is None or b is None or a.shape != b.shape or w.ndim != 1:
         return None
     eps = np.float32(p["eps"])
+    _note(("kernel", K.add_rms_norm_mul, (a, b, w, eps, o_norm, o_sum)))
     return out, lambda: K.add_rms_norm_mul(a, b, w, eps, o_norm, o_sum)
 
 
@@ -193,6 +210,8 @@ def _rms_norm_mul_rope(n, ins, out, p):
     if x2 is None or w.ndim != 1:
         return None
     eps, inv_freq, neox = np.float32(p["eps"]), _inv_freq(p), p["mode"] == "neox"
+    _note(("kernel", K.rms_norm_mul, (x2, w, eps, o2)),
+          ("kernel", K.rope, (o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)))
 
     def step() -> None:
         K.rms_norm_mul(x2, w, eps, o2)
@@ -206,6 +225,7 @@ def _rope_set_rows(n, ins, out, p):
         return None
     c3 = cache.reshape((cache.shape[0],) + x.shape[1:])
     inv_freq, neox = _inv_freq(p), p["mode"] == "neox"
+    _note(("kernel", K.rope_set_rows, (c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])))
     return cache, lambda: K.rope_set_rows(c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])
 
 
@@ -215,6 +235,7 @@ def _flash_attn(n, ins, out, p):
     scale, window = np.float32(p["scale"]), p["window"]
     kern = K.attention
     cap = k.shape[0]
+    _note(("kernel", kern, (q, k, v, pos, kv_len, scale, window, o)))
 
     def step() -> None:
         if not 0 <= kv_len[0] <= cap:
@@ -230,6 +251,7 @@ def _set_rows(n, ins, out, p):
     s2 = _rows_axis0(src)
     if d2 is None or s2 is None or src.dtype != dst.dtype:
         return None
+    _note(("kernel", K.set_rows, (d2, s2, idx)))
     return dst, lambda: K.set_rows(d2, s2, idx)
 
 

@@ -529,16 +529,15 @@ def _prepare(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None):
         out = np.empty(oshape, np.float32)
     elif out.shape != oshape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise GraphError(f"matmul: out must be C-contiguous float32 {oshape}, got {out.dtype} {out.shape}")
-    kernel = _compile(dtype, mode_for(x.shape[0]))
     y = out if out.ndim == 2 else out.reshape(-1, n_out)
-    return kernel, (w, w16, x, y, _NO_IDS, _F16, _KVALUES), out
+    return mode_for(x.shape[0]), (w, w16, x, y, _NO_IDS, _F16, _KVALUES), out
 
 
 def matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ W.T for W [n_out, n_in] stored as `dtype`; x float32 [..., n_in] -> y float32 [..., n_out]."""
-    kernel, args, out = _prepare(w, dtype, x, out)
+    mode, args, out = _prepare(w, dtype, x, out)
     if out.size:
-        kernel(*args, _num_threads())
+        _compile(dtype, mode)(*args, _num_threads())
     return out
 
 
@@ -552,12 +551,16 @@ def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | N
     """
     if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim > 2:
         raise GraphError("prepare_matmul: x must be a C-contiguous float32 array of 1 or 2 dims (it is read in place)")
-    kernel, args, out = _prepare(w, dtype, x, out)
+    mode, args, out = _prepare(w, dtype, x, out)
     if not out.size:
         return (lambda: None), out
+    kernel: list = []  # compiled at the first call, not here: a Program binds every step before it
+    # compiles their kernels in step order, sharing them with precompile.py's helper
 
     def run() -> None:
-        kernel(*args, _num_threads())
+        if not kernel:
+            kernel.append(_compile(dtype, mode))
+        kernel[0](*args, _num_threads())
 
     return run, out
 

@@ -1,34 +1,43 @@
-"""On a cold numba cache, a second process compiles some of a model's matmul kernels while this one
-compiles the rest: the first run after an install then takes about half the time on 2 cores.
+"""On a cold numba cache, a helper process compiles half of a model's kernels while this one compiles
+the other half: the first run after an install takes about half the time on 2 cores.
 
-numba compiles under one process-wide lock, so threads cannot share the work (LLVM holds it through
-code generation); processes can, and numba's on-disk cache is where they meet. When a CPU Program is
-lowered, `start` looks at the weight dtypes its matmuls read. Each kernel they need whose cache entry
-is missing becomes a job ("matmul:q4_1", "gemv:q8") for a helper process, except the first one, which
-this process is about to compile itself. The helper runs `python -m graphir.backends.cpu.precompile
-JOB...`, compiling each job into the cache and printing "running JOB" / "done JOB" as it goes.
+numba compiles under one process-wide lock, so threads cannot share the work; processes can, and
+numba's on-disk cache is where they meet. When a CPU Program binds its steps, lowering_rules records
+the kernels they will call, in step order: matmul kernels ("matmul:q4_1:tile", "gemv:q8") and numba
+kernels with the signature of their bound arguments ("kernel:<module>:<name>:<i>"). If two or more
+have no cache entry, `prepare` starts `python -m graphir.backends.cpu.precompile SIGS JOB...` with
+them in reverse order (then the one-token products decode will use next), and compiles them itself
+in step order, so the two meet in the middle. The helper prints "running JOB" / "done JOB"; this
+process reads those lines itself when it looks (a reader thread got no time while it compiled).
+A job the helper is running is left for last (then loaded from the cache); a job still queued there
+this process claims on the helper's stdin and compiles (the helper skips it); a done one it loads.
 
-Before compiling a kernel itself, this process calls `wait(job)`: while the helper is compiling that
-very job it waits and then loads the kernel from the cache; a job still queued there it compiles
-itself (the helper later loads it from the cache in milliseconds). The helper is ended at exit: a
-killed helper leaves no index entry behind (numba writes the index last), so nothing half-written
-is ever loaded.
+The helper runs at the lowest priority (the parent's parallel kernels must never wait for the core
+it holds) and is killed at exit: numba writes a cache index last, so a killed helper leaves nothing
+half-written to load. GRAPHIR_NO_PRECOMPILE=1 turns it off; on one CPU it never starts.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
+import pickle
+import select
 import subprocess
 import sys
-import threading
+import tempfile
+import time
 from collections.abc import Iterable
+from typing import Any
+
+import numba
 
 from graphir import flags
 
-_cond = threading.Condition()
 _jobs: dict[str, str] = {}  # job -> "queued", "running", "done" or "gone" (the helper ended first)
 _proc: subprocess.Popen | None = None
+_buf = b""  # a progress line the helper has not finished writing
 
 
 def jobs_for(uses: Iterable[tuple[str, int | None]]) -> list[str]:
@@ -48,86 +57,165 @@ def jobs_for(uses: Iterable[tuple[str, int | None]]) -> list[str]:
     return jobs
 
 
-def _dispatcher(job: str):
+class _Jobs:
+    """Jobs by name: "matmul:<dtype>:<mode>", "gemv:<kind>", or "kernel:<module>:<name>:<i>" for a
+    numba dispatcher and signature (the i-th in `sigs`, which a helper reads from a pickle file)."""
+
+    def __init__(self) -> None:
+        self.sigs: list[tuple[str, str, tuple]] = []
+        self.index: dict[tuple, str] = {}
+
+    def kernel(self, dispatcher: Any, args: tuple) -> str:
+        sig = tuple(numba.typeof(a) for a in args)  # what the dispatcher itself computes at the call
+        f = dispatcher.py_func
+        key = (f.__module__, f.__name__, sig)
+        if key not in self.index:
+            self.index[key] = f"kernel:{f.__module__}:{f.__name__}:{len(self.sigs)}"
+            self.sigs.append(key)
+        return self.index[key]
+
+
+def _dispatcher(job: str, sigs: list | None = None):
+    """(dispatcher, signature or None) for a job name."""
     kind, *args = job.split(":")
     if kind == "matmul":
         from .matmul import _KERNELS
 
-        return _KERNELS[tuple(args)]
-    from .gemv_repacked import _KERNELS as GEMV
+        return _KERNELS[tuple(args)], None
+    if kind == "gemv":
+        from .gemv_repacked import _KERNELS as GEMV
 
-    return GEMV[args[0]]
+        return GEMV[args[0]], None
+    module, name, i = args
+    return getattr(importlib.import_module(module), name), sigs[int(i)][2]
+
+
+def _has_index(dispatcher: Any) -> bool:
+    """Whether numba's cache has an index for this kernel (a warm cache: nothing to share)."""
+    index = getattr(getattr(getattr(dispatcher, "_cache", None), "_cache_file", None), "_index_path", None)
+    return index is None or os.path.exists(index)
 
 
 def _cached(job: str) -> bool:
-    """Whether numba's cache has an index for the job's kernel (a warm cache: nothing to share)."""
-    index = getattr(getattr(getattr(_dispatcher(job), "_cache", None), "_cache_file", None), "_index_path", None)
-    return index is None or os.path.exists(index)
+    """The same for a "matmul:..." or "gemv:..." job."""
+    return _has_index(_dispatcher(job)[0])
 
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def start(uses: Iterable[tuple[str, int | None]]) -> None:
-    """Start the helper for the cold kernels of weight uses (dtype, rows of x or None for get_rows),
-    given in the order this process will need them (once per process; not on 1 CPU)."""
+def prepare(recorded: list[tuple]) -> None:
+    """Compile the kernels a just-bound Program's steps call (lowering_rules.RECORD, in step order),
+    sharing them with a helper process when numba's cache is cold; otherwise leave them to compile
+    (or load from the cache) at their first call, as numba does."""
     global _proc
     if _proc is not None or _cpus() < 2 or flags.enabled("GRAPHIR_NO_PRECOMPILE"):
         return
-    uses = list(uses)
-    # then the one-token products of the same weights: a prefill is followed by decode steps
-    cold = [j for j in jobs_for(uses + [(d, 1) for d, rows in uses if rows is not None]) if not _cached(j)]
-    if len(cold) < 2:  # the first job is this process's own: nothing to share
+    names = _Jobs()
+    cold: list[str] = []  # the jobs of kernels with no cache entry yet, in step order
+    later: list[str] = []  # the one-token products of the same weights: a prefill is followed by decode steps
+    for use in recorded:
+        if use[0] == "mm":
+            new = [j for j in jobs_for([use[1:]]) if not _cached(j)]
+            if use[2] is not None and use[2] > 1:
+                later += [j for j in jobs_for([(use[1], 1)]) if j not in later and not _cached(j)]
+        else:  # the signature (typeof over the arguments) only for a cold kernel: a warm start skips it
+            new = [] if _has_index(use[1]) else [names.kernel(use[1], use[2])]
+        cold += [j for j in new if j not in cold]
+    later = [j for j in later if j not in cold]
+    if len(cold) < 2:  # nothing to share: the first cold kernel is this process's own
         return
-    mine, theirs = cold[0], cold[1:]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # the helper works from the last step back, this process from the first step on; they meet midway
+    theirs = cold[:0:-1] + later
     try:
-        _proc = subprocess.Popen([sys.executable, "-m", __name__, *theirs], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    except OSError:  # no helper: this process compiles everything, as without one
+        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
+            pickle.dump(names.sigs, f)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        _proc = subprocess.Popen([sys.executable, "-m", __name__, f.name, *theirs], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    except (OSError, pickle.PicklingError):  # no helper: this process compiles everything, as without one
         return
-    with _cond:
-        _jobs.update(dict.fromkeys(theirs, "queued"))
-        _jobs.pop(mine, None)
-    threading.Thread(target=_follow, args=(_proc,), daemon=True).start()
-    atexit.register(_stop, _proc)
+    os.set_blocking(_proc.stdout.fileno(), False)
+    _jobs.update(dict.fromkeys(theirs, "queued"))
+    atexit.register(_stop, _proc, f.name)
+    busy = []  # jobs the helper was compiling when this process came to them: loaded from the cache last
+    for job in cold:
+        if state(job) == "running":
+            busy.append(job)
+        else:  # queued there: compile it here, telling the helper to skip it; or done there: load it
+            _claim(job)
+            _compile(job, names.sigs)
+    for job in busy:
+        wait(job)
+        _compile(job, names.sigs)
 
 
-def _follow(proc: subprocess.Popen) -> None:
-    for line in proc.stdout:
-        state, _, job = line.strip().partition(" ")
-        with _cond:
-            if job in _jobs:
-                _jobs[job] = state
-            _cond.notify_all()
-    proc.wait()
-    with _cond:
-        for job, state in _jobs.items():
-            if state != "done":
-                _jobs[job] = "gone"
-        _cond.notify_all()
+def _claim(job: str) -> None:
+    """Tell the helper this process compiles `job` (it skips the job if it has not started it yet)."""
+    if _jobs.get(job) == "queued":
+        try:
+            _proc.stdin.write(f"{job}\n".encode())
+            _proc.stdin.flush()
+        except OSError:  # the helper has ended
+            pass
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _poll(timeout: float = 0.0) -> None:
+    """Read the helper's progress lines that have arrived (waiting up to `timeout` s for the first).
+    Read here, on the calling thread: a reader thread got no time while this thread compiled."""
+    global _buf
+    if _proc is None or _proc.stdout.closed:
+        return
+    fd = _proc.stdout.fileno()
+    if timeout and not select.select([fd], [], [], timeout)[0]:
+        return
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:  # the helper ended: whatever it had not finished is ours to compile
+            _proc.stdout.close()
+            for job, st in _jobs.items():
+                if st != "done":
+                    _jobs[job] = "gone"
+            break
+        _buf += chunk
+    *lines, _buf = _buf.split(b"\n")
+    for line in lines:
+        st, _, job = line.decode().strip().partition(" ")
+        if job in _jobs:
+            _jobs[job] = st
+
+
+def _stop(proc: subprocess.Popen, sigs_file: str) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    try:
+        os.unlink(sigs_file)
+    except OSError:
+        pass
+
+
+WAIT_S = 600  # a helper stuck this long on one kernel is ignored: this process compiles it itself
 
 
 def wait(job: str) -> None:
     """Return when the helper is not compiling `job` (done, gone, queued there, or never given it)."""
-    with _cond:
-        _cond.wait_for(lambda: _jobs.get(job) != "running")
+    deadline = time.monotonic() + WAIT_S
+    while state(job) == "running" and time.monotonic() < deadline:
+        _poll(timeout=0.5)
 
 
 def state(job: str) -> str | None:
-    """The helper's state of `job`, or None when it was never given it (for tests)."""
-    with _cond:
-        return _jobs.get(job)
+    """The helper's state of `job` ("queued", "running", "done", "gone"), or None when never given it."""
+    _poll()
+    return _jobs.get(job)
 
 
-def _compile(job: str) -> None:
+def _compile(job: str, sigs: list | None = None) -> None:
     kind, *args = job.split(":")
     if kind == "matmul":
         from .matmul import _compile as compile_matmul
@@ -137,12 +225,40 @@ def _compile(job: str) -> None:
         from .gemv_repacked import _compile as compile_gemv
 
         compile_gemv(*args)
+    elif kind == "kernel":
+        dispatcher, sig = _dispatcher(job, sigs)
+        dispatcher.compile(sig)
     else:
-        raise ValueError(f"precompile: unknown job {job!r} (matmul:<dtype>:<mode> or gemv:<q4|q8>)")
+        raise ValueError(f"precompile: unknown job {job!r} (matmul:<dtype>:<mode>, gemv:<q4|q8> or kernel:...)")
+
+
+def _helper(sigs_file: str, jobs: list[str]) -> None:
+    """The helper process: compile `jobs` in order, skipping those the parent has claimed (on stdin),
+    at the lowest priority, so that the parent's kernels never wait for a core this process holds."""
+    if hasattr(os, "sched_setscheduler"):
+        try:  # a parent at real-time priority (benchmarks run under chrt) would make this one real-time too
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            pass
+    os.nice(19)
+    with open(sigs_file, "rb") as f:
+        sigs = pickle.load(f)
+    os.set_blocking(sys.stdin.fileno(), False)
+    claimed: set[str] = set()
+    pending = b""
+    for job in jobs:
+        try:
+            pending += os.read(sys.stdin.fileno(), 65536)
+        except BlockingIOError:
+            pass
+        *lines, pending = pending.split(b"\n")
+        claimed.update(line.decode() for line in lines)
+        if job in claimed:
+            continue
+        print("running", job, flush=True)
+        _compile(job, sigs)
+        print("done", job, flush=True)
 
 
 if __name__ == "__main__":
-    for _job in sys.argv[1:]:
-        print("running", _job, flush=True)
-        _compile(_job)
-        print("done", _job, flush=True)
+    _helper(sys.argv[1], sys.argv[2:])

@@ -35,11 +35,6 @@ class CpuProgram:
         self.order = graph.nodes()
         self.ids = graph.ids()
         self.folded = rules.fold_params(graph, self.weights)
-        # a cold numba cache: a helper process compiles some of the weights' matmul kernels meanwhile
-        uses = [(n.src[0].dtype, int(np.prod(n.src[1].shape[:-1])) if n.op == "mul_mat" else None)
-                for n in self.order if n.op in ("mul_mat", "get_rows")
-                and (n.src[0].op == "param" or id(n.src[0]) in self.folded)]
-        precompile.start(sorted(uses, key=lambda u: u[1] is None))  # bind order: get_rows compiles at its call
         self.copies = rules.views_needing_copy(graph)
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = np.empty(max(self.plan.arena_bytes, 1), np.uint8)
@@ -98,8 +93,14 @@ class CpuProgram:
         key = tuple(id(state.get(n.name)) for n in self.graph.states)
         if key != self._bound_state:  # new buffers: check them once, then bind kernels to them
             check_state(self.graph, state)
-            self._bind(state)
+            rules.RECORD = []  # the kernels the steps call, for precompile
+            try:
+                self._bind(state)
+                recorded = rules.RECORD
+            finally:
+                rules.RECORD = None
             self._bound_state = key
+            precompile.prepare(recorded)  # a cold numba cache: compile them with a helper process
         for name, arr in feeds.items():
             self.input_buffers[name][...] = arr
         i = 0
