@@ -101,3 +101,34 @@ def test_run_imports_no_torch(args):
     r = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [], r.stdout
+
+
+def test_recorded_kernels_are_the_ones_the_steps_call(monkeypatch):
+    """What a Program records at binding (the helper compiles it) is what its steps then call: every
+    kernel with the very argument types of its calls, so the helper never compiles a useless variant."""
+    import numba
+    from graphir.backends.cpu import kernels as K
+    from graphir.backends.cpu import precompile
+
+    import graphir
+
+    calls: set[tuple] = set()
+    for name in ("rms_norm", "rms_norm_mul", "add_rms_norm_mul", "silu", "swiglu", "swiglu_split", "rope",
+                 "rope_set_rows", "set_rows", "attention"):
+        kernel = getattr(K, name)
+
+        def spy(*args, _kernel=kernel, _name=name):
+            calls.add((_name, tuple(numba.typeof(a) for a in args)))
+            return _kernel(*args)
+
+        spy.py_func = kernel.py_func
+        monkeypatch.setattr(K, name, spy)
+    recorded: list[tuple] = []
+    monkeypatch.setattr(precompile, "prepare", recorded.extend)
+    m = graphir.load("random:llama-tiny", backend="cpu")
+    out = list(m.generate([1, 2, 3, 4, 5, 6, 7], 3, stop_at_eos=False))  # a padded prefill, then decode steps
+    assert len(out) == 3
+    kernels = {(use[1].py_func.__name__, tuple(numba.typeof(a) for a in use[2])) for use in recorded
+               if use[0] == "kernel"}
+    assert kernels == calls
+    assert {use[0] for use in recorded} == {"kernel", "mm"}
