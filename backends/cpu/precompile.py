@@ -6,7 +6,8 @@ numba's on-disk cache is where they meet. When a CPU Program binds its steps, lo
 the kernels they will call, in step order: matmul kernels ("matmul:q4_1:tile", "gemv:q8") and numba
 kernels with the signature of their bound arguments ("kernel:<module>:<name>:<i>"). If two or more
 have no cache entry, `prepare` starts `python -m graphir.backends.cpu.precompile SIGS JOB...` with
-them in reverse order (then the one-token products decode will use next), and compiles them itself
+them in reverse order (then what decode steps call next: the one-token products of the same
+weights, the kernels again on one-row views, which numba types as contiguous), and compiles them itself
 in step order, so the two meet in the middle. The helper prints "running JOB" / "done JOB"; this
 process reads those lines itself when it looks (a reader thread got no time while it compiled).
 A job the helper is running is left for last (then loaded from the cache); a job still queued there
@@ -65,14 +66,19 @@ class _Jobs:
         self.sigs: list[tuple[str, str, tuple]] = []
         self.index: dict[tuple, str] = {}
 
-    def kernel(self, dispatcher: Any, args: tuple) -> str:
-        sig = tuple(numba.typeof(a) for a in args)  # what the dispatcher itself computes at the call
+    def kernel(self, dispatcher: Any, sig: tuple) -> str:
         f = dispatcher.py_func
         key = (f.__module__, f.__name__, sig)
         if key not in self.index:
             self.index[key] = f"kernel:{f.__module__}:{f.__name__}:{len(self.sigs)}"
             self.sigs.append(key)
         return self.index[key]
+
+
+def one_row_variant(sig: tuple) -> tuple:
+    """`sig` with its strided ('A') arrays C-contiguous: the same kernel called on one row, where the
+    views a prefill passes (q, k of a fused QKV) are contiguous; decode then needs this variant too."""
+    return tuple(t.copy(layout="C") if isinstance(t, numba.types.Array) and t.layout == "A" else t for t in sig)
 
 
 def _dispatcher(job: str, sigs: list | None = None):
@@ -110,20 +116,28 @@ def prepare(recorded: list[tuple]) -> None:
     sharing them with a helper process when numba's cache is cold; otherwise leave them to compile
     (or load from the cache) at their first call, as numba does."""
     global _proc
-    if _proc is not None or os.name != "posix" or _cpus() < 2 or flags.enabled("GRAPHIR_NO_PRECOMPILE"):
+    if _proc is not None or os.name != "posix" or not sys.executable or _cpus() < 2 \
+            or flags.enabled("GRAPHIR_NO_PRECOMPILE"):
         return  # (POSIX only: the progress pipe is read with select and non-blocking reads)
     names = _Jobs()
     cold: list[str] = []  # the jobs of kernels with no cache entry yet, in step order
-    later: list[str] = []  # the one-token products of the same weights: a prefill is followed by decode steps
+    # what decode steps call next: the kernels on one-row views (small: first), the one-token products
+    rows1: list[str] = []
+    later: list[str] = []
     for use in recorded:
         if use[0] == "mm":
             new = [j for j in jobs_for([use[1:]]) if not _cached(j)]
             if use[2] is not None and use[2] > 1:
                 later += [j for j in jobs_for([(use[1], 1)]) if j not in later and not _cached(j)]
-        else:  # the signature (typeof over the arguments) only for a cold kernel: a warm start skips it
-            new = [] if _has_index(use[1]) else [names.kernel(use[1], use[2])]
+        elif _has_index(use[1]):  # a warm start skips the signatures (typeof over the arguments)
+            new = []
+        else:
+            sig = tuple(numba.typeof(a) for a in use[2])  # what the dispatcher itself computes at the call
+            new = [names.kernel(use[1], sig)]
+            if one_row_variant(sig) != sig:
+                rows1.append(names.kernel(use[1], one_row_variant(sig)))
         cold += [j for j in new if j not in cold]
-    later = [j for j in later if j not in cold]
+    later = [j for j in dict.fromkeys(rows1 + later) if j not in cold]
     if len(cold) < 2:  # nothing to share: the first cold kernel is this process's own
         return
     # the helper works from the last step back, this process from the first step on; they meet midway
