@@ -17,7 +17,7 @@ import numpy as np
 
 from graphir.builder import g
 from graphir.dtypes import FLOAT
-from graphir.errors import GraphirError, LoadError
+from graphir.errors import GraphError, GraphirError, LoadError
 from graphir.ir import Graph, Node
 from graphir.weights import Weights
 
@@ -61,6 +61,24 @@ class Family:
     # bench --compare hf`); None where the family has no such mapping (the comparison is skipped)
     config_to_hf: Callable[[Any], dict[str, Any]] | None = None
     default_chat_template: str | None = None  # for files that carry none
+
+
+PHASES = ("prefill", "decode")
+DEFAULT_PREFILL_TOKENS = 8
+
+
+def step_inputs(arch: str, phase: str, n_tokens: int | None) -> tuple[int, Node, Node, Node, Node]:
+    """(n, tokens, pos, kv_idx, kv_len): the token count of a `phase` graph, checked, and the Inputs
+    every family's graph takes (ids, positions and KV write rows [n], the KV length [1])."""
+    if phase not in PHASES:
+        raise GraphError(f"{arch}: phase must be one of {PHASES}, got {phase!r}")
+    if phase == "decode" and n_tokens not in (None, 1):
+        raise GraphError(f"{arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
+    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
+    if n < 1:
+        raise GraphError(f"{arch}: n_tokens must be >= 1, got {n}")
+    return (n, g.input("tokens", (n,), "i32"), g.input("pos", (n,), "i32"), g.input("kv_idx", (n,), "i32"),
+            g.input("kv_len", (1,), "i32"))
 
 
 class ParamNodes:

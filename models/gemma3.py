@@ -32,11 +32,18 @@ from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
 
 from . import random_init
-from .family import Family, ParamNodes, check_weights, checked_config, gguf_key, no_state_to_reset, rename_hf
+from .family import (
+    Family,
+    ParamNodes,
+    check_weights,
+    checked_config,
+    gguf_key,
+    no_state_to_reset,
+    rename_hf,
+    step_inputs,
+)
 from .names import NameMap
 
-PHASES = ("prefill", "decode")
-DEFAULT_PREFILL_TOKENS = 8
 GLOBAL_EVERY = 6  # Gemma 3's pattern when a file states none: 5 sliding layers, then 1 global
 
 
@@ -111,18 +118,8 @@ def build(c: Gemma3Config, phase: str = "prefill", n_tokens: int | None = None,
           dtypes: Mapping[str, str] | None = None, last_only: bool = False) -> Graph:
     """The forward graph for `n_tokens` tokens (decode: 1); inputs tokens/pos/kv_idx/kv_len as in llama.py."""
     check_config(c)
-    if phase not in PHASES:
-        raise GraphError(f"{c.arch}: phase must be one of {PHASES}, got {phase!r}")
-    if phase == "decode" and n_tokens not in (None, 1):
-        raise GraphError(f"{c.arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
-    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
-    if n < 1:
-        raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
+    n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, phase, n_tokens)
     p = ParamNodes(param_shapes(c), dtypes)
-    tokens = g.input("tokens", (n,), "i32")
-    pos = g.input("pos", (n,), "i32")
-    kv_idx = g.input("kv_idx", (n,), "i32")
-    kv_len = g.input("kv_len", (1,), "i32")
 
     x = g.get_rows(p("token_embd.weight"), tokens)  # [n, d_model]
     x = g.scale(x, s=math.sqrt(c.d_model), name="token_embd")

@@ -31,11 +31,17 @@ from graphir.ir import Graph, Node
 from graphir.weights import Weights
 
 from . import random_init
-from .family import Family, ParamNodes, check_weights, checked_config, gguf_key, no_state_to_reset, rename_hf
+from .family import (
+    Family,
+    ParamNodes,
+    check_weights,
+    checked_config,
+    gguf_key,
+    no_state_to_reset,
+    rename_hf,
+    step_inputs,
+)
 from .names import NameMap
-
-PHASES = ("prefill", "decode")
-DEFAULT_PREFILL_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -98,18 +104,8 @@ def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,
     """The forward graph for `n_tokens` tokens (decode: 1). `dtypes` maps Param names to their stored
     dtypes; `last_only` computes logits for the last token only."""
     check_config(c)
-    if phase not in PHASES:
-        raise GraphError(f"{c.arch}: phase must be one of {PHASES}, got {phase!r}")
-    if phase == "decode" and n_tokens not in (None, 1):
-        raise GraphError(f"{c.arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
-    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
-    if n < 1:
-        raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
+    n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, phase, n_tokens)
     p = ParamNodes(param_shapes(c), dtypes)
-    tokens = g.input("tokens", (n,), "i32")
-    pos = g.input("pos", (n,), "i32")
-    kv_idx = g.input("kv_idx", (n,), "i32")
-    kv_len = g.input("kv_len", (1,), "i32")
 
     x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
     for i in range(c.n_layers):

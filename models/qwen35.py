@@ -45,12 +45,10 @@ from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
 
 from . import random_init
-from .family import Family, ParamNodes, checked_config, gguf_key, rename_hf
+from .family import Family, ParamNodes, checked_config, gguf_key, rename_hf, step_inputs
 from .family import check_weights as check_all_weights
 from .names import NameMap
 
-PHASES = ("prefill", "decode")
-DEFAULT_PREFILL_TOKENS = 8
 L2_EPS = 1e-6  # HF's l2norm and the fla kernels hard-code it
 RECURRENT_STATES = ("conv_state", "ssm_state")
 
@@ -171,18 +169,8 @@ def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
     """The forward graph for `n_tokens` tokens (decode: 1); inputs tokens/pos/kv_idx/kv_len as in llama.py.
     State writes of the DeltaNet layers are the graph's `updates`."""
     check_config(c)
-    if phase not in PHASES:
-        raise GraphError(f"{c.arch}: phase must be one of {PHASES}, got {phase!r}")
-    if phase == "decode" and n_tokens not in (None, 1):
-        raise GraphError(f"{c.arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
-    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
-    if n < 1:
-        raise GraphError(f"{c.arch}: n_tokens must be >= 1, got {n}")
+    n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, phase, n_tokens)
     p = ParamNodes(param_shapes(c), dtypes)
-    tokens = g.input("tokens", (n,), "i32")
-    pos = g.input("pos", (n,), "i32")
-    kv_idx = g.input("kv_idx", (n,), "i32")
-    kv_len = g.input("kv_len", (1,), "i32")
 
     updates: list[Node] = []
     x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
