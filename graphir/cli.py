@@ -200,17 +200,28 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
 
 
 # ---------------------------------------------------------------- run
+def _sampling_options(fn: Callable) -> Callable:
+    """--temperature, --top-k, --top-p and --seed, as run and chat take them. Greedy by default, so
+    a command line in the README prints the same text every time."""
+    options = [
+        click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
+                     help="0 is greedy (top-k/top-p then do nothing); llama.cpp's default is 0.8"),
+        click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables"),
+        click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
+                     help="1 disables"),
+        click.option("--seed", type=click.IntRange(min=0), default=None,
+                     help="sampling seed (default: fresh each run)"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 @main.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-p", "--prompt", default="The capital of France is", show_default=True)
 @click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=0), default=32, show_default=True)
-# Greedy by default, so a command line in the README prints the same text every time.
-@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
-              help="0 is greedy (top-k/top-p then do nothing); llama.cpp's default is 0.8")
-@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
-@click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
-              help="1 disables")
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="sampling seed (default: fresh each run)")
+@_sampling_options
 @click.option("--backend", type=BACKEND_CHOICE, default=None,
               help="default: auto (gpu when CuPy sees a device, else cpu); reference for `example`")
 @click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
@@ -256,11 +267,7 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
 @click.option("--system", default=None, help="a system message before the first turn")
 @click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=1), default=256, show_default=True,
               help="longest reply, in tokens")
-@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy")
-@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="0 disables")
-@click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=0.95, show_default=True,
-              help="1 disables")
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="sampling seed (default: fresh each run)")
+@_sampling_options
 @click.option("--backend", type=BACKEND_CHOICE, default=None,
               help="default: auto (gpu when CuPy sees a device, else cpu)")
 @click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
