@@ -76,14 +76,17 @@ class Model:
         """The forward graph this model runs (decode: n_tokens=1)."""
         return registry.family_of(self.config).build(self.config, phase, n_tokens, self._dtypes, last_only)
 
-    def _program(self, n: int, last_only: bool, sampler: bool = False) -> Any:
-        """The Program for n tokens; `sampler`: the graph samples its last logits row itself
+    def _graph(self, n: int, last_only: bool = False, sampler: bool = False) -> Graph:
+        """The graph for n tokens, built once; `sampler`: it samples its last logits row itself
         (generate's decode step), returning one id instead of the logits."""
         key = (n, last_only and n > 1, sampler)
         if key not in self._graphs:
             graph = self.graph("decode" if n == 1 else "prefill", n, key[1])
             self._graphs[key] = with_sampler(graph) if sampler else graph
-        return self.programs.get_program(self._graphs[key], self.weights, self.backend, self.passes)
+        return self._graphs[key]
+
+    def _program(self, n: int, last_only: bool, sampler: bool = False) -> Any:
+        return self.programs.get_program(self._graph(n, last_only, sampler), self.weights, self.backend, self.passes)
 
     # ---- running ----
 
@@ -218,11 +221,7 @@ class Model:
         """State buffers for the graphs this model runs: after its passes, which may rename or split
         them (shard-tp gives each rank its own)."""
         if self._state is None:
-            graph = self.graph("decode")
-            if self.passes:
-                from graphir.passes import run_pipeline
-
-                graph = run_pipeline(graph, self.passes)
+            graph = self.programs.passed(self._graph(1), self.passes)  # lowering reuses this result
             backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
             self._state = backend_state(graph)
 

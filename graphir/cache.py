@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from graphir import flags
+from graphir.backends.registry import get_backend
 from graphir.ir import Graph
 from graphir.weights import Weights
 
@@ -54,6 +55,7 @@ class ProgramCache:
         self.max_entries = max_entries
         self.hits = 0
         self.misses = 0
+        self._passed: dict[tuple[str, str], Graph] = {}  # (signature, passes) -> graph after them
         self._programs: OrderedDict[tuple[str, int, str, str], tuple[Weights | None, Any, dict[str, str]]] = \
             OrderedDict()
 
@@ -69,7 +71,7 @@ class ProgramCache:
         parts = key_parts(graph, backend, passes)
         if flags.enabled("GRAPHIR_DEBUG_CACHE"):
             print(f"graphir cache miss: {self.explain_miss(parts)}", file=sys.stderr)
-        program = _lower(graph, weights, backend, passes)
+        program = get_backend(backend).lower(self.passed(graph, passes), weights)
         self._programs[key] = (weights, program, parts)
         while len(self._programs) > self.max_entries:
             self._programs.popitem(last=False)
@@ -86,21 +88,26 @@ class ProgramCache:
             return "first program"
         return "changed: " + ", ".join(best) if best else "same key parts, different weights"
 
+    def passed(self, graph: Graph, passes: str) -> Graph:
+        """`graph` after the pipeline `passes`, run once per graph structure: a model asks for its
+        decode graph's States before the decode Program is lowered, and both read this result."""
+        if not passes:
+            return graph
+        key = (graph.signature(), passes)
+        if key not in self._passed:
+            from graphir.passes import run_pipeline
+
+            self._passed[key] = run_pipeline(graph, passes)
+            while len(self._passed) > self.max_entries:
+                self._passed.pop(next(iter(self._passed)))
+        return self._passed[key]
+
     def clear(self) -> None:
         self._programs.clear()
+        self._passed.clear()
 
     def __len__(self) -> int:
         return len(self._programs)
-
-
-def _lower(graph: Graph, weights: Weights | None, backend: str, passes: str) -> Any:
-    from graphir.backends.registry import get_backend
-
-    if passes:
-        from graphir.passes import run_pipeline
-
-        graph = run_pipeline(graph, passes)
-    return get_backend(backend).lower(graph, weights)
 
 
 DEFAULT = ProgramCache()

@@ -171,3 +171,18 @@ def test_graphs_differing_only_in_an_input_shape_get_their_own_programs(build, s
     assert pb is not pa
     assert cache.get_program(build(sizes[1]), None, backend) is pb
     assert (cache.hits, cache.misses, len(cache)) == (2, 2, 2)
+
+
+def test_a_graph_structure_is_passed_once(monkeypatch):
+    """The model asks for its decode graph after the passes (to size the State) before lowering it;
+    the pipeline runs once for that structure and lowering reuses the result."""
+    import graphir.passes
+
+    runs = []
+    real = graphir.passes.run_pipeline
+    monkeypatch.setattr(graphir.passes, "run_pipeline", lambda g_, p: runs.append(p) or real(g_, p))
+    model = graphir.load("random:llama-tiny", backend="cpu", passes="default")
+    model.feed([1])  # State for the passed decode graph, then its Program
+    assert runs == ["default"]
+    assert model.programs.passed(model.graph("decode"), "default") is model.programs.passed(model._graph(1), "default")
+    assert runs == ["default"]

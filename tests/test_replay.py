@@ -130,7 +130,7 @@ def test_generating_40_tokens_lowers_one_decode_program(model):
     assert lowered <= 3  # the prompt's bucket(s) and one decode step program, nothing per position
     out = list(model.generate(list(b"Bonjour, monde"[:13]), 40, stop_at_eos=False))  # other tokens, same shapes
     assert model.programs.misses == misses and len(model.programs) == lowered
-    model.programs.get_program(model._graphs[(1, False, True)], model.weights, model.backend, model.passes)
+    model.programs.get_program(model._graph(1, sampler=True), model.weights, model.backend, model.passes)
     assert model.programs.misses == misses  # the decode step generate() ran is the cached one
 
 
