@@ -14,18 +14,14 @@ is None and the note says why.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from graphir.bench import _rates
 from graphir.errors import GraphirError
 from graphir.quant import dequantize
-
-
-def _rates(n: int, seconds: list[float]) -> tuple[float, float]:
-    return n / min(seconds), n / statistics.median(seconds)
 
 
 def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: int,

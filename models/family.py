@@ -126,6 +126,13 @@ def check_weights(config: Any, weights: Weights, shapes: Mapping[str, tuple[int,
                         f"(config: {config.n_layers} layers, tied={config.tied_embeddings})")
 
 
+def check_rules(arch: str, rules: list[tuple[bool, str]]) -> None:
+    """A family's config checks: the first (ok, rule) that fails is a GraphError naming it."""
+    for ok, rule in rules:
+        if not ok:
+            raise GraphError(f"{arch} config: {rule}")
+
+
 def checked_config(config: Any, check: Callable[[Any], None], source: str) -> Any:
     """`config` after `check(config)`, a GraphError from it re-raised as a LoadError naming `source`."""
     try:

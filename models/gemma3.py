@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from graphir.builder import g
-from graphir.errors import GraphError, LoadError
+from graphir.errors import LoadError
 from graphir.ir import Graph, Node
 from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
@@ -35,6 +35,7 @@ from . import random_init
 from .family import (
     Family,
     ParamNodes,
+    check_rules,
     check_weights,
     checked_config,
     gguf_key,
@@ -109,9 +110,7 @@ def check_config(c: Gemma3Config) -> None:
         (c.final_softcap >= 0, f"final_softcap {c.final_softcap} must be >= 0 (0: none)"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
     ]
-    for ok, rule in rules:
-        if not ok:
-            raise GraphError(f"{c.arch} config: {rule}")
+    check_rules(c.arch, rules)
 
 
 def build(c: Gemma3Config, phase: str = "prefill", n_tokens: int | None = None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphir.builder import g
-from graphir.errors import GraphError, LoadError
+from graphir.errors import LoadError
 from graphir.ir import Graph, Node
 from graphir.weights import Weights
 
@@ -34,6 +34,7 @@ from . import random_init
 from .family import (
     Family,
     ParamNodes,
+    check_rules,
     check_weights,
     checked_config,
     gguf_key,
@@ -94,9 +95,7 @@ def check_config(c: LlamaConfig) -> None:
         (c.rope_mode in ("norm", "neox"), f"rope_mode must be 'norm' or 'neox', got {c.rope_mode!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
     ]
-    for ok, rule in rules:
-        if not ok:
-            raise GraphError(f"{c.arch} config: {rule}")
+    check_rules(c.arch, rules)
 
 
 def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,

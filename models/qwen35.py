@@ -39,13 +39,13 @@ from typing import Any
 import numpy as np
 
 from graphir.builder import g
-from graphir.errors import GraphError, LoadError
+from graphir.errors import LoadError
 from graphir.ir import Graph, Node
 from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
 
 from . import random_init
-from .family import Family, ParamNodes, checked_config, gguf_key, rename_hf, step_inputs
+from .family import Family, ParamNodes, check_rules, checked_config, gguf_key, rename_hf, step_inputs
 from .family import check_weights as check_all_weights
 from .names import NameMap
 
@@ -158,9 +158,7 @@ def check_config(c: Qwen35Config) -> None:
         (c.v_head_order in ("grouped", "tiled"), f"v_head_order must be 'grouped' or 'tiled', got {c.v_head_order!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
     ]
-    for ok, rule in rules:
-        if not ok:
-            raise GraphError(f"{c.arch} config: {rule}")
+    check_rules(c.arch, rules)
 
 
 # ---------------------------------------------------------------- the graph
