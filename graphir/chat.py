@@ -19,10 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-import numpy as np
-
 from graphir.errors import InputError
-from graphir.ops import sample_row
+from graphir.generate import Settings
 
 _PROBE_REPLY = "Xq7Zr"  # an assistant text that no template writes by itself
 
@@ -128,10 +126,9 @@ class Conversation:
         if len(ids) + max_new_tokens > m.config.ctx:
             raise InputError(f"the conversation ({len(ids)} tokens) + max_new_tokens {max_new_tokens} exceeds the "
                              f"context of {m.config.ctx} (load(..., ctx=N) to raise it)")
-        return self._run(ids, stops, max_new_tokens, (temperature, top_k, top_p), np.random.default_rng(seed))
+        return self._run(ids, stops, max_new_tokens, Settings(temperature, top_k, top_p, seed))
 
-    def _run(self, ids: list[int], stops: set[int], max_new: int, sampling: tuple, rng: np.random.Generator
-             ) -> Iterator[int]:
+    def _run(self, ids: list[int], stops: set[int], max_new: int, settings: Settings) -> Iterator[int]:
         m, keep = self.model, 0
         if m.n_past == len(self.cached):  # else the cache was used for something else since the last turn
             while keep < min(len(self.cached), len(ids) - 1) and self.cached[keep] == ids[keep]:
@@ -140,11 +137,12 @@ class Conversation:
             m.reset()
             keep = 0
         self.cached, self.last_prefill = list(ids), len(ids) - keep
-        logits = m.feed(ids[keep:], last_only=True)[-1]
+        # generate()'s own steps: on the gpu each token is one captured step that samples on the device
+        token = m._prefill_sample(ids[keep:], settings)
         for _ in range(max_new):
-            token = sample_row(logits, *sampling, float(rng.random()))
-            logits = m.feed([token])[-1]  # the end-of-turn token too: the next rendering starts with it
+            after = m._decode_sample(token, settings)  # the end-of-turn token too: the next rendering starts with it
             self.cached.append(token)
             if token in stops:
                 return
             yield token
+            token = after
