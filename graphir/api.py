@@ -34,7 +34,7 @@ from graphir.models import loader, presets, registry
 from graphir.models.default_model import DEFAULT_MODEL
 from graphir.models.family import ModelConfig
 from graphir.models.hf_dir import TOKENIZER_FILE
-from graphir.ops import SAMPLING_FIELDS, sample_row
+from graphir.ops import SAMPLING_FIELDS
 from graphir.run_inputs import new_state
 from graphir.weights import Weights
 
@@ -193,7 +193,7 @@ class Model:
         """Read the prompt; the first new id, sampled on the host from the last logits row (once per prompt)."""
         t0 = time.perf_counter()
         logits = self.feed(ids, last_only=True)[-1]
-        token = int(sample_row(logits, *settings.row().tolist()))
+        token = settings.sample(logits)
         self._add_stats("prefill", len(ids), t0)
         return token
 

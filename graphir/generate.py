@@ -52,16 +52,14 @@ class Settings:
         # u just below 1 must stay below 1 in f32, or the draw could fall past the kept mass
         return np.array([self.temperature, self.top_k, self.top_p, min(u, 1.0 - 2.0 ** -24)], np.float32)
 
+    def sample(self, logits: np.ndarray) -> int:
+        """The next draw from host logits [vocab] (what the in-graph sampler does on the device)."""
+        return sample_row(logits, *self.row().tolist())
+
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Sampler:
     """logits [vocab] -> token id, on the host. `seed` makes draws reproducible."""
-    settings = Settings(temperature, top_k, top_p, seed)
-
-    def sample(logits: np.ndarray) -> int:
-        t, k, p, u = settings.row().tolist()
-        return sample_row(logits, t, int(k), p, u)
-
-    return sample
+    return Settings(temperature, top_k, top_p, seed).sample
 
 
 def with_sampler(graph: Graph) -> Graph:
