@@ -1011,6 +1011,70 @@ def test_ssm_conv_silu(rng):
     close(state["conv"], seq[-(kernel - 1):], rtol=0, atol=0)
 
 
+def _l2(x: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def _gdn_vectorized(q, k, v, gate, beta, s0, scale):
+    """_gdn_loops with numpy products over dk (float64): fast enough for d 128 and 32 heads."""
+    n, hk, _ = q.shape
+    hv = v.shape[1]
+    s = s0.astype(np.float64).copy()
+    out = np.zeros((n, hv, v.shape[2]))
+    for t in range(n):
+        for h in range(hv):
+            kt, qt = k[t, h // (hv // hk)].astype(np.float64), q[t, h // (hv // hk)].astype(np.float64) * scale
+            st = s[h] * math.exp(gate[t, h])
+            st = st + np.outer(kt, beta[t, h] * (v[t, h] - kt @ st))
+            out[t, h], s[h] = qt @ st, st
+    return out, s
+
+
+@covers("gated_delta_net_raw", "item", "assign")
+@pytest.mark.parametrize("n,hk,hv,dk,dv", [(1, 1, 1, 64, 64), (5, 1, 2, 8, 6), (7, 2, 4, 128, 128),
+                                           (3, 16, 32, 128, 128), (20, 1, 3, 7, 5)])
+@pytest.mark.parametrize("eps", [1e-6, None])
+def test_gated_delta_net_raw_l2(n, hk, hv, dk, dv, eps, rng):
+    """l2_eps: q and k l2-normalized inside the op. The state goes back through assign, the pattern a
+    gpu Program runs in place (the kernel writes the State it reads), here at decode and prefill sizes."""
+    # |k| ~ 1 keeps the rule stable without the norm; with it, rows of norm ~2 sqrt(dk) must be normalized
+    qk_scale = 2.0 if eps is not None else dk ** -0.5
+    q, k, v = normal(rng, (n, hk, dk), qk_scale), normal(rng, (n, hk, dk), qk_scale), normal(rng, (n, hv, dv))
+    alpha, b = normal(rng, (n, hv)), normal(rng, (n, hv))
+    a_neg, dt = -np.exp(normal(rng, (hv,))), normal(rng, (hv,))
+    s0 = normal(rng, (hv, dk, dv), 0.3)
+    s = g.state("S", s0.shape)
+    res = g.gated_delta_net_raw(*(g.input(nm, x.shape) for nm, x in zip("qkvab", (q, k, v, alpha, b), strict=True)),
+                                g.param("a_neg", (hv,)), g.param("dt", (hv,)), s, scale=dk ** -0.5, l2_eps=eps)
+    state = {"S": s0.copy()}
+    o = run({"o": g.item(res, index=0)}, {"q": q, "k": k, "v": v, "a": alpha, "b": b}, state=state,
+            updates=(g.assign(s, g.item(res, index=1)),),
+            weights=weights_of(a_neg=("f32", a_neg, (hv,)), dt=("f32", dt, (hv,))))["o"]
+    gate = a_neg * np.log1p(np.exp(alpha.astype(np.float64) + dt))
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    qn, kn = (q, k) if eps is None else (_l2(q, eps), _l2(k, eps))
+    want_o, want_s = _gdn_vectorized(qn, kn, v, gate, beta, s0, dk ** -0.5)
+    # without the norm, |k| ~ 2 sqrt(dk) makes the un-normalized rule a different (unstable) result
+    if eps is not None:
+        assert np.abs(_gdn_vectorized(q, k, v, gate, beta, s0, dk ** -0.5)[0] - want_o).max() > 0.1
+    close(o, want_o, rtol=1e-4, atol=1e-4, dtype="float32")
+    close(state["S"], want_s, rtol=1e-4, atol=1e-4)
+
+
+@covers("rms_norm_mul_gate")
+@pytest.mark.parametrize("shape", [(1, 1, 7), (5, 4, 128), (3, 2, 511), (2, 1025)])
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rms_norm_mul_gate(shape, eps, rng):
+    x, w, z = small_for_eps(rng, shape, eps), normal(rng, shape[-1:]), normal(rng, shape, 3.0)
+    node = g.rms_norm_mul_gate(g.input("x", shape), g.param("w", w.shape), g.input("z", shape), eps=eps)
+    out = run1(node, {"x": x, "z": z}, weights=weights_of(w=("f32", w, w.shape)))
+    z64 = z.astype(np.float64)
+    want = _rms_norm(x, eps) * w * (z64 / (1 + np.exp(-z64)))
+    assert eps_moves(want, _rms_norm(x, 0.0) * w * (z64 / (1 + np.exp(-z64))))
+    close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
+
+
 @covers("gated_delta_net_raw")
 def test_gated_delta_net_raw(rng):
     n, hk, hv, dk, dv = 5, 1, 2, 8, 6

@@ -159,6 +159,42 @@ def case_delta_net(wtype: str) -> Graph:
     return Graph(outs, updates, meta={"case": "delta_net"})
 
 
+def case_delta_net_l2(wtype: str) -> Graph:
+    """Fused delta rules reading l2-normalized q, k: the norms join the op in layer 0; layer 1's
+    normalized k is also an output, so its norms stay."""
+    x, hk, hv, dk, dv = _x(), 2, 4, 8, 6
+    outs, updates = {}, []
+    for i in range(2):
+        q = g.l2_norm(g.input(f"q{i}", (N, hk, dk)), eps=1e-6)
+        k = g.l2_norm(g.input(f"k{i}", (N, hk, dk)), eps=1e-6)
+        alpha = g.mul_mat(_w(f"blk.{i}.ssm_alpha.weight", hv, wtype), x)
+        b = g.mul_mat(_w(f"blk.{i}.ssm_beta.weight", hv, wtype), x)
+        s = g.state(f"blk.{i}.ssm_state", (hv, dk, dv))
+        a_neg = g.neg(g.exp(g.param(f"blk.{i}.A_log", (hv,))))  # negative: the state decays
+        res = g.gated_delta_net_raw(q, k, g.input(f"v{i}", (N, hv, dv)), alpha, b, a_neg,
+                                    g.param(f"blk.{i}.ssm_dt.bias", (hv,)), s, scale=dk ** -0.5,
+                                    name=f"blk.{i}.delta_net")
+        updates.append(g.assign(s, g.item(res, index=1)))
+        outs[f"o{i}"] = g.item(res, index=0)
+        if i == 1:
+            outs["k1"] = k
+    return Graph(outs, updates, meta={"case": "delta_net_l2"})
+
+
+def case_gated_norm(wtype: str) -> Graph:
+    """Qwen3.5's gated output norm, silu(z) * (rms_norm(o) * w); in the second, the norm is also read."""
+    x, heads, hd = _x(), 3, 32
+    outs = {}
+    for i in range(2):
+        z = g.reshape(g.mul_mat(_w(f"blk.{i}.attn_gate.weight", heads * hd, wtype), x), shape=(N, heads, hd))
+        normed = g.rms_norm(g.input(f"o{i}", (N, heads, hd)), eps=1e-6)
+        scaled = g.mul(normed, g.param(f"blk.{i}.ssm_norm.weight", (hd,)), name=f"blk.{i}.ssm_norm")
+        outs[f"y{i}"] = g.swiglu_split(z, scaled, name=f"blk.{i}.ssm_gated")
+        if i == 1:
+            outs["normed1"] = normed
+    return Graph(outs, meta={"case": "gated_norm"})
+
+
 def case_ffn(wtype: str) -> Graph:
     """A gated FFN: gate and up column-parallel, down row-parallel with an all_reduce (shard-tp);
     every projection a weight times many rows (gemm-bf16)."""
@@ -183,6 +219,8 @@ TARGETED_CASES: dict[str, Case] = {
     "replay-lint": Case(case_baked_position, "findings"),
     "fuse-ssm-conv-silu": Case(case_ssm_conv, "ssm_conv_silu"),
     "fuse-gated-delta-net-raw": Case(case_delta_net, "gated_delta_net_raw"),
+    "fuse-gated-delta-net-l2": Case(case_delta_net_l2, "fewer-nodes"),
+    "fuse-rms-norm-mul-gate": Case(case_gated_norm, "rms_norm_mul_gate"),
 }
 
 

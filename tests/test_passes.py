@@ -31,11 +31,13 @@ from graphir.weights import Weight, Weights
 WTYPES = ("f32", "q8_0")
 OPTIONS = {"replay-lint": "{strict=0}",  # the baked-position case must still run through every pass
            "gemm-bf16": "{min_rows=1}"}  # the small test graphs have a few rows: rewrite every matmul
-# Passes that change rounding on purpose, and the tolerance (of max |value|) their result keeps.
-# gemm-bf16 rounds both matmul operands to 8 significant bits (relative error <= 2^-9 each); through
-# the tiny models' two layers and the head the logits move by up to 1.2e-2 of their largest value
-# (measured, llama-tiny prefill); assert_close allows 1e-2 of that plus 1e-2 of each value.
-ROUNDING = {"gemm-bf16": 1e-2}
+# Passes that change rounding on purpose, and the normalized mean squared error (sum (got - want)^2 /
+# sum want^2, ggml test-backend-ops' measure) their results keep. gemm-bf16 rounds both matmul
+# operands to 8 significant bits (relative error <= 2^-9 each). An element-wise bound does not fit
+# it: where attention logits are large, a rounded logit moves one softmax weight by 10-20 % (measured
+# 1.35x a 1e-2 element bound on the rope-cache case, q8_0) while the whole output stays close. Measured
+# over every source here: NMSE 5e-7 .. 6.4e-5; a wrong operand or a lost rounding gives NMSE ~1.
+ROUNDING = {"gemm-bf16": 1e-4}
 # shard-tp's graphs hold each rank's State under its own name: tests/test_shard_tp.py compares them
 # with the unsharded graph through graphir.tp.shard_state.
 VALUE_PASSES = sorted(set(PASSES) - {"shard-tp"})
@@ -67,7 +69,7 @@ def random_inputs(graph: Graph, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     users = graph.users()
     out = {}
-    for x in graph.inputs:
+    for x in sorted(graph.inputs, key=lambda n: n.name):  # by name: a pass may reorder the graph's Inputs
         readers = [(u.op, u.src.index(x)) for u in users[id(x)]]
         if x.name in out:  # the same Input asked for twice
             continue
@@ -86,7 +88,7 @@ def random_inputs(graph: Graph, seed: int = 1) -> dict[str, np.ndarray]:
 
 def random_state(graph: Graph, seed: int = 2) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in new_state(graph).items()}
+    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in sorted(new_state(graph).items())}
 
 
 def run(graph: Graph, weights: Weights) -> tuple[dict, dict]:
@@ -96,12 +98,16 @@ def run(graph: Graph, weights: Weights) -> tuple[dict, dict]:
     return outputs, state
 
 
-def assert_close(want: dict, got: dict, what: str, rounding: float | None = None) -> None:
+def assert_close(want: dict, got: dict, what: str, nmse: float | None = None) -> None:
+    """Element-wise close; for a pass that rounds on purpose, normalized MSE at most `nmse` instead."""
     assert want.keys() == got.keys(), what
     for k in want:
         a, b = np.asarray(want[k], np.float64), np.asarray(got[k], np.float64)
+        if nmse is not None:
+            err = float(((b - a) ** 2).sum() / max(float((a * a).sum()), 1e-30))
+            assert err <= nmse, f"{what}: {k}: normalized MSE {err:.3g} > {nmse:g}"
+            continue
         tol = 2e-3 if want[k].dtype == np.float16 else 1e-4  # an f16 cache row may round the other way
-        tol = max(tol, rounding or 0.0)
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol * max(1.0, np.abs(a).max()), err_msg=f"{what}: {k}")
 
 

@@ -191,7 +191,8 @@ def test_reset_recurrent_zeroes_only_recurrent_state(loaded):
 def test_passes_fire_on_the_model_graph(loaded, phase):
     config, weights = loaded
     report = coverage(qwen35.build(config, phase, None if phase == "decode" else 20))
-    for name, sites in [("stack-projections", 8), ("fuse-ssm-conv-silu", 3), ("fuse-gated-delta-net-raw", 3)]:
+    for name, sites in [("stack-projections", 8), ("fuse-ssm-conv-silu", 3), ("fuse-gated-delta-net-raw", 3),
+                        ("fuse-gated-delta-net-l2", 3), ("fuse-rms-norm-mul-gate", 3)]:
         assert len(report[name].matched) == sites, report.text()
         assert not report[name].rejected, report.text()
     stacked = " ".join(report["stack-projections"].matched)

@@ -40,6 +40,16 @@ def rms_norm_mul(x, w, eps, out):
 
 
 @njit(**JIT)
+def rms_norm_mul_gate(x, w, z, eps, out):
+    """out = rms_norm(x) * w * silu(z), w broadcast over rows (Qwen3.5's gated output norm)."""
+    for r in range(x.shape[0]):
+        inv = _inv_rms(x[r], eps)
+        for i in range(x.shape[1]):
+            g = z[r, i]
+            out[r, i] = x[r, i] * inv * w[i] * (g / (np.float32(1.0) + np.exp(-g)))
+
+
+@njit(**JIT)
 def add_rms_norm_mul(a, b, w, eps, out_norm, out_sum):
     """out_sum = a + b (the residual the next layer reads); out_norm = rms_norm(out_sum) * w."""
     for r in range(a.shape[0]):

@@ -102,6 +102,16 @@ def _add_rms_norm_mul(lw, n, ins, outs, p):
             binary_launch("mul", normed, w, y_norm)]
 
 
+def _rms_norm_mul_gate(lw, n, ins, outs, p):
+    x, w, z = dev(ins[0]), dev(ins[1]), dev(ins[2])
+    rows, ncols = _rows(x)
+    if z.shape != x.shape or not _is_row_weight(w, ncols):
+        raise BackendError(f"rms_norm_mul_gate: z {list(z.shape)} must match x {list(x.shape)} and w "
+                           f"{list(w.shape)} hold one weight per column")
+    args = (x, w, z, outs[0], i32(ncols), f32(p["eps"]))
+    return [Launch("norm.cu", "rms_norm_mul_gate_f32", rows, row_block(ncols), args)]
+
+
 def _reduce_rows(mean: bool) -> Callable:
     def rule(lw, n, ins, outs, p):
         x, y = dev(ins[0]), outs[0]
@@ -260,6 +270,7 @@ RULES: dict[str, Callable] = {
     "l2_norm": _row_norm("l2_norm_f32"),
     "norm": _row_norm("layer_norm_f32"),
     "add_rms_norm_mul": _add_rms_norm_mul,
+    "rms_norm_mul_gate": _rms_norm_mul_gate,
     "rms_norm_mul_rope": _rms_norm_mul_rope,
     "sum_rows": _reduce_rows(False),
     "mean": _reduce_rows(True),
@@ -312,6 +323,10 @@ def lower_node(lw: Lowering, n: Node, ins: list, outs: list | None) -> list:
         return []  # an empty result: nothing to compute
     if rule is None:
         raise BackendError(f"gpu backend: no lowering for op {n.op!r} (node {n.describe()})")
+    if n.params.as_dict().get("steps"):  # gated_delta_net(_raw) keeping per-token states (speculative verify)
+        raise BackendError(f"gpu backend: {n.describe()} asks for the state after every token (steps=True), "
+                           f"which the gpu {n.op} kernel does not write yet; speculative decoding of recurrent "
+                           f"models runs on the reference and cpu backends")
     pre, post = [], []
     ok16 = F16_INPUTS.get(n.op, ())
     ins = list(ins)

@@ -32,6 +32,22 @@ extern "C" __global__ void add_rms_norm_mul_f32(const float* __restrict__ a, con
     for (int c = threadIdx.x; c < ncols; c += blockDim.x) y_norm[off + c] = y_sum[off + c] * inv * w[c];
 }
 
+// y = rms_norm(x) * w * silu(z): Qwen3.5's gated output norm, one head's row per block
+extern "C" __global__ void rms_norm_mul_gate_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                                 const float* __restrict__ z, float* __restrict__ y, int ncols,
+                                                 float eps) {
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    const long long off = (long long)blockIdx.x * ncols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) ss += x[off + c] * x[off + c];
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)ncols + eps);
+    for (int c = threadIdx.x; c < ncols; c += blockDim.x) {
+        const float g = z[off + c];
+        y[off + c] = x[off + c] * inv * w[c] * (g / (1.0f + expf(-g)));
+    }
+}
+
 // y = x / sqrt(sum(x^2) + eps)
 extern "C" __global__ void l2_norm_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float eps) {
     __shared__ float red[MAX_THREADS / WARP_SIZE];

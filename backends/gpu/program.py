@@ -42,6 +42,7 @@ from .device import cupy, stream
 from .launch import GpuParam, Lowering, dev
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node
+from .recurrent import inplace_state
 
 INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
 H2D, D2H = 1, 2  # cudaMemcpyKind (the same values on HIP)
@@ -82,6 +83,7 @@ class GpuProgram:
         self._code_node: dict[int, Node] = {}  # error code -> node, for the current binding
         self._graph_exec: Any = None  # the captured CUDA graph, once there is one
         self._calls_since_bind = 0
+        self._inplace, self._skip_assign = self._plan_inplace_states()
         if not self.graph.states:  # nothing to wait for: bind now, so a bad graph fails at lowering
             self._bind({})
             self._bound_state = ()
@@ -105,6 +107,32 @@ class GpuProgram:
             o = offsets[n.name]
             self.input_host[n.name] = host[o:o + nbytes].view(npd).reshape(n.shape)
             self.input_buffers[n.name] = self._input_dev[o:o + nbytes].view(npd).reshape(n.shape)
+
+    def _plan_inplace_states(self) -> tuple[dict[int, Node], set[int]]:
+        """Recurrent steps that write their new state straight into the State they read: where the
+        graph's only use of the new state (result 1) is `assign(S, it)` and nothing else reads S,
+        the kernel gets S as that output and the assign launches nothing (one copy and one more pass
+        over the state saved per layer). Returns {id(node): S} and the ids of the assigns skipped."""
+        users = self.graph.users()
+        outputs = {id(o) for o in self.graph.outputs.values()}
+        inplace: dict[int, Node] = {}
+        skip: set[int] = set()
+        for n in self.order:
+            j = inplace_state(n)
+            if j is None or n.src[j].op != "state":
+                continue
+            st = n.src[j]
+            items = [u for u in users[id(n)] if u.op == "item" and u.params["index"] == 1]
+            if len(items) != 1 or id(items[0]) in outputs:
+                continue
+            readers = users[id(items[0])]
+            a = readers[0] if len(readers) == 1 else None
+            if a is None or a.op != "assign" or a.src[0] is not st or users[id(a)]:
+                continue
+            if all(u is n or u is a for u in users[id(st)]):
+                inplace[id(n)] = st
+                skip.add(id(a))
+        return inplace, skip
 
     # ---------------------------------------------------------------- binding
     def _slot_array(self, n: Node, k: int) -> Any:
@@ -142,6 +170,8 @@ class GpuProgram:
                 env[id(n)] = GpuParam(f) if isinstance(f, ParamRef) else cp.asarray(f)
             elif n.op == "item":
                 env[id(n)] = env[id(n.src[0])][n.params["index"]]
+            elif id(n) in self._skip_assign:  # its value was written in place (_plan_inplace_states)
+                env[id(n)] = env[id(n.src[0])]
             elif d.view and id(n) not in self.copies:  # a contiguous alias at an element offset
                 src = dev(env[id(n.src[0])])
                 _, _, offset = view_layout(n)
@@ -149,6 +179,8 @@ class GpuProgram:
             else:
                 ins = [env[id(s)] for s in n.src]
                 outs = None if d.writes else [self._slot_array(n, k) for k in range(len(result_types(n)))]
+                if id(n) in self._inplace:
+                    outs[1] = env[id(self._inplace[id(n)])]
                 self.lw.code = i + 1
                 self._code_node[i + 1] = n
                 steps += lower_node(self.lw, n, ins, outs)

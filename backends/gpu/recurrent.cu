@@ -14,21 +14,19 @@
 
 // KMAX bounds the kernel width k (run-time); register arrays are indexed only with unrolled,
 // compile-time indices (a run-time index would put them in local memory).
+//
+// In place (new_state == state) is allowed when the grid has one token run (n <= CONV_TOKENS, a
+// decode or verify step): a thread reads its channel's state before it writes it, and the new
+// state is written last, row r from row n + r > r, so no row is read after it was overwritten.
+// state and new_state are therefore not __restrict__.
 template <int KMAX, bool SILU>
-DEVICE void ssm_conv_body(const float* __restrict__ x, const float* __restrict__ state,
+DEVICE void ssm_conv_body(const float* __restrict__ x, const float* state,
                           const float* __restrict__ w, float* __restrict__ y,
-                          float* __restrict__ new_state, int n, int channels, int k) {
+                          float* new_state, int n, int channels, int k) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     const int hist = k - 1;  // rows of state
     const size_t C = (size_t)channels;
-
-    if (blockIdx.y == 0) {  // new_state[r] = xx[n + r]; plain copies, so bit-exact
-        for (int r = 0; r < hist; ++r) {
-            const int s = n + r;
-            new_state[r * C + c] = s < hist ? state[s * C + c] : x[(size_t)(s - hist) * C + c];
-        }
-    }
 
     float wr[KMAX - 1], win[KMAX - 1];
 #pragma unroll
@@ -63,17 +61,24 @@ DEVICE void ssm_conv_body(const float* __restrict__ x, const float* __restrict__
             }
         }
     }
+
+    if (blockIdx.y == 0) {  // new_state[r] = xx[n + r]; plain copies, so bit-exact
+        for (int r = 0; r < hist; ++r) {
+            const int s = n + r;
+            new_state[r * C + c] = s < hist ? state[s * C + c] : x[(size_t)(s - hist) * C + c];
+        }
+    }
 }
 
 #define DEFINE_SSM_CONV(KMAX)                                                                           \
     extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_k##KMAX(                          \
-        const float* __restrict__ x, const float* __restrict__ state, const float* __restrict__ w,      \
-        float* __restrict__ y, float* __restrict__ new_state, int n, int channels, int k) {             \
+        const float* __restrict__ x, const float* state, const float* __restrict__ w,                   \
+        float* __restrict__ y, float* new_state, int n, int channels, int k) {                          \
         ssm_conv_body<KMAX, false>(x, state, w, y, new_state, n, channels, k);                          \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_silu_k##KMAX(                     \
-        const float* __restrict__ x, const float* __restrict__ state, const float* __restrict__ w,      \
-        float* __restrict__ y, float* __restrict__ new_state, int n, int channels, int k) {             \
+        const float* __restrict__ x, const float* state, const float* __restrict__ w,                   \
+        float* __restrict__ y, float* new_state, int n, int channels, int k) {                          \
         ssm_conv_body<KMAX, true>(x, state, w, y, new_state, n, channels, k);                           \
     }
 
@@ -107,16 +112,29 @@ DEVICE float gdn_sum(const float* a) {  // pairwise sum of N (1, 2 or 4) partial
     return N == 1 ? a[0] : N == 2 ? a[0] + a[1] : (a[0] + a[1]) + (a[2] + a[3]);
 }
 
-// Loads token t's k, q (scaled), v and gates into gdn_body's prefetch registers pk, pq, pv, pa, pb.
+// Loads token t's k, q (scaled), v and gates into gdn_body's prefetch registers pk, pq, pv, pa, pb;
+// with l2, also each 32-lane group's share of sum(k^2) and sum(q^2) (unscaled q) into pnk, pnq.
 #define GDN_FETCH(t)                                                                                    \
     do {                                                                                                \
         const float* kt = k + ((size_t)(t) * hk + kh) * dk;                                             \
         const float* qt = q + ((size_t)(t) * hk + kh) * dk;                                             \
+        float ssk = 0.0f, ssq = 0.0f;                                                                   \
         _Pragma("unroll") for (int j = 0; j < STAGE; ++j) {                                             \
             const int e = tid + GDN_BLOCK * j;                                                          \
-            pk[j] = e < dk ? kt[e] : 0.0f;                                                              \
-            pq[j] = e < dk ? qt[e] * scale : 0.0f;                                                      \
+            const float kv_ = e < dk ? kt[e] : 0.0f, qv_ = e < dk ? qt[e] : 0.0f;                       \
+            pk[j] = kv_;                                                                                \
+            pq[j] = qv_ * scale;                                                                        \
+            ssk += kv_ * kv_;                                                                           \
+            ssq += qv_ * qv_;                                                                           \
         }                                                                                               \
+        if (l2) {                                                                                       \
+            _Pragma("unroll") for (int o = GDN_GROUP / 2; o > 0; o >>= 1) {                             \
+                ssk += SHFL_XOR(ssk, o);                                                                \
+                ssq += SHFL_XOR(ssq, o);                                                                \
+            }                                                                                           \
+        }                                                                                               \
+        pnk = ssk;                                                                                      \
+        pnq = ssq;                                                                                      \
         const size_t th = (size_t)(t) * hv + h;                                                         \
         pv = live ? v[th * dv + col] : 0.0f;                                                            \
         if (RAW) {                                                                                      \
@@ -133,19 +151,29 @@ DEVICE float gdn_sum(const float* a) {  // pairwise sum of N (1, 2 or 4) partial
 // (staged zeros), so the token loop needs no row guards. RAW: gate0/gate1 are alpha/b and the
 // gates are a_neg * softplus(alpha + dt_bias), sigmoid(b); else they are g/beta themselves.
 // a_neg and dt_bias are read at t * a_st + h * a_sh (strides 0 on broadcast axes).
+// l2 (run-time, uniform): k_t and q_t are first divided by sqrt(sum of squares + l2_eps), as the
+// l2_norm op does. The norms cost no extra barrier: each 32-lane group's partial sums are staged
+// beside k_t and q_t, and the factors are applied to the dot products (k^T S, q^T S) and to the
+// update's delta instead of to every element.
+// In place (new_state == state) is allowed: a thread reads its state elements once, before the
+// token loop, and writes the same elements once, after it; so state/new_state are not __restrict__.
 template <int ROWS, bool RAW>
 DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                      const float* __restrict__ gate0, const float* __restrict__ gate1,
                      const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
-                     const float* __restrict__ state, float* __restrict__ o, float* __restrict__ new_state,
-                     int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh) {
+                     const float* state, float* __restrict__ o, float* new_state,
+                     int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh,
+                     int l2, float l2_eps) {
     constexpr int DK = ROWS * GDN_SPLIT;  // staged length of k_t, q_t (zero padded past dk)
     constexpr int STAGE = (DK + GDN_BLOCK - 1) / GDN_BLOCK;  // elements of k_t / q_t each thread stages
     constexpr int NACC = ROWS < 4 ? ROWS : 4;
+    constexpr int NGROUP = GDN_BLOCK / GDN_GROUP;
     // Double buffered: token t uses buffer t & 1, so one barrier per token suffices (a thread can
     // only overwrite a buffer after every thread passed the next barrier, i.e. finished reading it).
     __shared__ float sk[2][DK];
     __shared__ float sq[2][DK];
+    __shared__ float snk[2][NGROUP];  // per-group sums of k_t^2 and q_t^2 (used with l2)
+    __shared__ float snq[2][NGROUP];
 
     const int tid = threadIdx.x;
     const int lane = tid % GDN_GROUP;
@@ -165,7 +193,7 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
 
     // Token t's inputs, loaded into registers one token ahead so their latency hides behind the
     // previous token's arithmetic.
-    float pk[STAGE], pq[STAGE], pv = 0.0f, pa = 0.0f, pb = 0.0f;
+    float pk[STAGE], pq[STAGE], pv = 0.0f, pa = 0.0f, pb = 0.0f, pnk = 0.0f, pnq = 0.0f;
     if (n > 0) GDN_FETCH(0);
 
     for (int t = 0; t < n; ++t) {
@@ -178,8 +206,23 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
                 sq[buf][e] = pq[j];
             }
         }
+        if (l2 && lane == 0) {
+            snk[buf][tid / GDN_GROUP] = pnk;
+            snq[buf][tid / GDN_GROUP] = pnq;
+        }
         const float decay = pa, beta = pb, vt = pv;
         __syncthreads();
+        float inv_k = 1.0f, inv_q = 1.0f;
+        if (l2) {
+            float nk = 0.0f, nq = 0.0f;
+#pragma unroll
+            for (int g = 0; g < NGROUP; ++g) {
+                nk += snk[buf][g];
+                nq += snq[buf][g];
+            }
+            inv_k = 1.0f / sqrtf(nk + l2_eps);
+            inv_q = 1.0f / sqrtf(nq + l2_eps);
+        }
         if (t + 1 < n) GDN_FETCH(t + 1);
 
         // NACC independent partial sums: a single chain of ROWS dependent FMAs would make every
@@ -195,7 +238,8 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
         float kv = gdn_sum<NACC>(part_kv);
         kv += SHFL_XOR(kv, GDN_COLS);
         kv += SHFL_XOR(kv, 2 * GDN_COLS);
-        const float delta = beta * (vt - kv);
+        // with l2: kv = (k/|k|)^T S and the update adds (k/|k|) delta, so delta carries 1/|k|
+        const float delta = beta * (vt - kv * inv_k) * inv_k;
         float part_o[NACC];
 #pragma unroll
         for (int a = 0; a < NACC; ++a) part_o[a] = 0.0f;
@@ -208,7 +252,7 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
         float acc = gdn_sum<NACC>(part_o);
         acc += SHFL_XOR(acc, GDN_COLS);
         acc += SHFL_XOR(acc, 2 * GDN_COLS);
-        if (part == 0 && live) o[((size_t)t * hv + h) * dv + col] = acc;
+        if (part == 0 && live) o[((size_t)t * hv + h) * dv + col] = acc * inv_q;
     }
 
     float* S1 = new_state + (size_t)h * dk * dv + col;
@@ -226,20 +270,20 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
     extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_r##ROWS(                 \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
         const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ a_neg,   \
-        const float* __restrict__ dt_bias, const float* __restrict__ state, float* __restrict__ o,      \
-        float* __restrict__ new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,    \
-        int a_sh, int d_st, int d_sh) {                                                                 \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                                           \
         gdn_body<ROWS, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
-                              scale, a_st, a_sh, d_st, d_sh);                                           \
+                              scale, a_st, a_sh, d_st, d_sh, l2, l2_eps);                               \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_raw_r##ROWS(             \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
         const float* __restrict__ alpha, const float* __restrict__ b, const float* __restrict__ a_neg,  \
-        const float* __restrict__ dt_bias, const float* __restrict__ state, float* __restrict__ o,      \
-        float* __restrict__ new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,    \
-        int a_sh, int d_st, int d_sh) {                                                                 \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                                           \
         gdn_body<ROWS, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
-                             scale, a_st, a_sh, d_st, d_sh);                                            \
+                             scale, a_st, a_sh, d_st, d_sh, l2, l2_eps);                                \
     }
 
 #undef GDN_FETCH

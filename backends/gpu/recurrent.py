@@ -4,8 +4,10 @@ ssm_conv / ssm_conv_silu: one thread per (channel, run of CONV_TOKENS tokens), a
 of the kernel's K-1 taps. gated_delta_net / gated_delta_net_raw: the f32 state stays in
 registers for the whole call (read once, written once), a token loop inside the kernel; the raw
 variant computes g = a_neg * softplus(alpha + dt_bias) and beta = sigmoid(b) in the kernel.
-Every rule reads its input state and writes the new state into its own output (the graph's
-`assign` copies it back), so the input State is never written here.
+Every rule writes the new state into its output. The program (program.py) may hand a rule the
+State buffer itself as that output when the graph only assigns it back (`inplace_state`): for the
+token-loop kernels that is safe, as each thread reads its state elements before it writes them
+(recurrent.cu), and it saves the assign's copy and a second pass over the state.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ GDN_BLOCK = 64  # recurrent.cu GDN_BLOCK
 GDN_TILE = 16  # state columns per block (GDN_BLOCK / GDN_SPLIT)
 GDN_SPLIT = 4  # threads per state column
 GDN_ROWS = (2, 4, 8, 16, 32, 64)  # gated_delta_net_r{ROWS}: dk <= ROWS * GDN_SPLIT
+
+
+INPLACE_MAX_TOKENS = 16  # the token-loop kernels, which may write the state in place, up to this many tokens
+_STATE_INPUT = {"ssm_conv": 1, "ssm_conv_silu": 1, "gated_delta_net": 5, "gated_delta_net_raw": 7}
+
+
+def inplace_state(node: Any) -> int | None:
+    """The source index of the State that `node`'s kernel may overwrite with its result 1 (the new
+    state), or None. The conv kernel is in-place safe only with one token run in its grid."""
+    j = _STATE_INPUT.get(node.op)
+    if j is None:
+        return None
+    n = node.src[0].shape[0]
+    limit = CONV_TOKENS if node.op.startswith("ssm_conv") else INPLACE_MAX_TOKENS
+    return j if n <= limit else None
 
 
 def _f32(node: Any, what: str, a: Any) -> Any:
@@ -105,8 +122,9 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
         a_neg, dt_bias = gate0, gate0
         a_st = a_sh = d_st = d_sh = i32(0)
     name = f"gated_delta_net{'_raw' if raw else ''}_r{rows}"
+    l2_eps = p.get("l2_eps")
     args = (q, k, v, gate0, gate1, a_neg, dt_bias, state, o, new_state, i32(n), i32(hk), i32(hv), i32(dk), i32(dv),
-            f32(p["scale"]), a_st, a_sh, d_st, d_sh)
+            f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0))
     return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
 
 

@@ -96,16 +96,38 @@ def _gdn_raw_infer(ts: list[Type], p: dict) -> list[Type]:
     return OPS["gated_delta_net"].infer([q, k, v, gate, b, state], p)
 
 
-def _gdn_raw_ref(q, k, v, alpha, b, a_neg, dt_bias, state, scale: float):
+def _gdn_raw_ref(q, k, v, alpha, b, a_neg, dt_bias, state, scale: float, l2_eps: float | None = None,
+                steps: bool = False):
+    if l2_eps is not None:
+        q, k = OPS["l2_norm"].ref(q, eps=l2_eps), OPS["l2_norm"].ref(k, eps=l2_eps)
     g = OPS["mul"].ref(OPS["softplus"].ref(OPS["add"].ref(alpha, dt_bias)), a_neg)
     beta = OPS["sigmoid"].ref(b)
-    return OPS["gated_delta_net"].ref(q, k, v, g, beta, state, scale=scale)
+    return OPS["gated_delta_net"].ref(q, k, v, g, beta, state, scale=scale, steps=steps)
 
 
 op("gated_delta_net_raw", 8,
    "gated_delta_net(q, k, v, g, beta, state) with the gates from raw projections: g = a_neg * softplus(alpha + "
-   "dt_bias) (a_neg = -exp(A_log), llama.cpp's ssm_a), beta = sigmoid(b); returns (o, new_state)",
-   {"scale": (float, REQUIRED)}, multi=True)((_gdn_raw_infer, _gdn_raw_ref))
+   "dt_bias) (a_neg = -exp(A_log), llama.cpp's ssm_a), beta = sigmoid(b); with l2_eps, q and k are first "
+   "l2_norm(., eps=l2_eps); returns (o, new_state), and with steps also S after each token [tokens, *state]",
+   {"scale": (float, REQUIRED), "l2_eps": ((float, type(None)), None), "steps": (bool, False)},
+   multi=True)((_gdn_raw_infer, _gdn_raw_ref))
+
+
+def _rms_norm_mul_gate_infer(ts: list[Type], p: dict) -> Type:
+    x, w, z = ts
+    _binary_infer([x, w], p)
+    need(z == x, f"gate z {list(z[0])} {z[1]} must match x {list(x[0])} {x[1]}")
+    return x
+
+
+def _rms_norm_mul_gate_ref(x, w, z, eps: float):
+    return OPS["mul"].ref(OPS["mul"].ref(_rms_norm(x, eps), w), OPS["silu"].ref(z))
+
+
+# Qwen3.5's gated output norm: the delta rule's output normalized per head, scaled, and gated by
+# silu of the z projection.
+op("rms_norm_mul_gate", 3, "rms_norm(x, eps) * w * silu(z) (w broadcast over the last axis, z shaped like x)",
+   {"eps": (float, REQUIRED)})((_rms_norm_mul_gate_infer, _rms_norm_mul_gate_ref))
 
 # Collectives (tensor parallel) live in their own module; importing it here registers them wherever the
 # op table is imported.

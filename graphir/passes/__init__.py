@@ -75,6 +75,8 @@ FUSIONS = [
     "fuse-rope-set-rows",
     "fuse-ssm-conv-silu",  # recurrent layers (Qwen3.5 DeltaNet): conv + silu, delta rule + its gates
     "fuse-gated-delta-net-raw",
+    "fuse-gated-delta-net-l2",  # after -raw: q/k's l2 norms join the fused delta rule
+    "fuse-rms-norm-mul-gate",  # after swiglu-split: Qwen3.5's gated output norm
 ]
 
 

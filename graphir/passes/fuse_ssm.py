@@ -71,7 +71,7 @@ def _fuse_gdn_raw(m: tuple[Node, tuple[Node, Node, Node], Node], rw: Rewriter) -
     q, k, v, state = (n.src[i] for i in (0, 1, 2, 5))
     rw.matched(n, "gated_delta_net_raw")
     return rw.make("gated_delta_net_raw", q, k, v, alpha, b, a_neg, dt, state,
-                name=n.name, scale=n.params["scale"])
+                name=n.name, scale=n.params["scale"], steps=n.params["steps"])
 
 
 # The gates are [tokens, v_heads] elementwise chains: computing them inside the delta-rule kernel
@@ -80,3 +80,34 @@ def _fuse_gdn_raw(m: tuple[Node, tuple[Node, Node, Node], Node], rw: Rewriter) -
                                            "-> gated_delta_net_raw(q, k, v, alpha, b, a_neg, dt, S)")
 def fuse_gated_delta_net_raw(graph: Graph) -> Graph:
     return rewrite(graph, [(_match_gdn_raw, _fuse_gdn_raw)])
+
+
+def _match_gdn_l2(n: Node, rw: Rewriter) -> tuple[Node, Node, Node] | None:
+    if n.op != "gated_delta_net_raw" or n.params["l2_eps"] is not None:
+        return None
+    q, k = n.src[0], n.src[1]
+    if q.op != "l2_norm" or k.op != "l2_norm":
+        rw.reject(n, f"its q, k are {q.op}, {k.op}, not both l2_norm")
+        return None
+    if q.params["eps"] != k.params["eps"]:
+        rw.reject(n, f"the l2_norms of q and k have different eps ({q.params['eps']}, {k.params['eps']})")
+        return None
+    if rw.sole_user(q) is not n or rw.sole_user(k) is not n:
+        rw.reject(n, "a normalized q or k has another reader; the normalized tensor must stay")
+        return None
+    return n, q, k
+
+
+def _fuse_gdn_l2(m: tuple[Node, Node, Node], rw: Rewriter) -> Node:
+    n, q, k = m
+    rw.matched(n, "gated_delta_net_raw{l2}")
+    return rw.make("gated_delta_net_raw", q.src[0], k.src[0], *n.src[2:], name=n.name, scale=n.params["scale"],
+                   l2_eps=q.params["eps"], steps=n.params["steps"])
+
+
+# Each token's q and k are read by the delta-rule kernel anyway: normalizing them there saves two
+# launches per layer and the normalized copies' round trip through memory.
+@register_pass("fuse-gated-delta-net-l2", "gated_delta_net_raw(l2_norm(q), l2_norm(k), ...) with no other reader of the "
+                                          "normalized q, k -> gated_delta_net_raw(q, k, ..., l2_eps=eps)")
+def fuse_gated_delta_net_l2(graph: Graph) -> Graph:
+    return rewrite(graph, [(_match_gdn_l2, _fuse_gdn_l2)])
