@@ -29,7 +29,9 @@ What is measured (time.perf_counter, one process, in this order):
                           device-to-device CuPy copy of 1 GiB for the gpu backend
   device_memory_bytes     gpu backend: bytes CuPy's memory pool holds at the end (weights, arenas, caches,
                           scratch): the peak, since the pool never returns memory; 0 on other backends
-  bandwidth_limit_tok_s   weight_bytes / bandwidth: decode can not beat this at batch 1
+  state_bytes             recurrent State (conv windows, delta-rule states) one decode token reads and
+                          writes: each State the decode graph assigns whole, twice its size; 0 without them
+  bandwidth_limit_tok_s   (weight_bytes + state_bytes) / bandwidth: decode can not beat this at batch 1
 
 When llama-cpp-python is importable and the model is a GGUF file, the same measurements run with
 it in the same process (n_threads=2) for a same-run comparison; otherwise `llama_cpp` is None and
@@ -52,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from graphir.api import DEFAULT_MODEL, Model, load
+from graphir.dtypes import numpy_dtype
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A language model reads its weights once for "
         "every token it writes, so memory bandwidth bounds how fast it can decode. ")
@@ -148,6 +151,19 @@ def decode_weight_bytes(model: Model) -> int:
     emb = w.get("token_embd.weight")
     if emb is not None and "output.weight" in w and emb.shape:
         total -= emb.nbytes - emb.nbytes // emb.shape[0]
+    return total
+
+
+def decode_state_bytes(model: Model) -> int:
+    """Recurrent State bytes one decode token moves: each State the decode graph rewrites whole
+    (`assign`: conv windows, delta-rule states) is read and written once. KV caches, written a row
+    at a time, are left out: at a short context their rows are a small share."""
+    graph = model.graph("decode")
+    total = 0
+    for u in graph.updates:
+        if u.op == "assign":
+            dst = u.src[0]
+            total += 2 * int(np.prod(dst.shape)) * np.dtype(numpy_dtype(dst.dtype)).itemsize
     return total
 
 
@@ -305,13 +321,14 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
     arena, n_programs = arena_bytes(model)
     weight_bytes = decode_weight_bytes(model)
+    state_bytes = decode_state_bytes(model)
     device_bytes = device_memory_bytes() if on_gpu else 0  # before the bandwidth copy adds its 2 GiB
     bandwidth = measure_device_bandwidth() if on_gpu else measure_bandwidth(bandwidth_mb)
 
     p_best, p_med = _rates(prefill_tokens, prefill_times)
     d_best, d_med = _rates(decode_tokens, decode_times)
     lp_best, lp_med = _rates(long_prefill_tokens, long_times) if long_times else (0.0, 0.0)
-    limit = bandwidth / weight_bytes
+    limit = bandwidth / (weight_bytes + state_bytes)
     result: dict[str, Any] = {
         "model": spec, "source": model.source, "backend": backend, "passes": passes,
         "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
@@ -320,6 +337,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         "prefill_tok_s_best": p_best, "prefill_tok_s_median": p_med,
         "decode_tok_s_best": d_best, "decode_tok_s_median": d_med,
         "peak_rss_bytes": rss, "arena_bytes": arena, "programs": n_programs, "weight_bytes": weight_bytes,
+        "state_bytes": state_bytes,
         "bandwidth_bytes_s": bandwidth, "bandwidth_limit_tok_s": limit, "decode_fraction_of_limit": d_best / limit,
         "device_memory_bytes": device_bytes,
         "long_prefill_tokens": long_prefill_tokens, "prefill_long_tok_s_best": lp_best,
@@ -420,6 +438,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("arena (all Programs)", "arena_bytes", _mib),
     ("device memory (gpu, peak)", "device_memory_bytes", _mib),
     ("weight bytes per decode token", "weight_bytes", _mib),
+    ("recurrent state bytes per decode token (read + write)", "state_bytes", _mib),
     ("copy bandwidth (read + write)", "bandwidth_bytes_s", lambda v: f"{v / 1e9:.2f} GB/s"),
     ("bandwidth-limit tok/s", "bandwidth_limit_tok_s", lambda v: f"{v:.1f}"),
     ("decode / limit", "decode_fraction_of_limit", lambda v: f"{100 * v:.1f} %"),
@@ -432,7 +451,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 
 HF_ROWS = (("logits vs graphir (max diff / max |logit|)", "logits_rel_diff", lambda v: f"{v:.1e}"),)
 # rows shown only when the result has them (non-zero)
-OPTIONAL = frozenset({"device_memory_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
+OPTIONAL = frozenset({"device_memory_bytes", "state_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
                       "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})
 
 

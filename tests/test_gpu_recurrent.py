@@ -237,3 +237,28 @@ def test_qwen35_tiny_gpu_equals_reference(passes):
         assert ours.shape == want.shape, what
         err, scale = float(np.abs(ours - want).max()), float(np.abs(want).max())
         assert err <= 1e-3 * scale, f"{what}: max |diff| {err:.3g} > 1e-3 * max |logit| {scale:.3g}"
+
+
+def test_qwen35_decode_writes_recurrent_states_in_place():
+    """The decode Program hands each conv and delta-rule kernel its State as the new-state output and
+    skips the assigns (2 per DeltaNet layer); a 21-token prefill keeps the copies (its kernels are not
+    in-place safe: several token runs read the conv state)."""
+    from graphir.passes import run_pipeline
+
+    model = graphir.load("random:qwen35-tiny", backend="gpu", passes="default", ctx=64)
+    gpu = get_backend("gpu")
+    decode = gpu.lower(run_pipeline(model.graph("decode"), "default"), model.weights)
+    prefill = gpu.lower(run_pipeline(model.graph("prefill", 21), "default"), model.weights)
+    n_delta = sum(1 for n in decode.graph.nodes() if n.op == "gated_delta_net_raw")
+    assert n_delta == 3
+    assert len(decode._skip_assign) == 2 * n_delta == len(decode._inplace)
+    assert not prefill._skip_assign and not prefill._inplace
+
+
+def test_qwen35_tiny_greedy_gpu_equals_cpu():
+    ids = list(range(30, 50))
+    got = list(graphir.load("random:qwen35-tiny", backend="gpu", passes="default", ctx=128).generate(
+        ids, 32, stop_at_eos=False))
+    want = list(graphir.load("random:qwen35-tiny", backend="cpu", passes="default", ctx=128).generate(
+        ids, 32, stop_at_eos=False))
+    assert got == want

@@ -107,7 +107,7 @@ def _fuse_gdn_l2(m: tuple[Node, Node, Node], rw: Rewriter) -> Node:
 
 # Each token's q and k are read by the delta-rule kernel anyway: normalizing them there saves two
 # launches per layer and the normalized copies' round trip through memory.
-@register_pass("fuse-gated-delta-net-l2", "gated_delta_net_raw(l2_norm(q), l2_norm(k), ...) with no other reader of the "
-                                          "normalized q, k -> gated_delta_net_raw(q, k, ..., l2_eps=eps)")
+@register_pass("fuse-gated-delta-net-l2", "gated_delta_net_raw(l2_norm(q), l2_norm(k), ...), normalized q, k read "
+                                          "by nothing else -> gated_delta_net_raw(q, k, ..., l2_eps=eps)")
 def fuse_gated_delta_net_l2(graph: Graph) -> Graph:
     return rewrite(graph, [(_match_gdn_l2, _fuse_gdn_l2)])
