@@ -468,6 +468,12 @@ PRESETS: dict[str, tuple[Qwen35Config, str]] = {
     "qwen35-0.8b": (Qwen35Config(n_vocab=248320, d_model=1024, n_layers=24, n_heads=8, n_kv_heads=2, head_dim=256,
                                  d_ff=3584, ssm_k_heads=16, ssm_v_heads=16, ssm_k_dim=128, ssm_v_dim=128,
                                  rope_theta=10_000_000.0, tied_embeddings=True, context_length=262144), "bf16"),
+    # a 9.0B-parameter hybrid for GPU benchmarks: Qwen3.5's layer pattern and head sizes at d_model 4096
+    # (32 layers: [3 DeltaNet, 1 attention] x 8; 16 key / 32 value DeltaNet heads of 128); our own
+    # scaling, not a published checkpoint's config
+    "qwen35-9b": (Qwen35Config(n_vocab=248320, d_model=4096, n_layers=32, n_heads=16, n_kv_heads=4, head_dim=256,
+                               d_ff=12288, ssm_k_heads=16, ssm_v_heads=32, ssm_k_dim=128, ssm_v_dim=128,
+                               rope_theta=10_000_000.0, context_length=262144, ctx=8192), "bf16"),
 }  # fmt: skip
 
 

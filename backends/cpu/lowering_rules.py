@@ -166,6 +166,15 @@ def _rms_norm(n, ins, out, p):
     return out[0], _unary2d(K.rms_norm, ins[0], out[0], np.float32(p["eps"]))
 
 
+def _rms_norm_mul_gate(n, ins, out, p):
+    x, w, z, o = rows2d(val(ins[0])), val(ins[1]), rows2d(val(ins[2])), rows2d(out[0])
+    if x is None or z is None or w.ndim != 1:
+        return None
+    eps = np.float32(p["eps"])
+    _note(("kernel", K.rms_norm_mul_gate, (x, w, z, eps, o)))
+    return out[0], lambda: K.rms_norm_mul_gate(x, w, z, eps, o)
+
+
 def _silu(n, ins, out, p):
     return out[0], _unary2d(K.silu, ins[0], out[0])
 
@@ -289,6 +298,7 @@ RULES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "silu": _silu,
     "swiglu_split": _swiglu,
+    "rms_norm_mul_gate": _rms_norm_mul_gate,
     "rope": _rope,
     "flash_attn": _flash_attn,
     "set_rows": _set_rows,
@@ -328,10 +338,15 @@ def _gated_delta_net_raw(n, ins, out, p):
     if state.dtype != np.float32 or alpha.ndim != 2:
         return None
     gate, beta = np.empty(alpha.shape, np.float32), np.empty(alpha.shape, np.float32)  # bound once, reused
+    eps = p["l2_eps"]
+    qn, kn = (q, k) if eps is None else (np.empty(q.shape, np.float32), np.empty(k.shape, np.float32))
 
     def step() -> None:
+        if eps is not None:
+            REC.l2_norm(q, np.float32(eps), qn)
+            REC.l2_norm(k, np.float32(eps), kn)
         REC.gdn_gates(alpha, b, a_neg, dt_bias, gate, beta)
-        REC.gated_delta_net(q, k, v, gate, beta, state, p["scale"], out[0], out[1])
+        REC.gated_delta_net(qn, kn, v, gate, beta, state, p["scale"], out[0], out[1])
     return out, step
 
 
