@@ -43,13 +43,18 @@ def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: i
         hf_config = dict(family.config_to_hf(model.config))
     except GraphirError as e:
         return None, None, f"no HF comparison: {e}"
-    cfg = transformers.AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
-    with torch.device("cuda"):
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    try:  # a transformers release without this model type, or one that reads the config differently
+        cfg = transformers.AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+        with torch.device("cuda"):
+            hf = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, None, f"no HF comparison: transformers {transformers.__version__} cannot build it ({e})"
     state = {}
     for name, w in model.weights.items():
-        state[family.hf_names.to_file(name)] = torch.from_numpy(dequantize(w.data, w.dtype, w.shape)).to(
-            "cuda", torch.bfloat16)
+        a = np.asarray(dequantize(w.data, w.dtype, w.shape), np.float32)
+        if family.tensor_to_hf is not None:
+            a = family.tensor_to_hf(name, a)
+        state[family.hf_names.to_file(name)] = torch.from_numpy(np.ascontiguousarray(a)).to("cuda", torch.bfloat16)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:

@@ -60,6 +60,9 @@ class Family:
     # config -> the config.json an HF transformers model of the same shapes is built from (`graphir
     # bench --compare hf`); None where the family has no such mapping (the comparison is skipped)
     config_to_hf: Callable[[Any], dict[str, Any]] | None = None
+    # (our Param name, its f32 values) -> the values in HF's convention, where a family stores a tensor
+    # differently from HF (None: the same values)
+    tensor_to_hf: Callable[[str, np.ndarray], np.ndarray] | None = None
     default_chat_template: str | None = None  # for files that carry none
 
 

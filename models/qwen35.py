@@ -386,6 +386,35 @@ def hf_tensor(ours: str, w: Weight) -> Weight:
     return w
 
 
+def tensor_to_hf(ours: str, a: np.ndarray) -> np.ndarray:
+    """hf_tensor's inverse on an f32 array: w - 1 for zero-centred norms, A_log = log(-ssm_a), conv [C, 1, K]."""
+    rest = ours.split(".", 2)[-1] if ours.startswith("blk.") else ours
+    if rest in HF_CENTERED:
+        return a - 1.0
+    if rest == "ssm_a":
+        return np.log(-a)
+    if rest == "ssm_conv1d.weight":
+        return a.reshape(a.shape[0], 1, a.shape[1])
+    return a
+
+
+def config_to_hf(c: Qwen35Config) -> dict[str, Any]:
+    """The config.json of an HF Qwen3_5ForCausalLM of these shapes (config_from_hf's inverse)."""
+    if c.v_head_order != "grouped":
+        raise LoadError(f"{c.arch}: value heads in llama.cpp's tiled order have no HF equivalent")
+    return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": c.n_vocab,
+            "hidden_size": c.d_model, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "intermediate_size": c.d_ff,
+            "linear_num_key_heads": c.ssm_k_heads, "linear_num_value_heads": c.ssm_v_heads,
+            "linear_key_head_dim": c.ssm_k_dim, "linear_value_head_dim": c.ssm_v_dim,
+            "linear_conv_kernel_dim": c.ssm_conv_kernel, "full_attention_interval": c.full_attn_interval,
+            "layer_types": ["linear_attention" if is_recurrent(c, i) else "full_attention" for i in range(c.n_layers)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
+                                "partial_rotary_factor": c.n_rot / c.head_dim},
+            "rms_norm_eps": c.rms_eps, "tie_word_embeddings": c.tied_embeddings,
+            "max_position_embeddings": c.context_length}
+
+
 def weights_from_hf(config: Qwen35Config, raw: Weights) -> Weights:
     """HF tensors (by HF name) renamed and converted to our Params; unused vision/MTP tensors are skipped."""
     checked_config(config, check_config, raw.source)
@@ -510,4 +539,6 @@ FAMILY = Family(
     presets=PRESETS,
     random_weights=random_weights,
     reset_state=reset_recurrent,
+    config_to_hf=config_to_hf,
+    tensor_to_hf=tensor_to_hf,
 )

@@ -297,3 +297,21 @@ def test_weight_check_names_the_hf_tensor(loaded):
     extra = Weights({**dict(weights.items()), "blk.9.ssm_a": Weight("f32", (4,), np.zeros(4, np.float32))})
     with pytest.raises(Exception, match="not used"):
         qwen35.check_weights(config, extra)
+
+
+def test_config_and_tensors_to_hf_rebuild_the_model():
+    """config_to_hf and tensor_to_hf (what `graphir bench --compare hf` builds HF's model from): an HF
+    Qwen3_5ForCausalLM made from the random preset's config and our tensors gives our logits."""
+    from graphir.api import load
+    from graphir.models.qwen35 import FAMILY
+
+    ours = load("random:qwen35-tiny", backend="reference", passes="")
+    cfg = dict(FAMILY.config_to_hf(ours.config))
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    state = {FAMILY.hf_names.to_file(name): torch.from_numpy(np.ascontiguousarray(
+        FAMILY.tensor_to_hf(name, np.asarray(w.data, np.float32).reshape(w.shape)))) for name, w in ours.weights.items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the head is the embedding
+    hf.config._attn_implementation = "eager"
+    ids = [3, 17, 250, 99, 0, 271, 42, 42, 7, 128, 64]  # within the preset's 272 tokens
+    assert_close(ours.logits(ids), hf_logits(hf.eval(), ids), 1e-3, "HF model from config_to_hf")
