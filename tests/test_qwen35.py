@@ -302,8 +302,9 @@ def test_weight_check_names_the_hf_tensor(loaded):
 def test_config_and_tensors_to_hf_rebuild_the_model():
     """config_to_hf and tensor_to_hf (what `graphir bench --compare hf` builds HF's model from): an HF
     Qwen3_5ForCausalLM made from the random preset's config and our tensors gives our logits."""
-    from graphir.api import load
     from graphir.models.qwen35 import FAMILY
+
+    from graphir.api import load
 
     ours = load("random:qwen35-tiny", backend="reference", passes="")
     cfg = dict(FAMILY.config_to_hf(ours.config))
