@@ -309,8 +309,10 @@ def test_config_and_tensors_to_hf_rebuild_the_model():
     ours = load("random:qwen35-tiny", backend="reference", passes="")
     cfg = dict(FAMILY.config_to_hf(ours.config))
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    state = {FAMILY.hf_names.to_file(name): torch.from_numpy(np.ascontiguousarray(
-        FAMILY.tensor_to_hf(name, np.asarray(w.data, np.float32).reshape(w.shape)))) for name, w in ours.weights.items()}
+    state = {}
+    for name, w in ours.weights.items():
+        a = FAMILY.tensor_to_hf(name, np.asarray(w.data, np.float32).reshape(w.shape))
+        state[FAMILY.hf_names.to_file(name)] = torch.from_numpy(np.ascontiguousarray(a))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the head is the embedding
     hf.config._attn_implementation = "eager"
