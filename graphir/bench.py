@@ -281,7 +281,8 @@ def ttft_new_process(spec: str, backend: str, passes: str, prompt: list[int], co
 def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
-          new_process: bool = False, compare_hf: bool = False) -> dict[str, Any]:
+          new_process: bool = False, compare_hf: bool = False,
+          hf_compiled: bool = True) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
@@ -353,7 +354,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         from graphir.bench_hf import hf_peers
 
         result["hf_eager"], result["hf_compiled"], result["hf_note"] = hf_peers(
-            model, prefill, prompt, decode_tokens, repeats)
+            model, prefill, prompt, decode_tokens, repeats, compiled=hf_compiled)
     del model
     if new_process:
         result["ttft_new_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=False)

@@ -24,9 +24,9 @@ from graphir.errors import GraphirError
 from graphir.quant import dequantize
 
 
-def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: int,
-             repeats: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
-    """(eager results, static+compile results, note)."""
+def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: int, repeats: int,
+             compiled: bool = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
+    """(eager results, static+compile results or None when `compiled` is off, note)."""
     try:
         import torch
         import transformers
@@ -97,16 +97,16 @@ def hf_peers(model: Any, prefill: list[int], prompt: list[int], decode_tokens: i
                 "decode_tok_s_median": d_med, "ttft_warm_s": first, "logits_rel_diff": logits_diff}
 
     eager = measure(hf)
-    hf.generation_config.cache_implementation = "static"
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-    try:
-        compiled = measure(hf)
-    except Exception as e:  # a compile failure must not sink the eager numbers
-        compiled, note = None, f"; static+compile failed: {type(e).__name__}: {str(e)[:200]}"
-    else:
-        note = ""
+    static, note = None, "; static+compile not run (--compare hf-eager)"
+    if compiled:
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        try:
+            static, note = measure(hf), ""
+        except Exception as e:  # a compile failure must not sink the eager numbers
+            note = f"; static+compile failed: {type(e).__name__}: {str(e)[:200]}"
     del hf
     torch.cuda.empty_cache()
-    return eager, compiled, (f"HF transformers {transformers.__version__} (torch {torch.__version__}), bf16, same "
+    return eager, static, (f"HF transformers {transformers.__version__} (torch {torch.__version__}), bf16, same "
                              f"run; prefill timed as one forward, decode as greedy generate() minus its first "
                              f"token{note}")

@@ -493,8 +493,9 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--new-process", is_flag=True,
               help="also time the first token in a new process, with warm and with empty kernel caches")
 @click.option("--no-llama-cpp", is_flag=True, help="skip the same-run llama-cpp-python comparison")
-@click.option("--compare", "compare", type=click.Choice(["hf"]), default=None,
-              help="also run HF transformers (eager, and static cache + torch.compile) on the same weights")
+@click.option("--compare", "compare", type=click.Choice(["hf", "hf-eager"]), default=None,
+              help="also run HF transformers on the same weights: eager and static cache + torch.compile (hf), "
+                   "or eager only (hf-eager)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers (and machine, date, command) to this JSON file")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -524,7 +525,8 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     try:
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
                        decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp,
-                       long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare == "hf")
+                       long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare is not None,
+                       hf_compiled=compare == "hf")
     except ValueError as e:
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
