@@ -20,9 +20,14 @@ max(p - q, 0)), so each token is distributed exactly as the target's `sample` ch
 top-p) would draw it.
 
 Rollback is by KV length: the rows of rejected drafts lie past the new n_past, so no call reads them
-and the next one overwrites them. Models with whole-buffer State (Qwen3.5's conv and recurrent
-states, written with `assign`) cannot roll back that way; they are refused with a clear error until
-the verify graph keeps per-token states (issue 11, item 4).
+and the next one overwrites them. Whole-buffer State (Qwen3.5's conv and recurrent states, written
+with `assign`) cannot roll back that way. For such models a verify call runs the family's "verify"
+graph, which also writes the state after each of its tokens into per-token State rows (at the rows an
+Input `step_rows` names), and is padded at the end (padding tokens come after the real ones, so they
+never touch a state a real token reads). The "commit" graph then makes the row of the last accepted
+token the current state (its row is an Input, `state_row`): two ordinary replayed Programs, no host
+copy. A recurrent draft model drafts through 1-token verify graphs, keeping its state after the i-th
+draft in row i, and rolls back the same way when the target rejects drafts.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from graphir.errors import InputError
-from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings
+from graphir.errors import GraphError, InputError
+from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, with_sampler
+from graphir.ir import Graph
+from graphir.models import registry
 from graphir.ops import SAMPLING_FIELDS
 
 if TYPE_CHECKING:
@@ -44,6 +51,9 @@ if TYPE_CHECKING:
 VERIFY_BUCKETS = (2, 4, 8, 16)  # tokens per verify call: the pending token plus up to 15 drafts
 MAX_DRAFT_LEN = VERIFY_BUCKETS[-1] - 1
 LOOKUP = "lookup"
+# Inputs of a family's "verify" and "commit" graphs (models with per-token states: models/qwen35.py)
+STEP_ROWS_INPUT = "step_rows"  # [n]: the per-token State row each token's state is written to
+STATE_ROW_INPUT = "state_row"  # [1]: the per-token State row that becomes the current state
 
 
 @dataclass
@@ -127,22 +137,75 @@ def accept_sampled(draft: Draft, p: np.ndarray, rng: np.random.Generator) -> lis
     return out
 
 
+# ---------------------------------------------------------------- per-token states (recurrent models)
+def keeps_states(model: Model) -> bool:
+    """Whether the model writes whole State buffers (conv/recurrent states), which cannot roll back by KV
+    length: its verify calls keep per-token states and a commit call picks one."""
+    return not model._pads_safely()
+
+
+def steps_graph(model: Model, b: int, sampler: bool = False) -> Graph:
+    """The family's b-token "verify" graph (per-token states kept), built once; `sampler`: argmax ids out."""
+    key = ("verify", b, sampler)
+    if key not in model._graphs:
+        graph = registry.family_of(model.config).build(model.config, "verify", b, model._dtypes)
+        model._graphs[key] = with_sampler(graph) if sampler else graph
+    return model._graphs[key]
+
+
+def commit_graph(model: Model) -> Graph:
+    key = ("commit",)
+    if key not in model._graphs:
+        model._graphs[key] = registry.family_of(model.config).build(model.config, "commit")
+    return model._graphs[key]
+
+
+def _run_graph(model: Model, graph: Graph, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Run a graph's cached Program on the model's State, adding the State buffers it writes that the model
+    has not made yet (per-token state rows, zeroed: each row is written before a commit reads it)."""
+    from graphir.backends.registry import get_backend
+    from graphir.run_inputs import new_state
+
+    model._ensure_state()
+    passed = model.programs.passed(graph, model.passes)
+    missing = [n for n in passed.states if n.name not in model._state]
+    if missing:
+        backend_state = getattr(get_backend(model.backend), "new_state", new_state)
+        model._state.update(backend_state(Graph({n.name: n for n in missing})))
+    return model.programs.get_program(graph, model.weights, model.backend, model.passes)(inputs, model._state)
+
+
+def commit(model: Model, row: int) -> None:
+    """Make per-token state row `row` (the state after the row-th token of the last verify call) current."""
+    _run_graph(model, commit_graph(model), {STATE_ROW_INPUT: np.array([row], np.int32)})
+
+
+def step_logits(model: Model, token: int, row: int) -> np.ndarray:
+    """Feed one token at n_past through the 1-token verify graph, keeping its state in row `row` as well as
+    current; its logits [vocab]. n_past advances."""
+    n = model.n_past
+    if n + 1 > model.config.ctx:
+        raise InputError(f"1 token after {n} exceeds the context of {model.config.ctx}")
+    inputs = {"tokens": np.array([token], np.int32), "pos": np.array([n], np.int32),
+              "kv_idx": np.array([n], np.int32), "kv_len": np.array([n + 1], np.int32),
+              STEP_ROWS_INPUT: np.array([row], np.int32)}
+    logits = _run_graph(model, steps_graph(model, 1), inputs)["logits"]
+    model.n_past = n + 1
+    return np.asarray(logits)[0]
+
+
 # ---------------------------------------------------------------- drafters
-def _whole_state_write(model: Model) -> str | None:
-    """The first State write that replaces a whole buffer (conv/recurrent state), or None: such a
-    state cannot be rolled back by rewinding the KV length."""
-    for n in model.graph("decode").nodes():
-        if n.op == "assign":
-            return n.describe()
-    return None
-
-
 def _check_rollback(model: Model, role: str) -> None:
-    node = _whole_state_write(model)
-    if node is not None:
+    """A model with whole-buffer State must have a family that builds "verify" and "commit" graphs."""
+    if not keeps_states(model):
+        return
+    try:
+        steps_graph(model, VERIFY_BUCKETS[0])
+        commit_graph(model)
+    except GraphError as e:
         raise InputError(f"speculative decoding: the {role} {model.source} ({model.config.arch}) writes whole "
-                         f"State buffers ({node}); recurrent and conv states cannot roll back by KV length, "
-                         f"so speculative decoding is not supported for it yet")
+                         f"State buffers, which cannot roll back by KV length, and its family builds no per-token "
+                         f"state graphs ({e})") from None
 
 
 class DraftModel:
@@ -154,6 +217,7 @@ class DraftModel:
         self.model = model
         self.name = f"draft model {model.source}"
         self._fed: list[int] = []  # the tokens whose KV rows the draft model holds
+        self._base = 0  # recurrent draft models: per-token state row r holds the state after _fed[:_base + r]
 
     def check(self, target: Model) -> None:
         if self.model is target:
@@ -165,6 +229,7 @@ class DraftModel:
     def start(self) -> None:
         self.model.reset()
         self._fed = []
+        self._base = 0
 
     def propose(self, context: Sequence[int], k: int, settings: Settings) -> Draft:
         m = self.model
@@ -172,6 +237,8 @@ class DraftModel:
         if k <= 0:
             return Draft([])
         keep = _common_prefix(self._fed, context, len(context) - 1)  # at least the last token is fed again
+        if keeps_states(m):
+            return self._propose_keeping_states(context, keep, k, settings)
         m.n_past = keep
         logits = m.feed(context[keep:], last_only=True)[-1]
         fed = list(context)
@@ -189,6 +256,34 @@ class DraftModel:
                 fed.append(tokens[-1])
             tokens.append(token)
         self._fed = fed
+        return Draft(tokens, np.stack(probs) if probs else None)
+
+    def _propose_keeping_states(self, context: Sequence[int], keep: int, k: int, settings: Settings) -> Draft:
+        """A recurrent draft model: roll its state back to context[:keep] (a commit of the row kept when that
+        token was fed), feed the rest of the context, the last token and each draft but the last through
+        1-token verify graphs that keep their states in rows 0, 1, ..."""
+        m = self.model
+        if keep < self._base:  # not a continuation of the last proposal: start over
+            self.start()
+            keep = 0
+        elif keep < len(self._fed):
+            commit(m, keep - self._base)
+        m.n_past = keep
+        if len(context) - 1 > keep:
+            m.feed(context[keep:-1])  # exact chunks: the current state follows
+        tokens: list[int] = []
+        probs = []
+        logits = step_logits(m, context[-1], 0)
+        for i in range(k):
+            if i:
+                logits = step_logits(m, tokens[-1], i)
+            if settings.greedy:
+                tokens.append(int(np.argmax(logits)))
+            else:
+                probs.append(_probs(logits, settings))
+                tokens.append(draw(probs[-1], settings.rng.random()))
+        self._fed = [*context, *tokens[:-1]]
+        self._base = len(context)
         return Draft(tokens, np.stack(probs) if probs else None)
 
 
@@ -277,33 +372,50 @@ def max_verify_tokens(room: int) -> int:
     return max([b for b in VERIFY_BUCKETS if b <= room], default=1)
 
 
+def verify_graph(target: Model, b: int, greedy: bool) -> Graph:
+    """The graph of a b-token verify call: the prefill graph with every row's output (the family's "verify"
+    graph, keeping per-token states, for recurrent models), ending in the `sample` op (argmax ids) when
+    greedy. b == 1 is the decode graph, the one plain decoding replays."""
+    if b > 1 and keeps_states(target):
+        return steps_graph(target, b, sampler=greedy)
+    return target._graph(b, False, sampler=greedy)
+
+
 def verify_program(target: Model, b: int, greedy: bool) -> Any:
-    """The cached Program of a b-token verify call: the prefill graph with every row's output, ending in the
-    `sample` op (argmax ids) when greedy. b == 1 is the decode graph, the one plain decoding replays."""
-    return target._program(b, False, sampler=greedy)
+    """The cached Program of verify_graph(target, b, greedy)."""
+    return target.programs.get_program(verify_graph(target, b, greedy), target.weights, target.backend,
+                                       target.passes)
 
 
-def verify_inputs(n_past: int, tokens: Sequence[int], b: int) -> dict[str, np.ndarray]:
+def verify_inputs(n_past: int, tokens: Sequence[int], b: int, keep_states: bool = False) -> dict[str, np.ndarray]:
     """Inputs of a b-token call reading `tokens` at positions n_past..: the b - m padding tokens go first,
-    at the rows past the real ones (which kv_len keeps from every real token), as Model.feed pads."""
+    at the rows past the real ones (which kv_len keeps from every real token), as Model.feed pads.
+    `keep_states` (a verify graph keeping per-token states): padding goes last instead, so a recurrent state
+    passes through the real tokens first, and token t's state goes to per-token row t."""
     m = len(tokens)
     rows = np.arange(n_past, n_past + b, dtype=np.int32)
+    pad = np.full(b - m, tokens[0], np.int32)
+    if keep_states:
+        ids = np.concatenate([np.asarray(tokens, np.int32), pad])
+        return {"tokens": ids, "pos": rows, "kv_idx": rows.copy(), "kv_len": np.array([n_past + m], np.int32),
+                STEP_ROWS_INPUT: np.arange(b, dtype=np.int32)}
     pos = np.concatenate([rows[m:], rows[:m]])
-    ids = np.concatenate([np.full(b - m, tokens[0], np.int32), np.asarray(tokens, np.int32)])
+    ids = np.concatenate([pad, np.asarray(tokens, np.int32)])
     return {"tokens": ids, "pos": pos, "kv_idx": pos.copy(), "kv_len": np.array([n_past + m], np.int32)}
 
 
 def verify(target: Model, tokens: Sequence[int], greedy: bool) -> np.ndarray:
     """Feed `tokens` at n_past.. in one call; the target's argmax ids [m] (greedy) or logits [m, vocab].
-    n_past is left unchanged: the caller advances it past the accepted tokens."""
+    n_past is left unchanged: the caller advances it past the accepted tokens (and, for a model keeping
+    per-token states, commits the accepted token's row)."""
     m, n = len(tokens), target.n_past
     b = verify_bucket(m, target.config.ctx - n)
-    target._ensure_state()
-    inputs = verify_inputs(n, tokens, b)
+    keep = b > 1 and keeps_states(target)
+    inputs = verify_inputs(n, tokens, b, keep)
     if greedy:
         inputs[SAMPLING_INPUT] = np.zeros((b, len(SAMPLING_FIELDS)), np.float32)  # temperature 0: argmax
-    out = verify_program(target, b, greedy)(inputs, target._state)
-    return np.asarray(out[TOKEN_OUTPUT] if greedy else out["logits"])[b - m:]
+    out = np.asarray(_run_graph(target, verify_graph(target, b, greedy), inputs)[TOKEN_OUTPUT if greedy else "logits"])
+    return out[:m] if keep else out[b - m:]
 
 
 # ---------------------------------------------------------------- the loop
@@ -398,6 +510,8 @@ def _step(target: Model, drafter: Drafter, context: list[int], k: int, settings:
     else:
         logits = verify(target, tokens, greedy=False)
         new = accept_sampled(draft, np.stack([_probs(row, settings) for row in logits]), settings.rng)
+    if len(tokens) > 1 and keeps_states(target):
+        commit(target, len(new) - 1)  # the state after the pending token and the accepted drafts
     target.n_past += len(new)  # the pending token and the accepted drafts; the rest roll back
     stats.verify_calls += 1
     stats.draft_tokens += len(draft.tokens)

@@ -26,6 +26,14 @@ State, updated in place each call (so one decode program replays at every positi
     blk.{i}.k_cache / v_cache [ctx, n_kv * head_dim]   attention layers
 Recurrent state is not indexed by position: a new sequence must start from zeroed state
 (`reset_recurrent`), and prefill chunks must not be padded.
+
+Speculative decoding (graphir/speculative.py) cannot roll these states back by length, so it uses two
+more phases. A "verify" graph is the prefill graph that also keeps the state after each of its tokens:
+    blk.{i}.conv_steps [VERIFY_ROWS, K-1, conv_dim]   row step_rows[t]: the conv state after token t
+    blk.{i}.ssm_steps  [VERIFY_ROWS, v_heads, d_k, d_v]
+(Input "step_rows" [n]: run-time rows, so a 1-token drafting step can keep its state in row i). A
+"commit" graph makes row state_row[0] (an Input) of both the current states: the state after the
+last accepted token. Both are ordinary graphs, replayed at every position and acceptance pattern.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from graphir.builder import g
-from graphir.errors import LoadError
+from graphir.errors import GraphError, LoadError
 from graphir.ir import Graph, Node
 from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
@@ -51,6 +59,11 @@ from .names import NameMap
 
 L2_EPS = 1e-6  # HF's l2norm and the fla kernels hard-code it
 RECURRENT_STATES = ("conv_state", "ssm_state")
+# per-token state rows a verify graph keeps: the tokens of the largest speculative verify call
+# (graphir.speculative.VERIFY_BUCKETS[-1]; a test holds the two equal)
+VERIFY_ROWS = 16
+STEP_ROWS = "step_rows"  # Input of "verify" graphs: the steps row each token's state goes to
+STATE_ROW = "state_row"  # Input of the "commit" graph: the steps row that becomes the current state
 
 
 @dataclass(frozen=True)
@@ -165,9 +178,17 @@ def check_config(c: Qwen35Config) -> None:
 def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
           dtypes: Mapping[str, str] | None = None, last_only: bool = False) -> Graph:
     """The forward graph for `n_tokens` tokens (decode: 1); inputs tokens/pos/kv_idx/kv_len as in llama.py.
-    State writes of the DeltaNet layers are the graph's `updates`."""
+    State writes of the DeltaNet layers are the graph's `updates`. Phases "verify" and "commit": see the
+    module doc (speculative decoding)."""
     check_config(c)
-    n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, phase, n_tokens)
+    if phase == "commit":
+        return build_commit(c)
+    verify = phase == "verify"
+    n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, "prefill" if verify else phase, n_tokens)
+    if verify and n > VERIFY_ROWS:
+        raise GraphError(f"{c.arch}: a verify graph keeps at most VERIFY_ROWS={VERIFY_ROWS} per-token states, "
+                         f"got n_tokens={n}")
+    step_rows = g.input(STEP_ROWS, (n,), "i32") if verify else None
     p = ParamNodes(param_shapes(c), dtypes)
 
     updates: list[Node] = []
@@ -175,7 +196,7 @@ def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
     for i in range(c.n_layers):
         h = _norm(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
         if is_recurrent(c, i):
-            mixed = _delta_net(c, p, i, h, updates)
+            mixed = _delta_net(c, p, i, h, updates, step_rows)
         else:
             mixed = _attention(c, p, i, h, pos, kv_idx, kv_len)
         x = g.add(x, mixed, name=f"blk.{i}.attn_res")
@@ -208,7 +229,36 @@ def _tile_heads(x: Node, times: int, name: str) -> Node:
     return out.replace(name=name) if times > 1 else x
 
 
-def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[Node]) -> Node:
+def build_commit(c: Qwen35Config) -> Graph:
+    """Row state_row[0] of every DeltaNet layer's conv_steps and ssm_steps becomes its current state."""
+    row = g.input(STATE_ROW, (1,), "i32")
+    updates = []
+    for i in range(c.n_layers):
+        if is_recurrent(c, i):
+            for kind, steps in (("conv", "conv_steps"), ("ssm", "ssm_steps")):
+                state = g.state(f"blk.{i}.{kind}_state", state_shapes(c)[f"blk.{i}.{kind}_state"])
+                kept = g.state(f"blk.{i}.{steps}", (VERIFY_ROWS, *state.shape))
+                flat = g.reshape(kept, shape=(VERIFY_ROWS, math.prod(state.shape)))  # [rows, state elements]
+                picked = g.get_rows(flat, row, name=f"blk.{i}.{steps}_pick")  # [1, state elements]
+                updates.append(g.assign(state, g.reshape(picked, shape=state.shape), name=f"blk.{i}.{kind}_commit"))
+    meta = {"arch": c.arch, "phase": "commit", "n_tokens": 1, "ctx": c.ctx, "last_only": False}
+    return Graph({}, updates, meta=meta)
+
+
+def _conv_steps(c: Qwen35Config, b: str, qkv: Node, conv_state: Node, step_rows: Node,
+                updates: list[Node]) -> Node:
+    """The conv's input rows [state; x] [K-1+n, conv_dim], with the state after each token written to
+    conv_steps: token t's state is rows t+1..t+K-1, so all of them are one overlapping view."""
+    n, ch, hist = qkv.shape[0], c.conv_dim, c.ssm_conv_kernel - 1
+    rows = g.concat(conv_state, qkv, axis=0, name=b + "conv_rows")  # [K-1+n, conv_dim]
+    after = g.view(rows, shape=(n, hist, ch), strides=(ch, ch, 1), offset=ch, name=b + "conv_after")
+    kept = g.state(b + "conv_steps", (VERIFY_ROWS, hist, ch))  # [rows, K-1, conv_dim]
+    updates.append(g.set_rows(kept, g.cont(after), step_rows, name=b + "conv_steps_write"))
+    return rows
+
+
+def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[Node],
+               step_rows: Node | None = None) -> Node:
     b = f"blk.{i}."
     n = h.shape[0]
     hk, hv, dk, dv = c.ssm_k_heads, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim
@@ -218,7 +268,11 @@ def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[No
     alpha = g.mul_mat(p(b + "ssm_alpha.weight"), h, name=b + "ssm_alpha")  # [n, hv]
 
     conv_state = g.state(b + "conv_state", (c.ssm_conv_kernel - 1, c.conv_dim))  # [K-1, conv_dim]
-    conv = g.ssm_conv(qkv, conv_state, p(b + "ssm_conv1d.weight"), name=b + "ssm_conv")
+    conv_in = conv_state
+    if step_rows is not None:  # the conv then reads the state through the rows it keeps (one reader of the State)
+        rows = _conv_steps(c, b, qkv, conv_state, step_rows, updates)
+        conv_in = g.view(rows, shape=conv_state.shape, strides=(c.conv_dim, 1), offset=0, name=b + "conv_old")
+    conv = g.ssm_conv(qkv, conv_in, p(b + "ssm_conv1d.weight"), name=b + "ssm_conv")
     updates.append(g.assign(conv_state, g.item(conv, index=1), name=b + "conv_state_write"))
     y = g.silu(g.item(conv, index=0), name=b + "conv_silu")  # [n, conv_dim]
 
@@ -232,8 +286,12 @@ def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[No
     gate = g.mul(g.softplus(g.add(alpha, p(b + "ssm_dt.bias"))), p(b + "ssm_a"), name=b + "gate")  # [n, hv], <= 0
 
     ssm_state = g.state(b + "ssm_state", (hv, dk, dv))  # [hv, dk, dv]
-    gdn = g.gated_delta_net(q, k, v, gate, beta, ssm_state, scale=1.0 / math.sqrt(dk), name=b + "delta_net")
+    gdn = g.gated_delta_net(q, k, v, gate, beta, ssm_state, scale=1.0 / math.sqrt(dk), steps=step_rows is not None,
+                            name=b + "delta_net")
     updates.append(g.assign(ssm_state, g.item(gdn, index=1), name=b + "ssm_state_write"))
+    if step_rows is not None:  # the state after each token [n, hv, dk, dv]
+        kept = g.state(b + "ssm_steps", (VERIFY_ROWS, hv, dk, dv))
+        updates.append(g.set_rows(kept, g.item(gdn, index=2), step_rows, name=b + "ssm_steps_write"))
     o = g.item(gdn, index=0)  # [n, hv, dv]
 
     o = _norm(o, p(b + "ssm_norm.weight"), c.rms_eps, b + "ssm_norm")  # per head

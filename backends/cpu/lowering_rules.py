@@ -330,7 +330,8 @@ def _gated_delta_net(n, ins, out, p):
     q, k, v, gate, beta, state = (val(x) for x in ins)
     if state.dtype != np.float32:
         return None
-    return out, lambda: REC.gated_delta_net(q, k, v, gate, beta, state, p["scale"], out[0], out[1])
+    steps = out[2] if p["steps"] else None
+    return out, lambda: REC.gated_delta_net(q, k, v, gate, beta, state, p["scale"], out[0], out[1], steps=steps)
 
 
 def _gated_delta_net_raw(n, ins, out, p):
@@ -340,13 +341,14 @@ def _gated_delta_net_raw(n, ins, out, p):
     gate, beta = np.empty(alpha.shape, np.float32), np.empty(alpha.shape, np.float32)  # bound once, reused
     eps = p["l2_eps"]
     qn, kn = (q, k) if eps is None else (np.empty(q.shape, np.float32), np.empty(k.shape, np.float32))
+    steps = out[2] if p["steps"] else None
 
     def step() -> None:
         if eps is not None:
             REC.l2_norm(q, np.float32(eps), qn)
             REC.l2_norm(k, np.float32(eps), kn)
         REC.gdn_gates(alpha, b, a_neg, dt_bias, gate, beta)
-        REC.gated_delta_net(qn, kn, v, gate, beta, state, p["scale"], out[0], out[1])
+        REC.gated_delta_net(qn, kn, v, gate, beta, state, p["scale"], out[0], out[1], steps=steps)
     return out, step
 
 

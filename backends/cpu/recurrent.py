@@ -87,6 +87,13 @@ def gdn_gates(alpha, b, a_neg, dt_bias, g_out, beta_out):
 @njit(**JIT)
 def gdn_recurrent(q, k, v, g, beta, state, scale, o, new_state):
     """q, k [n, hk, dk]; v [n, hv, dv]; g, beta [n, hv]; state, new_state [hv, dk, dv]; o [n, hv, dv]."""
+    gdn_recurrent_steps(q, k, v, g, beta, state, scale, o, new_state, np.empty((0, 0, 0, 0), np.float32))
+
+
+@njit(**JIT)
+def gdn_recurrent_steps(q, k, v, g, beta, state, scale, o, new_state, steps):
+    """gdn_recurrent, also writing the state after token t to steps[t] when steps [n, hv, dk, dv] has rows
+    (a speculative verify call's per-token states; an empty steps writes none)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     rep = hv // hk
@@ -116,6 +123,8 @@ def gdn_recurrent(q, k, v, g, beta, state, scale, o, new_state):
                     sij = s[i, j] + ki * mem[j]
                     s[i, j] = sij
                     o[t, h, j] += qi * sij
+            if steps.shape[0] > 0:
+                steps[t, h] = s
 
 
 # ---------------------------------------------------------------- chunked (WY / UT transform)
@@ -170,9 +179,13 @@ def gdn_chunked(q, k, v, g, beta, state, scale, chunk, o, new_state) -> None:
     new_state[...] = s
 
 
-def gated_delta_net(q, k, v, g, beta, state, scale, o, new_state, chunk: int = CHUNK) -> None:
-    """The kernel for n tokens: chunked for prefill, token by token below CHUNKED_MIN_TOKENS."""
-    if q.shape[0] >= CHUNKED_MIN_TOKENS:
+def gated_delta_net(q, k, v, g, beta, state, scale, o, new_state, chunk: int = CHUNK,
+                    steps: np.ndarray | None = None) -> None:
+    """The kernel for n tokens: chunked for prefill, token by token below CHUNKED_MIN_TOKENS. `steps`
+    [n, hv, dk, dv] (a verify call's per-token states, n <= 16) runs token by token and keeps each."""
+    if steps is not None:
+        gdn_recurrent_steps(q, k, v, g, beta, state, np.float32(scale), o, new_state, steps)
+    elif q.shape[0] >= CHUNKED_MIN_TOKENS:
         gdn_chunked(q, k, v, g, beta, state, scale, chunk, o, new_state)
     else:
         gdn_recurrent(q, k, v, g, beta, state, np.float32(scale), o, new_state)

@@ -544,10 +544,11 @@ def _gdn_infer(ts: list[Type], p: dict) -> list[Type]:
     need(hv % hk == 0, f"v heads {hv} must be a multiple of k heads {hk}")
     need(sg == (n, hv) and sb == (n, hv), f"g {list(sg)} and beta {list(sb)} must be [tokens, v_heads]={[n, hv]}")
     need(ss == (hv, dk, dv), f"state must be [v_heads, d_k, d_v]={[hv, dk, dv]}, got {list(ss)}")
-    return [((n, hv, dv), "f32"), (ss, ds)]
+    out = [((n, hv, dv), "f32"), (ss, ds)]
+    return out + [((n, *ss), ds)] if p.get("steps") else out
 
 
-def _gdn_ref(q, k, v, g, beta, state, scale: float):
+def _gdn_ref(q, k, v, g, beta, state, scale: float, steps: bool = False):
     n, hk, dk = q.shape
     hv = v.shape[1]
     rep = hv // hk
@@ -555,16 +556,21 @@ def _gdn_ref(q, k, v, g, beta, state, scale: float):
     k = np.repeat(k.astype(np.float32), rep, axis=1)
     s = state.astype(np.float32).copy()  # [hv, dk, dv]
     out = np.zeros((n, hv, v.shape[2]), np.float32)
+    after = np.zeros((n, *state.shape), state.dtype)  # the state after each token (steps=True)
     for t in range(n):
         s *= np.exp(g[t])[:, None, None]
         kv_mem = np.einsum("hk,hkv->hv", k[t], s)
         delta = (v[t] - kv_mem) * beta[t][:, None]
         s += k[t][:, :, None] * delta[:, None, :]
         out[t] = np.einsum("hk,hkv->hv", q[t], s)
-    return out, s.astype(state.dtype)
+        after[t] = s
+    return (out, s.astype(state.dtype), after) if steps else (out, s.astype(state.dtype))
 
 
+# steps=True keeps the state after every token as a third result [tokens, v_heads, d_k, d_v]: a speculative
+# verify call makes the state after its last accepted token current (graphir/speculative.py), since a
+# recurrent state cannot roll back by length as a KV cache does.
 op("gated_delta_net", 6,
    "gated delta rule over tokens t: S *= exp(g_t); S += k_t (beta_t (v_t - k_t^T S))^T; o_t = (scale q_t)^T S; "
-   "state [v_heads, d_k, d_v]; returns (o, new_state)",
-   {"scale": (float, REQUIRED)}, multi=True)((_gdn_infer, _gdn_ref))
+   "state [v_heads, d_k, d_v]; returns (o, new_state), and with steps also S after each token [tokens, *state]",
+   {"scale": (float, REQUIRED), "steps": (bool, False)}, multi=True)((_gdn_infer, _gdn_ref))
