@@ -1062,6 +1062,29 @@ def test_gated_delta_net_raw_l2(n, hk, hv, dk, dv, eps, rng):
     close(state["S"], want_s, rtol=1e-4, atol=1e-4)
 
 
+@covers("gated_delta_net_raw", "item")
+@pytest.mark.parametrize("n,hk,hv,dk,dv", [(5, 2, 4, 16, 12), (4, 1, 2, 128, 128), (16, 1, 1, 7, 5)])
+def test_gated_delta_net_raw_keeps_every_steps_state(n, hk, hv, dk, dv, rng):
+    """steps=True: a third result holds the state after each token (a speculative verify's rollback)."""
+    q, k, v = normal(rng, (n, hk, dk)), normal(rng, (n, hk, dk)), normal(rng, (n, hv, dv))
+    alpha, b = normal(rng, (n, hv)), normal(rng, (n, hv))
+    a_neg, dt = -np.exp(normal(rng, (hv,))), normal(rng, (hv,))
+    s0 = normal(rng, (hv, dk, dv), 0.3)
+    res = g.gated_delta_net_raw(*(g.input(nm, x.shape) for nm, x in zip("qkvab", (q, k, v, alpha, b), strict=True)),
+                                g.param("a_neg", (hv,)), g.param("dt", (hv,)), g.input("S", s0.shape),
+                                scale=dk ** -0.5, l2_eps=1e-6, steps=True)
+    out = run({"steps": g.item(res, index=2), "last": g.item(res, index=1)},
+              {"q": q, "k": k, "v": v, "a": alpha, "b": b, "S": s0},
+              weights=weights_of(a_neg=("f32", a_neg, (hv,)), dt=("f32", dt, (hv,))))
+    gate = a_neg * np.log1p(np.exp(alpha.astype(np.float64) + dt))
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    for t in range(n):  # the state after token t is the final state of the first t + 1 tokens
+        want = _gdn_vectorized(_l2(q[:t + 1], 1e-6), _l2(k[:t + 1], 1e-6), v[:t + 1], gate[:t + 1], beta[:t + 1], s0,
+                               dk ** -0.5)[1]
+        close(out["steps"][t], want, rtol=1e-4, atol=1e-4)
+    close(out["last"], out["steps"][-1], rtol=0, atol=0)
+
+
 @covers("rms_norm_mul_gate")
 @pytest.mark.parametrize("shape", [(1, 1, 7), (5, 4, 128), (3, 2, 511), (2, 1025)])
 @pytest.mark.parametrize("eps", [1e-6, 1e-5])

@@ -163,7 +163,7 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
                      const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
                      const float* state, float* __restrict__ o, float* new_state,
                      int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh,
-                     int l2, float l2_eps) {
+                     int l2, float l2_eps, float* __restrict__ steps) {
     constexpr int DK = ROWS * GDN_SPLIT;  // staged length of k_t, q_t (zero padded past dk)
     constexpr int STAGE = (DK + GDN_BLOCK - 1) / GDN_BLOCK;  // elements of k_t / q_t each thread stages
     constexpr int NACC = ROWS < 4 ? ROWS : 4;
@@ -253,6 +253,14 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
         acc += SHFL_XOR(acc, GDN_COLS);
         acc += SHFL_XOR(acc, 2 * GDN_COLS);
         if (part == 0 && live) o[((size_t)t * hv + h) * dv + col] = acc * inv_q;
+        if (steps != nullptr) {  // a verify call keeps the state after every token (steps [n, hv, dk, dv])
+            float* St = steps + ((size_t)t * hv + h) * dk * dv + col;
+#pragma unroll
+            for (int m = 0; m < ROWS; ++m) {
+                const int i = part + GDN_SPLIT * m;
+                if (live && i < dk) St[(size_t)i * dv] = s[m];
+            }
+        }
     }
 
     float* S1 = new_state + (size_t)h * dk * dv + col;
@@ -264,26 +272,27 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
 }
 
 // grid (cdiv(dv, GDN_TILE), hv), block GDN_BLOCK; the same arguments for both variants (the plain
-// one ignores a_neg, dt_bias and their strides). The explicit min-blocks 1 of __launch_bounds__
-// stopped ptxas (sm_90) spilling the r16 variant at 72 registers.
+// one ignores a_neg, dt_bias and their strides); steps is null, or [n, hv, dk, dv] to keep every
+// token's state. The explicit min-blocks 1 of __launch_bounds__ stopped ptxas (sm_90) spilling the
+// r16 variant at 72 registers.
 #define DEFINE_GDN(ROWS)                                                                                \
     extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_r##ROWS(                 \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
         const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ a_neg,   \
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
-        int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                                           \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {             \
         gdn_body<ROWS, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
-                              scale, a_st, a_sh, d_st, d_sh, l2, l2_eps);                               \
+                              scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                        \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(GDN_BLOCK, 1) gated_delta_net_raw_r##ROWS(             \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
         const float* __restrict__ alpha, const float* __restrict__ b, const float* __restrict__ a_neg,  \
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
-        int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                                           \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {             \
         gdn_body<ROWS, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
-                             scale, a_st, a_sh, d_st, d_sh, l2, l2_eps);                                \
+                             scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                         \
     }
 
 #undef GDN_FETCH

@@ -30,6 +30,7 @@ GDN_SPLIT = 4  # threads per state column
 GDN_ROWS = (2, 4, 8, 16, 32, 64)  # gated_delta_net_r{ROWS}: dk <= ROWS * GDN_SPLIT
 
 
+NULL = np.uint64(0)  # a null pointer kernel argument
 INPLACE_MAX_TOKENS = 16  # the token-loop kernels, which may write the state in place, up to this many tokens
 _STATE_INPUT = {"ssm_conv": 1, "ssm_conv_silu": 1, "gated_delta_net": 5, "gated_delta_net_raw": 7}
 
@@ -100,6 +101,7 @@ def _broadcast_strides(node: Any, what: str, a: Any, n: int, hv: int) -> tuple[n
 def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any, a_neg: Any, dt_bias: Any,
          state: Any, outs: list, p: dict, raw: bool) -> list:
     o, new_state = (_f32(node, nm, a) for nm, a in zip(("o", "new_state"), outs))
+    steps = _f32(node, "steps", outs[2]) if p.get("steps") else None
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or v.shape[0] != n or hk == 0 or hv % hk or state.shape != (hv, dk, dv):
@@ -124,7 +126,8 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
     name = f"gated_delta_net{'_raw' if raw else ''}_r{rows}"
     l2_eps = p.get("l2_eps")
     args = (q, k, v, gate0, gate1, a_neg, dt_bias, state, o, new_state, i32(n), i32(hk), i32(hv), i32(dk), i32(dv),
-            f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0))
+            f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0),
+            steps if steps is not None else NULL)
     return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
 
 
