@@ -26,6 +26,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "get_rows.cu": (),
     "attention.cu": (),
     "recurrent.cu": (),
+    "delta_chunked.cu": (),
     "sample.cu": (),
 }
 
