@@ -318,33 +318,25 @@ def run_on_gpu(c: dict, inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
     return d["o"].get(), (d["state"] if inplace else d["new_state"]).get()
 
 
-def token_loop_on_gpu(c: dict) -> tuple[np.ndarray, np.ndarray]:
-    """recurrent.cu's token-loop kernel, launched directly (the backend's rule may pick the chunked
-    path for long prompts), with the arguments recurrent.py passes it."""
+def token_loop_on_gpu(c: dict, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
+    """The backend's rule (recurrent.py) with the chunked path switched off: its token-loop kernel."""
     import cupy as cp
     from graphir.backends.gpu import recurrent as R
-    from graphir.backends.gpu.launch import Launch, cdiv
+    from graphir.backends.gpu.launch import Lowering
 
-    n, hk, dk = c["q"].shape
+    monkeypatch.setattr(DC, "CHUNKED_MIN_TOKENS", 1 << 30)
+    n, _, dk = c["q"].shape
     hv, dv = c["v"].shape[1:]
-    d = {name: cp.asarray(c[name]) for name in TENSORS if name in c}
-    o, s1 = cp.full((n, hv, dv), np.nan, np.float32), cp.full(c["state"].shape, np.nan, np.float32)
-    if c["raw"]:
-        a_st, a_sh = _gate_strides(c["a_neg"].shape, n, hv)
-        d_st, d_sh = _gate_strides(c["dt_bias"].shape, n, hv)
-        a_neg, dt_bias = d["a_neg"], d["dt_bias"]
-    else:
-        a_st = a_sh = d_st = d_sh = 0
-        a_neg = dt_bias = d["gate0"]
-    rows = next(r for r in R.GDN_ROWS if dk <= r * R.GDN_SPLIT)
-    l2 = c["l2_eps"]
-    i32, f32 = np.int32, np.float32
-    args = (d["q"], d["k"], d["v"], d["gate0"], d["gate1"], a_neg, dt_bias, d["state"], o, s1, i32(n), i32(hk),
-            i32(hv), i32(dk), i32(dv), f32(c["scale"]), i32(a_st), i32(a_sh), i32(d_st), i32(d_sh),
-            i32(l2 is not None), f32(l2 or 0.0))
-    name = f"gated_delta_net{'_raw' if c['raw'] else ''}_r{rows}"
-    Launch(R.SOURCE, name, (cdiv(dv, R.GDN_TILE), hv), R.GDN_BLOCK, args)()
-    return o.get(), s1.get()
+    names = TENSORS if c["raw"] else ("q", "k", "v", "gate0", "gate1", "state")
+    rule = R.lower_gated_delta_net_raw if c["raw"] else R.lower_gated_delta_net
+    outs = [cp.full((n, hv, dv), np.nan, np.float32), cp.full(c["state"].shape, np.nan, np.float32)]
+    steps = rule(Lowering(None), None, [cp.asarray(c[nm]) for nm in names], outs,
+                 {"scale": c["scale"], "l2_eps": c["l2_eps"]})
+    assert [st.name.startswith("gated_delta_net") for st in steps] == [True], \
+        f"expected the token-loop kernel alone, got {[st.name for st in steps]}"
+    for st in steps:
+        st()
+    return outs[0].get(), outs[1].get()
 
 
 @pytest.mark.gpu
@@ -352,14 +344,14 @@ def token_loop_on_gpu(c: dict) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("l2_eps", [None, 1e-6])
 @pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-hk{}-hv{}-dk{}-dv{}".format(*s))
-def test_gpu_chunked_equals_reference_and_token_loop(shape, raw, l2_eps):
+def test_gpu_chunked_equals_reference_and_token_loop(shape, raw, l2_eps, monkeypatch):
     rng = np.random.default_rng(sum(shape) + 7 * raw + (l2_eps is not None))
     c = make_case(rng, *shape, raw=raw, l2_eps=l2_eps)
     o, s1 = run_on_gpu(c)
     want_o, want_s = reference(c)
     assert_close(o, want_o, "o vs reference")
     assert_close(s1, want_s, "new state vs reference")
-    loop_o, loop_s = token_loop_on_gpu(c)
+    loop_o, loop_s = token_loop_on_gpu(c, monkeypatch)
     assert_close(o, loop_o, "o vs token loop")
     assert_close(s1, loop_s, "new state vs token loop")
 
