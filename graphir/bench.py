@@ -32,6 +32,10 @@ What is measured (time.perf_counter, one process, in this order):
   state_bytes             recurrent State (conv windows, delta-rule states) one decode token reads and
                           writes: each State the decode graph assigns whole, twice its size; 0 without them
   bandwidth_limit_tok_s   (weight_bytes + state_bytes) / bandwidth: decode can not beat this at batch 1
+  draft_*                 with draft= (a model spec or "lookup"): greedy speculative decoding of decode_tokens
+                          after the prompt against plain decoding, alternated in this run (best of repeats):
+                          draft_decode_tok_s_best, draft_plain_tok_s_best, draft_speedup, draft_acceptance
+                          (accepted / drafted), draft_tokens_per_verify, draft_equals_plain (greedy outputs equal)
 
 When llama-cpp-python is importable and the model is a GGUF file, the same measurements run with
 it in the same process (n_threads=2) for a same-run comparison; otherwise `llama_cpp` is None and
@@ -282,7 +286,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
           new_process: bool = False, compare_hf: bool = False,
-          hf_compiled: bool = True) -> dict[str, Any]:
+          hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
@@ -355,6 +359,12 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
 
         result["hf_eager"], result["hf_compiled"], result["hf_note"] = hf_peers(
             model, prefill, prompt, decode_tokens, repeats, compiled=hf_compiled)
+    if draft:
+        from graphir import speculative
+
+        drafter = draft if draft == speculative.LOOKUP else load(draft, backend=backend, passes=passes, ctx=ctx)
+        result["draft"] = draft
+        result.update(speculative.bench_draft(model, drafter, prompt, decode_tokens + 1, draft_len, repeats))
     del model
     if new_process:
         result["ttft_new_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=False)
@@ -435,6 +445,12 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("long prefill tok/s, best", "prefill_long_tok_s_best", lambda v: f"{v:.1f}"),
     ("decode tok/s, best", "decode_tok_s_best", lambda v: f"{v:.1f}"),
     ("decode tok/s, median", "decode_tok_s_median", lambda v: f"{v:.1f}"),
+    ("speculative decode tok/s, best", "draft_decode_tok_s_best", lambda v: f"{v:.1f}"),
+    ("plain decode tok/s, best (alternated with it)", "draft_plain_tok_s_best", lambda v: f"{v:.1f}"),
+    ("speculative speedup", "draft_speedup", lambda v: f"{v:.2f}x"),
+    ("draft acceptance", "draft_acceptance", lambda v: f"{v:.2f}"),
+    ("tokens per verify call", "draft_tokens_per_verify", lambda v: f"{v:.2f}"),
+    ("speculative output = plain greedy", "draft_equals_plain", lambda v: "yes" if v else "NO"),
     ("peak RSS", "peak_rss_bytes", _mib),
     ("arena (all Programs)", "arena_bytes", _mib),
     ("device memory (gpu, peak)", "device_memory_bytes", _mib),
@@ -464,6 +480,8 @@ def header_lines(result: dict[str, Any], command: str | None = None) -> list[str
              f"date: {result['date']}"]
     if command:
         lines.append(f"command: {command}")
+    if result.get("draft"):
+        lines.append(f"speculative: draft {result['draft']}, draft_len {result['draft_len']}")
     lines.append(f"model: {result['source']} | backend {result['backend']} | passes {result['passes'] or '(none)'}"
                  f" | prefill {result['prefill_tokens']}, prompt {result['prompt_tokens']}, "
                  f"decode {result['decode_tokens']}, repeats {result['repeats']}")

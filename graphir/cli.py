@@ -38,6 +38,8 @@ from graphir.models.hf_dir import TOKENIZER_FILE, read_text
 from graphir.models.loader import DEFAULT_MAX_CTX
 from graphir.passes import PASSES, parse_pipeline, pipelines, run_pipeline
 
+DEFAULT_DRAFT_LEN = 4
+MAX_DRAFT_LEN = 15  # graphir.speculative.MAX_DRAFT_LEN (not imported here: it pulls in the model stack)
 _EXTENSIONS = {".txt": "text", ".dot": "dot", ".gv": "dot", ".json": "json", ".html": "html", ".htm": "html"}
 
 
@@ -127,8 +129,17 @@ def _layers_option(ctx: click.Context, param: click.Parameter, value: str | None
         raise click.BadParameter(str(e)) from None
 
 
-def load_graph(spec: str, phase: str) -> Graph:
-    """`example`, a `.json` graph file, or a model spec resolved by graphir.api."""
+def load_graph(spec: str, phase: str, draft_len: int = 4) -> Graph:
+    """`example`, a `.json` graph file, or a model spec resolved by graphir.api. Phase "verify": the greedy
+    verify graph of a speculative decoding call with `draft_len` drafts (the bucket that call uses)."""
+    if phase == "verify":
+        if spec == "example" or spec.endswith(".json"):
+            raise CliUsageError("--phase verify builds a model's speculative verify graph; give a model spec")
+        from graphir import speculative
+
+        model = _load_for_graphs(spec)
+        bucket = speculative.verify_bucket(draft_len + 1, model.config.ctx)
+        return speculative.verify_graph(model, bucket, greedy=True)
     if spec == "example":
         from graphir.examples import build_example
 
@@ -165,8 +176,8 @@ def _emit(text: str, output: str | None) -> None:
 
 @main.command("dump")
 @click.argument("spec")
-@click.option("--phase", type=click.Choice(["prefill", "decode"]), default="prefill", show_default=True,
-              help="which graph of a model to build")
+@click.option("--phase", type=click.Choice(["prefill", "decode", "verify"]), default="prefill", show_default=True,
+              help="which graph of a model to build (verify: a speculative decoding verify call, greedy)")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="output format; default from -o's extension, else text")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write here instead of stdout")
@@ -176,8 +187,11 @@ def _emit(text: str, output: str | None) -> None:
               help="run this pass pipeline first (see `graphir passes`)")
 @click.option("--diff", is_flag=True,
               help="print what --passes changed (op counts, then lines) instead; -o x.html: side by side")
+@click.option("--draft-len", type=click.IntRange(1, MAX_DRAFT_LEN), default=None,
+              help="--phase verify: drafts per call; the verify graph is the smallest bucket holding them and "
+                   "the pending token  [default: 4]")
 def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers: set[int] | None,
-             pipeline: str | None, diff: bool) -> None:
+             pipeline: str | None, diff: bool, draft_len: int | None) -> None:
     """Print a graph. SPEC: `example`, a graph .json file, or a model spec (e.g. smollm2-135m)."""
     if diff and not pipeline:
         raise click.UsageError("--diff needs --passes P: the pipeline whose changes to show")
@@ -189,7 +203,9 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
             fmt = "text"
     if fmt == "json" and layers is not None:
         raise click.UsageError("--layers folds text, dot and html views; JSON always holds the whole graph")
-    graph = load_graph(spec, phase)
+    if draft_len is not None and phase != "verify":
+        raise click.UsageError("--draft-len chooses the verify graph's bucket; it needs --phase verify")
+    graph = load_graph(spec, phase, draft_len or DEFAULT_DRAFT_LEN)
     if pipeline:
         after = run_pipeline(graph, pipeline)
         if diff:
@@ -217,6 +233,15 @@ def _sampling_options(fn: Callable) -> Callable:
     return fn
 
 
+def _draft_options(fn: Callable) -> Callable:
+    """--draft and --draft-len, as run and bench take them."""
+    fn = click.option("--draft-len", type=click.IntRange(1, MAX_DRAFT_LEN), default=None,
+                      help=f"--draft: tokens drafted per verify call  [default: {DEFAULT_DRAFT_LEN}]")(fn)
+    return click.option("--draft", default=None, metavar="MODEL|lookup",
+                        help="speculative decoding: a draft model sharing the tokenizer (a model spec), or "
+                             "'lookup' (prompt n-grams); output equals plain decoding when greedy")(fn)
+
+
 @main.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-p", "--prompt", default="The capital of France is", show_default=True)
@@ -232,18 +257,25 @@ def _sampling_options(fn: Callable) -> Callable:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
+@_draft_options
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-            backend: str | None, pipeline: str, ctx: int | None, threads: int | None) -> None:
+            backend: str | None, pipeline: str, ctx: int | None, threads: int | None, draft: str | None,
+            draft_len: int | None) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
     prompt bytes as token ids, greedy decoding, and a summary of the logits.
     """
     if model == "example":
+        if draft:
+            raise click.UsageError("--draft needs a model: the example graph has no tokenizer to share")
         _run_example(prompt, n, seed or 0, backend or "reference")
         return
+    _check_draft_len(draft, draft_len)
     backend = _checked_backend(backend or AUTO)
     _check_runnable(model)
+    if draft and draft != "lookup":
+        _check_runnable(draft)
     api = _api()
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
@@ -253,11 +285,35 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
     _check_context(lm.config, len(ids), n)
+    drafter = _load_drafter(api, draft, backend, pipeline, lm.config.ctx)
+    spec = {"draft": drafter, "draft_len": draft_len or DEFAULT_DRAFT_LEN} if drafter is not None else {}
     # generate() checks its arguments when called, so every error so far precedes the echoed prompt.
-    tokens = lm.generate(ids, max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    tokens = lm.generate(ids, max_new_tokens=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         **spec)
     first_s, count, total_s = _stream_text(prompt, tokens, lm.tokenizer)
     stats = dict(getattr(lm, "stats", None) or {})
     click.echo(_timings(stats, load_s, first_s, count, total_s), err=True)
+    if drafter is not None and "speculative" in stats:
+        click.echo(_speculative_line(stats["speculative"], draft, spec["draft_len"]), err=True)
+
+
+def _check_draft_len(draft: str | None, draft_len: int | None) -> None:
+    if draft_len is not None and not draft:
+        raise click.UsageError("--draft-len needs --draft MODEL or --draft lookup")
+
+
+def _load_drafter(api: Any, draft: str | None, backend: str, pipeline: str, ctx: int) -> Any:
+    """None, "lookup", or the draft model loaded like the target (backend, passes, the target's context)."""
+    if not draft or draft == "lookup":
+        return draft or None
+    click.echo(f"loading draft model {draft} on {backend} ...", err=True)
+    return api.load(draft, backend=backend, passes=pipeline, ctx=ctx)
+
+
+def _speculative_line(st: Any, draft: str | None, draft_len: int) -> str:
+    return (f"speculative ({draft}, draft-len {draft_len}): {st.verify_calls} verify calls, "
+            f"acceptance {st.acceptance:.2f} ({st.accepted_tokens}/{st.draft_tokens} drafts), "
+            f"{st.tokens_per_verify:.2f} tokens per verify")
 
 
 # ---------------------------------------------------------------- chat
@@ -501,9 +557,10 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
+@_draft_options
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
               long_prefill: int | None, new_process: bool, no_llama_cpp: bool, compare: str | None,
-              json_path: str | None, threads: int | None) -> None:
+              json_path: str | None, threads: int | None, draft: str | None, draft_len: int | None) -> None:
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
@@ -516,6 +573,9 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
 
     from graphir.bench import bench, render
 
+    _check_draft_len(draft, draft_len)
+    if draft and draft != "lookup":
+        _check_runnable(draft)
     backend = _checked_backend(backend)
     if threads is not None:  # per process, like numba's pool: bench's own load() then runs with it
         from graphir.backends.cpu.threads import set_threads
@@ -526,7 +586,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
                        decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp,
                        long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare is not None,
-                       hf_compiled=compare == "hf")
+                       hf_compiled=compare == "hf", draft=draft, draft_len=draft_len or DEFAULT_DRAFT_LEN)
     except ValueError as e:
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
@@ -536,7 +596,8 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
                          + (["--new-process"] if new_process else [])
                          + (["--no-llama-cpp"] if no_llama_cpp else [])
                          + (["--compare", compare] if compare else [])
-                         + (["--threads", str(threads)] if threads is not None else []))
+                         + (["--threads", str(threads)] if threads is not None else [])
+                         + (["--draft", draft, "--draft-len", str(draft_len or DEFAULT_DRAFT_LEN)] if draft else []))
     result["command"] = command
     render(result, command, file=sys.stdout)
     if json_path:

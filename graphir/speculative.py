@@ -519,3 +519,34 @@ def _step(target: Model, drafter: Drafter, context: list[int], k: int, settings:
     stats.new_tokens += len(new)
     stats.accepted_per_call.append(len(new) - 1)
     return new
+
+
+# ---------------------------------------------------------------- benchmark (graphir bench --draft)
+def _decode_seconds(run: Iterator[int]) -> tuple[list[int], float]:
+    """(tokens, seconds from the first token to the last): the decode time after the prompt's token."""
+    out = [next(run)]
+    t0 = time.perf_counter()
+    out += list(run)
+    return out, time.perf_counter() - t0
+
+
+def bench_draft(target: Model, drafter: Any, prompt: Sequence[int], n: int, draft_len: int,
+                repeats: int) -> dict[str, Any]:
+    """Greedy speculative decoding of n tokens after `prompt` against plain greedy decoding, in this run:
+    one untimed round of each (lowering, warm-up), then `repeats` rounds alternating plain and speculative
+    (a slow spell of a shared machine hits both alike), best of each kept. Decode tok/s counts the n - 1
+    tokens after the first over the time after it, as `graphir bench`'s decode rate does."""
+    plain_s, spec_s = [], []
+    plain = spec = []
+    for r in range(repeats + 1):
+        plain, dt_plain = _decode_seconds(iter(target.generate(prompt, n, stop_at_eos=False)))
+        spec, dt_spec = _decode_seconds(generate(target, drafter, prompt, n, draft_len, stop_at_eos=False))
+        if r:
+            plain_s.append(dt_plain)
+            spec_s.append(dt_spec)
+    st = last_stats(target)
+    plain_rate, spec_rate = (n - 1) / min(plain_s), (n - 1) / min(spec_s)
+    return {"draft_len": draft_len, "draft_acceptance": st.acceptance, "draft_tokens_per_verify": st.tokens_per_verify,
+            "draft_verify_calls": st.verify_calls, "draft_plain_tok_s_best": plain_rate,
+            "draft_decode_tok_s_best": spec_rate, "draft_speedup": spec_rate / plain_rate,
+            "draft_equals_plain": spec == plain}
