@@ -631,6 +631,67 @@ def test_flash_attn_long_prefill(rng):
     close(out, np.einsum("hqk,khd->qhd", p, np.repeat(v, hq, 1).astype(np.float64)), rtol=1e-5, atol=1e-5)
 
 
+def _attention_bf16_loops(q, k, v, pos, kv_len, scale, window):
+    """flash_attn_bf16 restated: bf16 q, k, v (frexp rounding), f32 scores in the log2 domain, weights
+    2^(s - M) rounded to bf16 with M = ceil(max s), the weighted mean of v over their sum (float64)."""
+    n_q, hq, _ = q.shape
+    hk = k.shape[1]
+    qb, kb, vb = (_to_bf16_frexp(a.astype(np.float32)) for a in (q, k, v))
+    out = np.zeros((n_q, hq, v.shape[2]))
+    for i in range(n_q):
+        for h in range(hq):
+            kh = h // (hq // hk)
+            keys = [j for j in range(kv_len) if j <= pos[i] and (window == 0 or pos[i] - j < window)]
+            if not keys:
+                continue
+            s = np.array([np.float32(np.dot(qb[i, h], kb[j, kh])) * np.float32(scale * math.log2(math.e))
+                          for j in keys], np.float32)
+            w = _to_bf16_frexp(2.0 ** (s.astype(np.float64) - math.ceil(s.max())))
+            out[i, h] = sum(wj * vb[j, kh] for wj, j in zip(w, keys, strict=True)) / w.sum()
+    return out
+
+
+@covers("flash_attn_bf16")
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_flash_attn_bf16_rounds_q_k_v_and_weights(group, window, kvdtype, rng):
+    cap, kv_len, hk, d, dv = 37, 20, 2, 16, 8
+    pos = np.array([0, 5, 13, 19, 1, 19, 30], np.int32)  # a query at 0, repeated, one past kv_len
+    npdt = np.float32 if kvdtype == "f32" else np.float16
+    q = normal(rng, (len(pos), hk * group, d), 2.0)
+    k, v = normal(rng, (cap, hk, d), dtype=npdt), normal(rng, (cap, hk, dv), dtype=npdt)
+    k[kv_len:], v[kv_len:] = 1e3, -1e3  # never read
+    scale = 1 / math.sqrt(d)
+    args = (g.input("q", q.shape), g.input("k", k.shape, kvdtype), g.input("v", v.shape, kvdtype),
+            g.input("pos", pos.shape, "i32"), g.input("len", (1,), "i32"))
+    feeds = {"q": q, "k": k, "v": v, "pos": pos, "len": np.array([kv_len], np.int32)}
+    out = run1(g.flash_attn_bf16(*args, scale=scale, window=window), feeds)
+    # The gpu's scores differ in the last f32 bits (tensor-core summation order, an approximate exp2),
+    # which can move a weight across a bf16 rounding boundary: one bf16 step (2^-8 of it) of a weight in
+    # a row of two keys moves the result by up to 2^-8 * 1/2 * |v0 - v1| ~ 4e-3. Exact elsewhere.
+    atol = 4e-3 if _backend["name"] == "gpu" else 1e-5
+    close(out, _attention_bf16_loops(q, k, v, pos, kv_len, scale, window), rtol=1e-5, atol=atol, dtype="float32")
+    exact = _attention_loops(q, k, v, pos, kv_len, scale, window)
+    assert 1e-3 < np.abs(out - exact).max() < 2e-2 * np.abs(exact).max()  # the rounding shows, and stays small
+    for name in "qkv":  # fed already rounded, each input gives the same result: the op rounds it itself
+        rounded = _to_bf16_frexp(feeds[name].astype(np.float32)).astype(feeds[name].dtype)
+        np.testing.assert_array_equal(run1(g.flash_attn_bf16(*args, scale=scale, window=window),
+                                           {**feeds, name: rounded}), out)
+
+
+@covers("flash_attn_bf16")
+def test_flash_attn_bf16_no_visible_key_and_bad_kv_len(rng):
+    q, k, v = normal(rng, (2, 4, 8)), normal(rng, (16, 1, 8)), normal(rng, (16, 1, 8))
+    pos = np.array([30, -1], np.int32)  # window 5 at 30 sees 26..30, past kv_len 10; -1 sees nothing
+    node = g.flash_attn_bf16(g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape),
+                             g.input("pos", (2,), "i32"), g.input("len", (1,), "i32"), scale=0.7, window=5)
+    np.testing.assert_array_equal(run1(node, {"q": q, "k": k, "v": v, "pos": pos, "len": np.array([10], np.int32)}),
+                                  0.0)
+    with pytest.raises(BackendError, match="kv_len 17 outside 0..16"):
+        run1(node, {"q": q, "k": k, "v": v, "pos": pos, "len": np.array([17], np.int32)})
+
+
 # ---------------------------------------------------------------- layout
 def _strided(x: np.ndarray, shape, strides, offset) -> np.ndarray:
     flat = [float(v) for v in np.nditer(x, order="C")]  # the row-major element sequence

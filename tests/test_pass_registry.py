@@ -205,9 +205,23 @@ def case_ffn(wtype: str) -> Graph:
     return Graph({"y": g.add(x, g.mul_mat(down, g.mul(g.silu(a), b)))}, meta={"case": "ffn"})
 
 
+def case_attention(wtype: str) -> Graph:
+    """Causal attention over a KV cache: a prefill of N queries (attn-bf16 rewrites it) and a decode-sized
+    one of 2 queries (kept in f32)."""
+    outs = {}
+    for i, n_q in enumerate((N, 2)):
+        q = g.reshape(g.mul_mat(_w(f"blk.{i}.attn_q.weight", 32, wtype), _x()), shape=(N, 4, 8))  # [5, 4 heads, 8]
+        q = g.rows(q, 0, n_q)
+        k, v = g.state(f"blk.{i}.k_cache", (16, 2, 8)), g.state(f"blk.{i}.v_cache", (16, 2, 8))
+        outs[f"o{i}"] = g.flash_attn(q, k, v, g.input(f"pos{i}", (n_q,), "i32"), g.input(f"len{i}", (1,), "i32"),
+                                     scale=0.35, name=f"blk.{i}.attn")
+    return Graph(outs, meta={"case": "attention"})
+
+
 TARGETED_CASES: dict[str, Case] = {
     "shard-tp": Case(case_ffn, "all_reduce"),
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
+    "attn-bf16": Case(case_attention, "flash_attn_bf16"),
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),
     "fuse-add-rms-norm-mul": Case(case_add_norm, "add_rms_norm_mul"),
@@ -237,7 +251,7 @@ def test_pass_has_name_and_one_line_description(name):
 
 
 def test_unknown_pass_lists_known_ones():
-    with pytest.raises(GraphError, match=r"unknown pass 'fuse-everything'.*known: default, cse, dce"):
+    with pytest.raises(GraphError, match=r"unknown pass 'fuse-everything'.*known: default, attn-bf16, cse, dce"):
         parse_pipeline("dce,fuse-everything")
 
 

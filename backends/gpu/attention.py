@@ -16,6 +16,11 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
   H200, 2026-11-30, `bench_gpu_attention.py --variants`, %copy at 1k/8k/32k: f16 7.3/41.5/58.5, f32 16.9/53.1/85.6
 - prefill: `attn_prefill_<kv><suffix>`, QT queries x one GQA head chunk per block, K/V tiles in
   shared memory.
+- flash_attn_bf16 (the attn-bf16 pass; prefill): on CUDA sm_80+ `attn_kv_bf16_<kv>` rounds the K/V
+  rows below kv_len into a bf16 scratch shared by every layer, then `attn_prefill_bf16_d<DK>`
+  (attention_prefill.cu) runs FlashAttention-2 on tensor cores, 16*TC_WARPS queries of one q head
+  per block. Head dims past 128, HIP and older GPUs take the f32 kernels above: they compute the
+  op without its bf16 roundings (closer to exact attention, off the op's reference by about them).
 """
 
 from __future__ import annotations
@@ -153,6 +158,63 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
         Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
                (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
     ]
+
+
+TC_FILE = "attention_prefill.cu"
+TC_WARPS = 4  # ATTN_TC_WARPS: 16 query rows per warp
+TC_MAX_HEAD_DIM = 128
+KV_CONVERT_THREADS = 256  # ATTN_KV_CONVERT_THREADS
+KV_BF16_KEY = "attn_bf16_kv_scratch"
+
+
+@functools.cache
+def _tensor_cores() -> bool:
+    """bf16 mma.sync, ldmatrix and cp.async: CUDA sm_80 and later."""
+    from .device import cupy
+
+    cp = cupy()
+    return not cp.cuda.runtime.is_hip and int(cp.cuda.Device().compute_capability) >= 80
+
+
+def _kv_bf16_scratch(lw: Lowering, size: int) -> Any:
+    """One bf16 K/V buffer per weight store and device, shared by every attention node: each converts
+    its K/V and reads them right away, on the one stream. A larger need replaces it; Programs lowered
+    before keep the old one alive through their launch arguments."""
+    from .device import cupy
+
+    cp = cupy()
+    key = ("gpu", KV_BF16_KEY, cp.cuda.Device().id)
+    derived = lw.weights.derived
+    if derived.get(key) is None or derived[key].size < size:
+        derived[key] = cp.zeros(size, np.uint16)
+    return derived[key][:size]
+
+
+def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    """flash_attn_bf16 (the attn-bf16 pass): K/V rounded to a bf16 scratch, then tensor-core attention.
+    Every launch argument comes from shapes and fixed buffers; kv_len and positions are read on the device."""
+    q, k, v = ins[:3]
+    n_q, hq, d = q.shape
+    cap, hk, dv = v.shape
+    if not _tensor_cores() or max(d, dv) > TC_MAX_HEAD_DIM:
+        return lower_flash_attn(lw, n, ins, outs, p)
+    kv = _kv_name(k)
+    if _kv_name(v) != kv:
+        raise BackendError(f"flash_attn_bf16: k is {k.dtype} and v is {v.dtype}: the gpu backend needs one K/V dtype")
+    if n_q == 0 or hq == 0 or dv == 0:
+        return []
+    pos, kv_len, out = ins[3], ins[4], outs[0]
+    dk = 64 if max(d, dv) <= 64 else 128
+    kvb = _kv_bf16_scratch(lw, 2 * hk * cap * dk)
+    window = int(p.get("window", 0))
+    window = window if 0 < window < 2**31 else 0
+    code = lw.code_arg(f"flash_attn_bf16: kv_len {{value}} outside 0..{cap} (the KV capacity)")
+    convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 2, KV_CONVERT_THREADS)), 2),
+                     KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
+    attend = Launch(TC_FILE, f"attn_prefill_bf16_d{dk}", (hq, cdiv(n_q, 16 * TC_WARPS)), 32 * TC_WARPS,
+                    (q, kvb, pos, kv_len, out, i32(n_q), i32(hq), i32(hk), i32(d), i32(dv), i32(cap),
+                     f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code))
+    return [convert, attend]
 
 
 def decode_splits(cap: int, blocks_per_split: int, target_blocks: int) -> int:

@@ -25,6 +25,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "matmul.cu": (),
     "get_rows.cu": (),
     "attention.cu": (),
+    "attention_prefill.cu": (),
     "recurrent.cu": (),
     "delta_chunked.cu": (),
     "sample.cu": (),

@@ -295,6 +295,7 @@ RULES: dict[str, Callable] = {
     "mul_mat_bf16": matmul.lower_mul_mat_bf16,
     "get_rows": matmul.lower_get_rows,
     "flash_attn": attention.lower_flash_attn,
+    "flash_attn_bf16": attention.lower_flash_attn_bf16,
     "ssm_conv": recurrent.lower_ssm_conv,
     "ssm_conv_silu": recurrent.lower_ssm_conv_silu,
     "gated_delta_net": recurrent.lower_gated_delta_net,
@@ -304,7 +305,7 @@ RULES: dict[str, Callable] = {
 # Inputs a rule takes as f16 (numpy float16 State or activations); every other f16 input is cast to
 # f32 scratch first, and an f16 result of any other op is computed in f32 and cast.
 F16_INPUTS: dict[str, tuple[int, ...]] = {
-    "set_rows": (0,), "rope_set_rows": (0,), "assign": (0,), "flash_attn": (1, 2),
+    "set_rows": (0,), "rope_set_rows": (0,), "assign": (0,), "flash_attn": (1, 2), "flash_attn_bf16": (1, 2),
     "view": (0,), "reshape": (0,), "permute": (0,), "transpose": (0,), "cont": (0,), "cast": (0,), "concat": (0, 1),
 }
 F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})

@@ -153,3 +153,46 @@ def _mul_mat_bf16_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 # rate. Its meaning is exact: round both operands to bf16, multiply, accumulate in f32.
 op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accumulation and result)")(
     (_mul_mat_bf16_infer, _mul_mat_bf16_ref))
+
+
+# ---------------------------------------------------------------- reduced-precision attention
+LOG2E = 1.4426950408889634
+
+
+def _flash_attn_bf16_infer(ts: list[Type], p: dict) -> Type:
+    return OPS["flash_attn"].infer(ts, p)
+
+
+def _flash_attn_bf16_ref(q, k, v, pos, kv_len, scale: float, window: int) -> np.ndarray:
+    n_kv, hk, _ = k.shape
+    length = int(kv_len[0])
+    need(0 <= length <= n_kv, f"flash_attn_bf16: kv_len {length} outside 0..{n_kv} (the KV capacity)")
+    j = np.arange(length)
+    allowed = j[None, :] <= pos[:, None]  # causal, windowed: flash_attn's rule
+    if window:
+        allowed &= pos[:, None] - j[None, :] < window
+    group = q.shape[1] // hk
+    kk = np.repeat(bf16_round(k[:length].astype(np.float32)), group, axis=1)  # [L, hq, d]
+    vv = np.repeat(bf16_round(v[:length].astype(np.float32)), group, axis=1)
+    s = np.einsum("qhd,khd->hqk", bf16_round(q.astype(np.float32)), kk) * np.float32(scale * LOG2E)
+    s = np.where(allowed[None], s, -np.inf)  # scores in the log2 domain, f32
+    m = np.ceil(s.max(axis=-1, keepdims=True, initial=-np.inf))
+    m = np.where(np.isfinite(m), m, 0.0)
+    weights = bf16_round(np.exp2(s - m))  # in (1/2, 1] at the max; 0 where masked
+    denom = weights.sum(axis=-1, keepdims=True)
+    prob = np.divide(weights, denom, out=np.zeros_like(weights), where=denom > 0)
+    return np.einsum("hqk,khd->qhd", prob, vv).astype(np.float32)
+
+
+# Produced by the attn-bf16 pass for prefill attention, run on tensor cores. A separate op (as
+# mul_mat_bf16) rather than a flash_attn param: a backend without a rule for it cannot quietly
+# compute the f32 meaning, and dumps show the precision change by name. Its meaning is exact up
+# to f32 summation order: q, k, v rounded to bf16, scores in f32; the softmax weights enter the
+# weighted sum of v in bf16 (the tensor cores' operand type), taken relative to a power of two
+# M = ceil(max score * log2 e), so a kernel that raises its running maximum M tile by tile
+# rescales by exact powers of two and rounds every weight exactly as here; normalized by the
+# sum of the rounded weights.
+op("flash_attn_bf16", 5,
+   "flash_attn with q, k, v rounded to bfloat16 and the softmax weights 2^(s*log2e - M) rounded to bfloat16 "
+   "(M = ceil of the row's max, s = q.k*scale in f32), normalized by their sum; f32 result",
+   {"scale": (float, REQUIRED), "window": (int, 0)})((_flash_attn_bf16_infer, _flash_attn_bf16_ref))

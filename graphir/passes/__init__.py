@@ -180,6 +180,7 @@ def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
 
 # Importing the pass modules registers them.
 from graphir.passes import (  # noqa: E402,F401
+    attn_bf16,
     cleanup,
     fuse_norm,
     fuse_rope,

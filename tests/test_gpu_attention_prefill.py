@@ -1,0 +1,303 @@
+"""flash_attn_bf16 on the gpu backend (tensor-core prefill, attention_prefill.cu) against the op's reference.
+
+Two runners, as in test_gpu_attention.py: "rule" calls lower_flash_attn_bf16 on fixed device buffers
+(and checks which kernels it chose), "graph" lowers a one-node Graph through the whole backend.
+Rows at and past kv_len hold 1e3 garbage, which the kernels must never read.
+
+Tolerance (`close_bf16`). The reference rounds q, k, v and the softmax weights to bf16 exactly as
+the kernel does, so they agree to f32 summation order, except where a weight lies within the f32
+noise (tensor-core summation order, ex2.approx: ~2^-22 relative) of a bf16 rounding boundary: that
+weight then rounds one bf16 step (2^-8 of it) the other way, p ~ 6e-5 per weight. One such flip
+moves its row by at most 2^-8 * |v_j - out|, ~7e-3 of max |ref| for a row of two keys, and by
+~2^-8 / n_keys of it for a row of many. So: every element within 1e-2 of max |ref|, and all but a
+few (query, head) rows within 1e-4 of it. A wrong mask, tile or fragment moves most rows by far
+more (one key too many in a row of 300 keys moves it by ~1e-3); so does dropping any rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from graphir.backends.registry import get_backend
+
+import graphir
+from graphir import g
+from graphir.errors import BackendError
+from graphir.ir import Graph
+
+try:
+    from graphir.backends.gpu.device import available
+except ImportError:  # pragma: no cover - the package always has it; keep collection safe
+    def available() -> bool:
+        return False
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
+
+GARBAGE = 1e3
+MAX_REL = 1e-2  # of max |ref|, any element (a flipped weight in a row of two keys: ~7e-3)
+ROW_REL = 1e-4  # of max |ref|, every (query, head) row but a few (flipped weights of short rows)
+
+
+def _graph(n_q, hq, cap, hk, d, dv, kvdtype, scale, window):
+    node = g.flash_attn_bf16(g.input("q", (n_q, hq, d)), g.input("k", (cap, hk, d), kvdtype),
+                             g.input("v", (cap, hk, dv), kvdtype), g.input("pos", (n_q,), "i32"),
+                             g.input("len", (1,), "i32"), scale=scale, window=window)
+    return Graph({"out": node})
+
+
+class Case:
+    """Shapes of one flash_attn_bf16 node; `ref(...)` evaluates it on the reference backend."""
+
+    def __init__(self, n_q, hq, hk, d, dv, cap, kvdtype, window=0):
+        self.n_q, self.hq, self.hk, self.d, self.dv, self.cap = n_q, hq, hk, d, dv, cap
+        self.kvdtype, self.window, self.scale = kvdtype, window, 1.0 / math.sqrt(d)
+        self.graph = _graph(n_q, hq, cap, hk, d, dv, kvdtype, self.scale, window)
+        self.reference = get_backend("reference").lower(self.graph, None)
+
+    def data(self, rng, kv_len):
+        npdt = np.float32 if self.kvdtype == "f32" else np.float16
+        q = (rng.standard_normal((self.n_q, self.hq, self.d)) * 1.5).astype(np.float32)
+        k = rng.standard_normal((self.cap, self.hk, self.d)).astype(npdt)
+        v = rng.standard_normal((self.cap, self.hk, self.dv)).astype(npdt)
+        k[kv_len:], v[kv_len:] = GARBAGE, -GARBAGE
+        return q, k, v
+
+    def feeds(self, q, k, v, pos, kv_len):
+        return {"q": q, "k": k, "v": v, "pos": np.asarray(pos, np.int32), "len": np.array([kv_len], np.int32)}
+
+    def ref(self, *args):
+        return self.reference(self.feeds(*args))["out"]
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+class GraphRunner:
+    def __init__(self, case: Case):
+        self.case, self.program = case, get_backend("gpu").lower(case.graph, None)
+
+    def __call__(self, *args):
+        return _host(self.program(self.case.feeds(*args))["out"])
+
+
+class RuleRunner:
+    """lower_flash_attn_bf16 on persistent device buffers: new values are copied in, pointers never change."""
+
+    def __init__(self, case: Case, kv_offset: int = 0):
+        import cupy as cp
+        from graphir.backends.gpu.attention import lower_flash_attn_bf16
+        from graphir.backends.gpu.launch import Lowering
+
+        c = self.case = case
+        kvdt = np.float32 if c.kvdtype == "f32" else np.float16
+
+        def kv(width):  # kv_offset elements past an aligned address
+            n = c.cap * c.hk * width
+            return cp.zeros(n + kv_offset, kvdt)[kv_offset:].reshape(c.cap, c.hk, width)
+
+        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), kv(c.d), kv(c.dv), cp.zeros((c.n_q,), np.int32),
+                     cp.zeros((1,), np.int32)]
+        self.out = cp.full((c.n_q, c.hq, c.dv), np.nan, np.float32)
+        self.lw = Lowering(None)
+        self.lw.code = 1
+        self.steps = lower_flash_attn_bf16(self.lw, None, self.bufs, [self.out],
+                                           {"scale": c.scale, "window": c.window})
+        self.kernels = [st.name for st in self.steps]
+
+    def __call__(self, *args):
+        for buf, host in zip(self.bufs, self.case.feeds(*args).values()):
+            buf.set(np.ascontiguousarray(host))
+        self.lw.errflag.fill(0)
+        for step in self.steps:
+            step()
+        flag = self.lw.errflag.get()
+        if flag[0]:
+            raise BackendError(self.lw.messages[int(flag[0])].format(value=int(flag[1])))
+        return self.out.get()
+
+
+@pytest.fixture(params=["rule", "graph"])
+def runner(request):
+    return {"rule": RuleRunner, "graph": GraphRunner}[request.param]
+
+
+def close_bf16(got, want):
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.isfinite(got).all(), "non-finite output"
+    scale = max(float(np.abs(want).max()), 1e-30)
+    err = np.abs(got.astype(np.float64) - want) / scale
+    assert err.max() <= MAX_REL, f"max error {err.max():.3g} of max |ref| > {MAX_REL}"
+    rows = err.reshape(-1, want.shape[-1]).max(axis=1)
+    off = int((rows > ROW_REL).sum())
+    allowed = 2 + rows.size // 200
+    assert off <= allowed, (f"{off} of {rows.size} (query, head) rows off by > {ROW_REL} of max |ref| (worst "
+                            f"{rows.max():.3g}); rounding flips explain at most {allowed}")
+
+
+def _kernels(kvdtype, d, dv):
+    return [f"attn_kv_bf16_{kvdtype}", f"attn_prefill_bf16_d{64 if max(d, dv) <= 64 else 128}"]
+
+
+def _check_kernels(run, case):
+    if isinstance(run, RuleRunner):
+        assert run.kernels == _kernels(case.kvdtype, case.d, case.dv), run.kernels
+
+
+# ---------------------------------------------------------------- shapes
+@pytest.mark.parametrize("n_q", [5, 7, 64, 65, 130, 511, 1025])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill_from_empty_cache(runner, n_q, group, d, kvdtype):
+    """The prompt's first chunk: positions 0..n-1, kv_len n; n not a multiple of the 64-row tiles."""
+    hk = 2 if n_q <= 130 else 1
+    case = Case(n_q, hk * group, hk, d, d, n_q + 37, kvdtype)
+    run = runner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(n_q * 100 + group * 10 + d)
+    q, k, v = case.data(rng, n_q)
+    pos = np.arange(n_q, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, n_q), case.ref(q, k, v, pos, n_q))
+
+
+@pytest.mark.parametrize("n_q,start", [(7, 300), (130, 61), (511, 1000), (64, 64)])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill_after_earlier_chunk(runner, n_q, start, kvdtype):
+    """A later chunk: positions start..start+n-1 over `start` cached rows, kv_len = start + n > n."""
+    case = Case(n_q, 8, 2, 128, 128, start + n_q + 5, kvdtype)
+    run = runner(case)
+    rng = np.random.default_rng(start + n_q)
+    kv_len = start + n_q
+    q, k, v = case.data(rng, kv_len)
+    pos = np.arange(start, kv_len, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill_4096(kvdtype):
+    """Qwen3-8B's bench length and head dim, one GQA group of 8."""
+    case = Case(4096, 8, 1, 128, 128, 4096, kvdtype)
+    run = RuleRunner(case)
+    rng = np.random.default_rng(4096)
+    q, k, v = case.data(rng, 4096)
+    pos = np.arange(4096, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, 4096), case.ref(q, k, v, pos, 4096))
+
+
+def _positions(rng, n_q, kv_len):
+    """Out of order and repeated; some past kv_len, one at 0, one at -1 (sees nothing)."""
+    pos = rng.integers(0, kv_len + 3, n_q).astype(np.int32)
+    pos[:4] = [kv_len - 1, 0, kv_len // 2, -1]
+    pos[4] = pos[0]
+    return pos
+
+
+@pytest.mark.parametrize("window", [0, 5, 100])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_arbitrary_positions_and_window(runner, window, kvdtype):
+    """Positions need not be a run: every row masks by its own position; windows skip early tiles."""
+    case = Case(150, 8, 2, 64, 64, 400, kvdtype, window)
+    run = runner(case)
+    rng = np.random.default_rng(window + 1)
+    for kv_len in (1, 63, 64, 65, 300, 400):
+        q, k, v = case.data(rng, kv_len)
+        pos = _positions(rng, 150, kv_len)
+        close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+    q, k, v = case.data(rng, 400)  # a causal chunk late in a long cache, the window far from row 0
+    pos = np.arange(250, 400, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, 400), case.ref(q, k, v, pos, 400))
+
+
+@pytest.mark.parametrize("hq,hk,d,dv", [(4, 2, 64, 32), (6, 1, 6, 10), (2, 1, 96, 128), (3, 3, 80, 80),
+                                        (12, 1, 128, 120)])
+def test_head_shapes(runner, hq, hk, d, dv):
+    """dv != d, odd and non-power-of-two head dims (zero-padded to DK 64 or 128), GQA groups 2, 3, 6, 12."""
+    case = Case(70, hq, hk, d, dv, 333, "f16")
+    run = runner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(d + dv)
+    for kv_len in (70, 333):
+        q, k, v = case.data(rng, kv_len)
+        pos = np.arange(kv_len - 70, kv_len, dtype=np.int32)
+        close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@pytest.mark.parametrize("kvdtype,offset", [("f16", 1), ("f32", 1), ("f16", 4)])
+def test_unaligned_kv(kvdtype, offset):
+    """K/V at any element offset: the conversion kernel loads elements, the tiles read the aligned scratch."""
+    case = Case(100, 4, 2, 64, 64, 150, kvdtype)
+    run = RuleRunner(case, kv_offset=offset)
+    rng = np.random.default_rng(offset)
+    q, k, v = case.data(rng, 150)
+    pos = np.arange(50, 150, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, 150), case.ref(q, k, v, pos, 150))
+
+
+def test_replay_many_kv_len():
+    """One lowered program, many contexts and chunk starts (tile boundaries of the keys and the queries)."""
+    case = Case(65, 8, 2, 128, 128, 1100, "f32")
+    run = RuleRunner(case)
+    rng = np.random.default_rng(11)
+    q, k, v = case.data(rng, 1100)
+    for kv_len in (65, 66, 127, 128, 129, 191, 192, 193, 640, 1100):
+        k2, v2 = k.copy(), v.copy()
+        k2[kv_len:], v2[kv_len:] = GARBAGE, -GARBAGE
+        pos = np.arange(kv_len - 65, kv_len, dtype=np.int32)
+        close_bf16(run(q, k2, v2, pos, kv_len), case.ref(q, k2, v2, pos, kv_len))
+
+
+def test_no_visible_key_gives_zero(runner):
+    case = Case(9, 4, 1, 64, 64, 16, "f32", window=5)
+    run = runner(case)
+    rng = np.random.default_rng(2)
+    q, k, v = case.data(rng, 10)
+    pos = np.full(9, 30, np.int32)  # sees 26..30, but only 0..9 are valid
+    pos[1] = -1  # sees nothing at all
+    np.testing.assert_array_equal(run(q, k, v, pos, 10), 0.0)
+    np.testing.assert_array_equal(run(q, k, v, np.arange(9, dtype=np.int32), 0), 0.0)  # kv_len 0
+
+
+def test_kv_len_past_capacity_raises(runner):
+    case = Case(9, 4, 2, 64, 64, 37, "f32")
+    run = runner(case)
+    rng = np.random.default_rng(4)
+    q, k, v = case.data(rng, 37)
+    pos = np.arange(28, 37, dtype=np.int32)
+    with pytest.raises(BackendError, match=r"flash_attn_bf16: kv_len 38 outside 0\.\.37 \(the KV capacity\)"):
+        run(q, k, v, pos, 38)
+    with pytest.raises(BackendError, match=r"kv_len -1 outside 0\.\.37"):
+        run(q, k, v, pos, -1)
+    close_bf16(run(q, k, v, pos, 37), case.ref(q, k, v, pos, 37))  # the program still works afterwards
+
+
+def test_head_dim_past_128_takes_the_f32_kernel():
+    """d 256: the CUDA-core kernel computes attention without the op's roundings, so it agrees with the
+    reference to about their size (the rounding cost, not flips): 1e-2 of max |ref|."""
+    case = Case(70, 4, 2, 256, 256, 100, "f16")
+    run = RuleRunner(case)
+    assert run.kernels == ["attn_prefill_f16_d256_g4"], run.kernels
+    rng = np.random.default_rng(256)
+    q, k, v = case.data(rng, 100)
+    pos = np.arange(30, 100, dtype=np.int32)
+    want = case.ref(q, k, v, pos, 100)
+    got = run(q, k, v, pos, 100)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------- a whole model
+def test_qwen3_tiny_with_attn_bf16():
+    """random:qwen3-tiny, prompt chunks of more than 4 tokens (later chunks start past row 0): with the pass,
+    the gpu meets the reference backend running the same pass (f32 differences and rare flips: 2e-3 of max
+    |logit|), and it differs from the f32 graph by the rounding's cost (NMSE <= 1e-4, as tests/test_passes.py)."""
+    ids = list(np.random.default_rng(0).integers(0, 256, 150))
+    gpu = graphir.load("random:qwen3-tiny", backend="gpu", passes="default,attn-bf16", ctx=256)
+    ref = graphir.load("random:qwen3-tiny", backend="reference", passes="default,attn-bf16", ctx=256)
+    f32 = graphir.load("random:qwen3-tiny", backend="gpu", passes="default", ctx=256)
+    got, want, exact = gpu.logits(ids), ref.logits(ids), f32.logits(ids)
+    scale = float(np.abs(want).max())
+    assert np.abs(got - want).max() <= 2e-3 * scale
+    assert ((got - exact) ** 2).sum() / (exact * exact).sum() <= 1e-4
+    assert np.abs(got - exact).max() > 1e-4 * scale  # the roundings happened: the pass reached the gpu
