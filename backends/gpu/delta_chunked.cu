@@ -148,66 +148,83 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
 }
 
 // ================================================================ scan: one block per (v-head, column tile)
-// Thread (rg, c) = (tid / GDC_TILE, tid % GDC_TILE) owns state rows rg + GDC_RG m of column c (in
-// registers, mirrored in sS for the products that read whole columns) and tokens rg + GDC_RG j of
-// the chunk for X = K S, Y = Q S, U and O. The next chunk's q, k, record and v are loaded into
-// registers while this chunk computes, so the loads' latency hides behind the arithmetic.
+// Thread (rg, c) = (tid / GDC_TILE, tid % GDC_TILE) owns column c of the tile and
+//  - tokens 4 rg .. 4 rg + 3 of the chunk, for X = K S, Y = Q S, U and O;
+//  - state rows 4 rg + 32 m + e (e < 4) of column c, in registers; sST holds the tile transposed
+//    (sST[c][i] = S[i][c]) for the products that read whole columns.
+// Every shared read of a quarter-warp (the 8 lanes one 16-byte access serves at a time) is either
+// one address (the lanes share rg: K, Q and M rows) or 8 addresses 4 banks apart (sST rows of
+// c..c+7, padded to DK + 4), so 16-byte reads run without bank conflicts.
+// The next chunk's q, k, record and v are loaded into registers while this chunk computes, so the
+// loads' latency hides behind the arithmetic.
 // In place (new_state == state) is allowed: each thread reads its state elements before the chunk
 // loop and writes the same elements after it; so state/new_state are not __restrict__.
+struct alignas(16) gdc_f4 {
+    float x, y, z, w;
+};
+
+DEVICE gdc_f4 gdc_ld4(const float* p) { return *(const gdc_f4*)p; }
+DEVICE float gdc_dot4(gdc_f4 a, gdc_f4 b, float acc) { return acc + a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
 template <int DK>
 DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ rec, const float* state, float* __restrict__ o,
                           float* new_state, int n, int hk, int hv, int dk, int dv) {
-    constexpr int L = GDC_L, TILE = GDC_TILE, RG = GDC_RG;
-    constexpr int SROWS = DK / RG;                 // state rows per thread
-    constexpr int TOK = L / RG;                    // tokens per thread
-    constexpr int KQ = L * DK / GDC_THREADS;       // k (and q) elements per thread per chunk
-    constexpr int RP = (GDC_REC + GDC_THREADS - 1) / GDC_THREADS;  // record floats per thread
-    static_assert(DK % RG == 0 && L % RG == 0 && (L * DK) % GDC_THREADS == 0, "tile shapes");
-    __shared__ float sK[L][DK + 1];  // +1: the two (four on 64-wide waves) token rows a warp reads differ in bank
-    __shared__ float sQ[L][DK + 1];
-    __shared__ float sS[DK][TILE];
-    __shared__ float sM[L][L + 1];
-    __shared__ float sU[L][TILE];    // R, then U
+    constexpr int L = GDC_L, TILE = GDC_TILE, NT = GDC_THREADS;
+    constexpr int SV = DK / 32;                     // 4-row state vectors per thread
+    constexpr int KQ = L * DK / NT;                 // k (and q) elements per thread per chunk
+    constexpr int TSTEP = NT / DK;                  // tokens between a thread's k elements
+    constexpr int RP = (GDC_REC + NT - 1) / NT;     // record floats per thread
+    static_assert(GDC_RG * 4 == L && GDC_RG * 4 * SV == DK && NT % DK == 0, "tile shapes");
+    // declared as 16-byte vectors for their alignment, used as float rows
+    __shared__ gdc_f4 sK4[L][DK / 4], sQ4[L][DK / 4], sST4[TILE][DK / 4 + 1], sM4[L][L / 4];
+    float(*sK)[DK] = reinterpret_cast<float(*)[DK]>(sK4);
+    float(*sQ)[DK] = reinterpret_cast<float(*)[DK]>(sQ4);
+    float(*sST)[DK + 4] = reinterpret_cast<float(*)[DK + 4]>(sST4);
+    float(*sM)[L] = reinterpret_cast<float(*)[L]>(sM4);
+    __shared__ float sU[L][TILE];  // R, then U
     __shared__ float sF[GDC_REC - GDC_BETA];  // the record's row factors and gamma_L
 
     const int tid = threadIdx.x;
     const int rg = tid / TILE, c = tid % TILE;
+    const int t4 = 4 * rg;  // the thread's first token
     const int col = blockIdx.x * TILE + c;
     const int h = blockIdx.y;
     const int kh = h / (hv / hk);
     const bool live = col < dv;
     const int n_chunks = (n + L - 1) / L;
 
-    float s[SROWS];
+    float s[SV][4];
 #pragma unroll
-    for (int m = 0; m < SROWS; ++m) {
-        const int i = rg + RG * m;
-        s[m] = (live && i < dk) ? state[((size_t)h * dk + i) * dv + col] : 0.0f;
-        sS[i][c] = s[m];
-    }
+    for (int m = 0; m < SV; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = t4 + 32 * m + e;
+            s[m][e] = (live && i < dk) ? state[((size_t)h * dk + i) * dv + col] : 0.0f;
+            sST[c][i] = s[m][e];
+        }
 
-    float pk[KQ], pq[KQ], pr[RP], pv[TOK];
+    float pk[KQ], pq[KQ], pr[RP], pv[4];
     auto fetch = [&](int chunk) {
         const int t0 = chunk * L;
         const int len = n - t0 < L ? n - t0 : L;
+        const int ti = tid / DK, i = tid % DK;  // element e = tid + NT r is (token ti + TSTEP r, i)
+        const size_t at = ((size_t)(t0 + ti) * hk + kh) * dk + i, step = (size_t)TSTEP * hk * dk;
 #pragma unroll
         for (int r = 0; r < KQ; ++r) {
-            const int e = tid + GDC_THREADS * r, t = e / DK, i = e % DK;
-            const bool in = t < len && i < dk;
-            const size_t at = ((size_t)(t0 + t) * hk + kh) * dk + i;
-            pk[r] = in ? k[at] : 0.0f;
-            pq[r] = in ? q[at] : 0.0f;
+            const bool in = ti + TSTEP * r < len && i < dk;
+            pk[r] = in ? k[at + step * r] : 0.0f;
+            pq[r] = in ? q[at + step * r] : 0.0f;
         }
         const float* rc = rec + ((size_t)chunk * hv + h) * GDC_REC;
 #pragma unroll
         for (int r = 0; r < RP; ++r) {
-            const int e = tid + GDC_THREADS * r;
+            const int e = tid + NT * r;
             pr[r] = e < GDC_REC ? rc[e] : 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) {
-            const int t = rg + RG * j;
+        for (int j = 0; j < 4; ++j) {
+            const int t = t4 + j;
             pv[j] = (live && t < len) ? v[((size_t)(t0 + t) * hv + h) * dv + col] : 0.0f;
         }
     };
@@ -218,77 +235,114 @@ DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__
         const int len = n - t0 < L ? n - t0 : L;
 #pragma unroll
         for (int r = 0; r < KQ; ++r) {
-            const int e = tid + GDC_THREADS * r;
+            const int e = tid + NT * r;
             sK[e / DK][e % DK] = pk[r];
             sQ[e / DK][e % DK] = pq[r];
         }
 #pragma unroll
         for (int r = 0; r < RP; ++r) {
-            const int e = tid + GDC_THREADS * r;
+            const int e = tid + NT * r;
             if (e < GDC_BETA) sM[e / L][e % L] = pr[r];
             else if (e < GDC_REC) sF[e - GDC_BETA] = pr[r];
         }
-        float vt[TOK];
+        float vt[4];
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) vt[j] = pv[j];
+        for (int j = 0; j < 4; ++j) vt[j] = pv[j];
         __syncthreads();
         if (chunk + 1 < n_chunks) fetch(chunk + 1);
 
-        float x[TOK], y[TOK];  // X = K S and Y = Q S at the thread's tokens
+        float x[4], y[4];  // X = K S and Y = Q S at the thread's tokens
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) x[j] = y[j] = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < DK; ++i) {
-            const float si = sS[i][c];
+        for (int j = 0; j < 4; ++j) x[j] = y[j] = 0.0f;
+#pragma unroll 1  // unrolled further, ptxas hoists the loads past 255 registers and spills
+        for (int i = 0; i < DK; i += 4) {
+            const gdc_f4 s4 = gdc_ld4(&sST[c][i]);
 #pragma unroll
-            for (int j = 0; j < TOK; ++j) {
-                x[j] += sK[rg + RG * j][i] * si;
-                y[j] += sQ[rg + RG * j][i] * si;
+            for (int j = 0; j < 4; ++j) {
+                x[j] = gdc_dot4(gdc_ld4(&sK[t4 + j][i]), s4, x[j]);
+                y[j] = gdc_dot4(gdc_ld4(&sQ[t4 + j][i]), s4, y[j]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) {  // R = diag(beta) V - diag(beta gamma / |k|) K S
-            const int t = rg + RG * j;
+        for (int j = 0; j < 4; ++j) {  // R = diag(beta) V - diag(beta gamma / |k|) K S
+            const int t = t4 + j;
             sU[t][c] = sF[GDC_F(BETA) + t] * vt[j] - sF[GDC_F(CK) + t] * x[j];
         }
         __syncthreads();
-        float u[TOK];  // U = T R: U_t = R_t + sum_{m<t} T[t][m] R_m, T[t][m] = M[m][t]
+
+        // U = T R: U_t = R_t + sum_{m<t} T[t][m] R_m, with T[t][m] = M[m][t]: rows m < t4 serve all
+        // four tokens, the rows of the diagonal block m = t4 .. t4 + 2 only the tokens past them.
+        float u[4];
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) {
-            const int t = rg + RG * j;
-            float acc = sU[t][c];
-            for (int m = 0; m < t; ++m) acc += sM[m][t] * sU[m][c];
-            u[j] = acc;
+        for (int j = 0; j < 4; ++j) u[j] = sU[t4 + j][c];
+        for (int m = 0; m < t4; ++m) {
+            const gdc_f4 tm = gdc_ld4(&sM[m][t4]);
+            const float r = sU[m][c];
+            u[0] += tm.x * r;
+            u[1] += tm.y * r;
+            u[2] += tm.z * r;
+            u[3] += tm.w * r;
+        }
+#pragma unroll
+        for (int a = 0; a < 3; ++a) {
+            const float r = sU[t4 + a][c];
+#pragma unroll
+            for (int j = a + 1; j < 4; ++j) u[j] += sM[t4 + a][t4 + j] * r;
         }
         __syncthreads();  // every R read before U overwrites it
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) sU[rg + RG * j][c] = u[j];
+        for (int j = 0; j < 4; ++j) sU[t4 + j][c] = u[j];
         __syncthreads();
+
+        // O_t = gamma_t scale/|q_t| (Q S)_t + sum_{m<=t} P[t][m] U_m, P[t][m] = M[t][m]: 4-column
+        // blocks of M below the diagonal block, then the diagonal block's lower triangle.
+        float acc[4];
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) {  // O_t = gamma_t scale/|q_t| (Q S)_t + sum_{m<=t} P[t][m] U_m
-            const int t = rg + RG * j;
-            float acc = sF[GDC_F(RQ) + t] * y[j];
-            for (int m = 0; m <= t; ++m) acc += sM[t][m] * sU[m][c];
-            if (live && t < len) o[((size_t)(t0 + t) * hv + h) * dv + col] = acc;
+        for (int j = 0; j < 4; ++j) acc[j] = sF[GDC_F(RQ) + t4 + j] * y[j];
+        for (int m = 0; m < t4; m += 4) {
+            const gdc_f4 u4 = {sU[m][c], sU[m + 1][c], sU[m + 2][c], sU[m + 3][c]};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] = gdc_dot4(gdc_ld4(&sM[t4 + j][m]), u4, acc[j]);
         }
-        const float gc = sF[GDC_F(GC)];  // S = gamma_L S + sum_t (e^{G_L-G_t}/|k_t|) k_t U_t^T
 #pragma unroll
-        for (int m = 0; m < SROWS; ++m) s[m] *= gc;
+        for (int a = 0; a < 4; ++a) {
+            const float um = sU[t4 + a][c];
+#pragma unroll
+            for (int j = a; j < 4; ++j) acc[j] += sM[t4 + j][t4 + a] * um;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (live && t4 + j < len) o[((size_t)(t0 + t4 + j) * hv + h) * dv + col] = acc[j];
+
+        // S = gamma_L S + sum_t (e^{G_L-G_t}/|k_t|) k_t U_t^T
+        const float gc = sF[GDC_F(GC)];
+#pragma unroll
+        for (int m = 0; m < SV; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][e] *= gc;
         for (int t = 0; t < L; ++t) {
             const float w = sF[GDC_F(RK) + t] * sU[t][c];
 #pragma unroll
-            for (int m = 0; m < SROWS; ++m) s[m] += sK[t][rg + RG * m] * w;
+            for (int m = 0; m < SV; ++m) {
+                const gdc_f4 k4 = gdc_ld4(&sK[t][t4 + 32 * m]);
+                s[m][0] += k4.x * w;
+                s[m][1] += k4.y * w;
+                s[m][2] += k4.z * w;
+                s[m][3] += k4.w * w;
+            }
         }
 #pragma unroll
-        for (int m = 0; m < SROWS; ++m) sS[rg + RG * m][c] = s[m];
-        __syncthreads();  // the next chunk overwrites sK, sM, sF and sU, and reads sS
+        for (int m = 0; m < SV; ++m) *(gdc_f4*)&sST[c][t4 + 32 * m] = gdc_f4{s[m][0], s[m][1], s[m][2], s[m][3]};
+        __syncthreads();  // the next chunk overwrites sK, sM, sF and sU, and reads sST
     }
 
 #pragma unroll
-    for (int m = 0; m < SROWS; ++m) {
-        const int i = rg + RG * m;
-        if (live && i < dk) new_state[((size_t)h * dk + i) * dv + col] = s[m];
-    }
+    for (int m = 0; m < SV; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = t4 + 32 * m + e;
+            if (live && i < dk) new_state[((size_t)h * dk + i) * dv + col] = s[m][e];
+        }
 }
 
 // prep: grid (chunks, hv); scan: grid (cdiv(dv, GDC_TILE), hv); both GDC_THREADS threads.
