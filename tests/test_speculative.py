@@ -578,8 +578,6 @@ def test_a_recurrent_model_without_per_token_state_graphs_is_refused_clearly(mon
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.xfail(raises=graphir.BackendError, strict=False,
-                   reason="the gpu gated_delta_net kernels do not write per-token states (steps=True) yet")
 def test_gpu_recurrent_greedy_speculative_equals_plain_greedy():
     """Qwen3.5 on the gpu: tokens agree with plain greedy decoding, or part at a near-tie (see the llama test)."""
     target = load(RECURRENT, "gpu")

@@ -324,10 +324,6 @@ def lower_node(lw: Lowering, n: Node, ins: list, outs: list | None) -> list:
         return []  # an empty result: nothing to compute
     if rule is None:
         raise BackendError(f"gpu backend: no lowering for op {n.op!r} (node {n.describe()})")
-    if n.params.as_dict().get("steps"):  # gated_delta_net(_raw) keeping per-token states (speculative verify)
-        raise BackendError(f"gpu backend: {n.describe()} asks for the state after every token (steps=True), "
-                           f"which the gpu {n.op} kernel does not write yet; speculative decoding of recurrent "
-                           f"models runs on the reference and cpu backends")
     pre, post = [], []
     ok16 = F16_INPUTS.get(n.op, ())
     ins = list(ins)
