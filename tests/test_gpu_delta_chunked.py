@@ -294,6 +294,15 @@ def test_host_emulation_broadcast_gates_and_in_place(gate_shape, emulator, monke
     assert_close(s1, want_s, "new state")
 
 
+def test_host_emulation_l2_eps_zero_with_a_partial_chunk(emulator, monkeypatch):
+    """l2_eps = 0 is finite on real rows; the zero rows that pad the last chunk must stay out of it."""
+    c = make_case(np.random.default_rng(9), 40, 1, 2, 24, 16, raw=False, l2_eps=0.0)
+    o, s1 = emulate(emulator, monkeypatch, c)
+    want_o, want_s = reference(c)
+    assert_close(o, want_o, "o")
+    assert_close(s1, want_s, "new state")
+
+
 def test_host_emulation_zero_tokens_copies_the_state(emulator, monkeypatch):
     c = make_case(np.random.default_rng(3), 0, 1, 2, 16, 8, raw=False, l2_eps=None)
     o, s1 = emulate(emulator, monkeypatch, c)

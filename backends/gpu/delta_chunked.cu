@@ -97,7 +97,8 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
         const float(*x)[DK + 1] = tid < 2 * L ? sK : sQ;
         float ss = 0.0f;
         for (int i = 0; i < DK; ++i) ss += x[t][i] * x[t][i];
-        const float inv = l2 ? 1.0f / sqrtf(ss + l2_eps) : 1.0f;
+        // 0 on padding rows: with l2_eps = 0 their 1/|0| would turn the zeros they multiply into NaN
+        const float inv = t >= len ? 0.0f : l2 ? 1.0f / sqrtf(ss + l2_eps) : 1.0f;
         if (tid < 2 * L) sIk[t] = inv;
         else sIq[t] = inv;
     }

@@ -29,9 +29,11 @@ THREADS = 128  # GDC_THREADS
 TILE = 16  # GDC_TILE: state columns per scan block
 RECORD = CHUNK * CHUNK + 4 * CHUNK + 4  # GDC_REC: floats per (chunk, v-head)
 DK_CLASSES = (64, 128)  # gdn_chunk_*_d{DK} specializations: d_k <= DK
-# Below this many tokens the token-loop kernel (recurrent.cu) runs: one chunk's two launches and
-# its matrix products cost about as much as the recurrence over a few dozen tokens.
-CHUNKED_MIN_TOKENS = 64
+# Below this many tokens the token-loop kernel (recurrent.cu) runs. An estimate, not yet measured:
+# one chunk (two launches, a serial 32-row substitution, one scan step) against 32 latency-bound
+# token steps; benchmarks/bench_gpu_delta_chunked.py prints the measured crossover. Both paths may
+# write the state in place, so the threshold is free to move.
+CHUNKED_MIN_TOKENS = 32
 
 
 def supports(dk: int) -> bool:
