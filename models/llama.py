@@ -11,6 +11,13 @@ Runtime values are Inputs, so one decode graph (n_tokens=1) serves every positio
     kv_idx [n] i32   KV-cache rows to write (equal to pos for a linear cache)
     kv_len [1] i32   rows of the cache that are valid after this call's writes
 
+KV slots (config kv_slots = N > 0): the KV cache is a pool of N slots, as paged and slot-mapped caches
+keep it. One more Input, slot_map [ctx] i32, names the slot of each of the sequence's positions; kv_idx
+then holds the slots the new tokens write (slot_map[pos]), and attention gathers the sequence's rows
+through the slot map: [ctx] rows, the slot map's own length, masked by kv_len. Nothing is sized from a
+logical length the slot map could disagree with (replay-lint checks that every view over KV spans the
+pool and every gather over it reads an Input); the host picks slots (graphir/kv_slots.py).
+
 Rope layout: convert_hf_to_gguf.py permutes the Q/K rows of `llama` models so that llama.cpp's
 NORM rope (adjacent pairs) equals HF's rotate_half (NEOX, halves) on the original rows. Rather
 than undo that permutation we pick the rope mode per source: GGUF llama -> "norm", HF -> "neox".
@@ -44,6 +51,8 @@ from .family import (
 )
 from .names import NameMap
 
+SLOT_MAP = "slot_map"  # Input [ctx] i32 of graphs with kv_slots: the pool slot of each position
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -61,7 +70,8 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMS norm of each q/k head before rope
     tied_embeddings: bool = False  # no output.weight; token_embd.weight is the head
     context_length: int = 2048  # trained context
-    ctx: int = 2048  # KV-cache capacity in rows (a build-time shape)
+    ctx: int = 2048  # KV-cache capacity in rows (a build-time shape); with kv_slots, the positions a slot map holds
+    kv_slots: int = 0  # 0: the cache is ctx rows indexed by position; N: a pool of N slots addressed by slot_map
 
 
 def param_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -94,6 +104,7 @@ def check_config(c: LlamaConfig) -> None:
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (c.rope_mode in ("norm", "neox"), f"rope_mode must be 'norm' or 'neox', got {c.rope_mode!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
+        (c.kv_slots >= 0, f"kv_slots {c.kv_slots} must be >= 0 (0: no slot pool)"),
     ]
     check_rules(c.arch, rules)
 
@@ -104,12 +115,14 @@ def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,
     dtypes; `last_only` computes logits for the last token only."""
     check_config(c)
     n, tokens, pos, kv_idx, kv_len = step_inputs(c.arch, phase, n_tokens)
+    # the slot of each position; passed only when there is a pool, so _attention keeps its plain signature
+    slots = {"slot_map": g.input(SLOT_MAP, (c.ctx,), "i32")} if c.kv_slots else {}
     p = ParamNodes(param_shapes(c), dtypes)
 
     x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
     for i in range(c.n_layers):
         h = _norm(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
-        x = g.add(x, _attention(c, p, i, h, pos, kv_idx, kv_len), name=f"blk.{i}.attn_res")
+        x = g.add(x, _attention(c, p, i, h, pos, kv_idx, kv_len, **slots), name=f"blk.{i}.attn_res")
         h = _norm(x, p(f"blk.{i}.ffn_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
         x = g.add(x, _ffn(p, i, h), name=f"blk.{i}.out")
     if last_only and n > 1:
@@ -125,7 +138,17 @@ def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
     return g.mul(g.rms_norm(x, eps=eps), w, name=name)
 
 
-def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
+def _slot_rows(cache: Node, slot_map: Node, name: str) -> Node:
+    """The sequence's KV rows gathered from the pool [slots, n_kv, head_dim] through the slot map:
+    [ctx, n_kv, head_dim], as many rows as the slot map has (never a logical length)."""
+    slots, heads, dim = cache.shape
+    pool = g.reshape(cache, shape=(slots, heads * dim))  # [slots, n_kv * head_dim]
+    rows = g.get_rows(pool, slot_map, name=name)  # [ctx, n_kv * head_dim]
+    return g.reshape(rows, shape=(slot_map.shape[0], heads, dim))  # [ctx, n_kv, head_dim]
+
+
+def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node,
+               slot_map: Node | None = None) -> Node:
     n, b = h.shape[0], f"blk.{i}."
     q = g.reshape(g.mul_mat(p(b + "attn_q.weight"), h), shape=(n, c.n_heads, c.head_dim))  # [n, n_head, head_dim]
     k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))  # [n, n_kv, head_dim]
@@ -136,9 +159,11 @@ def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx
     rope = {"n_dims": c.head_dim, "mode": c.rope_mode, "theta": float(c.rope_theta)}
     q = g.rope(q, pos, name=b + "q_rope", **rope)
     k = g.rope(k, pos, name=b + "k_rope", **rope)
-    cache_shape = (c.ctx, c.n_kv_heads, c.head_dim)  # [ctx, n_kv, head_dim]
+    cache_shape = (c.kv_slots or c.ctx, c.n_kv_heads, c.head_dim)  # [ctx or slots, n_kv, head_dim]
     k_all = g.set_rows(g.state(b + "k_cache", cache_shape), k, kv_idx, name=b + "k_cache_write")
     v_all = g.set_rows(g.state(b + "v_cache", cache_shape), v, kv_idx, name=b + "v_cache_write")
+    if slot_map is not None:  # kv_idx named slots; read the sequence's slots in position order
+        k_all, v_all = _slot_rows(k_all, slot_map, b + "k_slots"), _slot_rows(v_all, slot_map, b + "v_slots")
     o = g.flash_attn(q, k_all, v_all, pos, kv_len, scale=1.0 / math.sqrt(c.head_dim), name=b + "attn")
     o = g.reshape(o, shape=(n, c.n_heads * c.head_dim))  # [n, n_head * head_dim]
     return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
