@@ -18,6 +18,7 @@ import numpy as np
 
 from graphir.errors import BackendError
 
+from . import delta_chunked
 from .launch import Launch, Lowering, cdiv, dev, f32, i32
 
 SOURCE = "recurrent.cu"
@@ -125,6 +126,9 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
         a_st = a_sh = d_st = d_sh = i32(0)
     name = f"gated_delta_net{'_raw' if raw else ''}_r{rows}"
     l2_eps = p.get("l2_eps")
+    if steps is None and n >= delta_chunked.CHUNKED_MIN_TOKENS and delta_chunked.supports(dk):
+        return delta_chunked.chunked_launches(lw, node, q, k, v, gate0, gate1, a_neg, dt_bias, a_st, a_sh, d_st, d_sh,
+                                              state, o, new_state, n, hk, hv, dk, dv, p["scale"], raw, l2_eps)
     args = (q, k, v, gate0, gate1, a_neg, dt_bias, state, o, new_state, i32(n), i32(hk), i32(hv), i32(dk), i32(dv),
             f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0),
             steps if steps is not None else NULL)
