@@ -74,3 +74,21 @@ def test_seeded_generation_is_reproducible():
     assert a != c
     assert model._program(1, False, sampler=True).captured
     assert set(model._program(1, False, sampler=True).graph.outputs) == {"token"}  # no logits come back
+
+
+@pytest.mark.parametrize("vocab", [4095, 4097, 10000, 248320])
+def test_greedy_picks_the_first_largest_across_argmax_blocks(vocab):
+    """Greedy rows (temperature 0, or top_k 1) of wide vocabularies: the largest logit is found by
+    blocks of 4096 logits and merged; ties go to the lowest id, within and across blocks."""
+    rng = np.random.default_rng(vocab)
+    rows = 6
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    top = x.max() + 1.0
+    x[1, [vocab - 1, 5]] = top  # a tie in the first and the last block: id 5
+    x[2, [4096 % vocab, vocab // 2]] = top  # a tie across blocks (or one block when vocab <= 4096)
+    x[3, vocab - 1] = top  # the very last id
+    x[4, [17, 18]] = top  # a tie inside one block
+    s = np.array([[0.0, 0, 1.0, 0.5], [0.0, 0, 1.0, 0.9], [1.3, 1, 0.9, 0.1]] * 2, np.float32)
+    program = get_backend("gpu").lower(Graph({"id": g.sample(g.input("x", x.shape), g.input("s", s.shape))}))
+    got = program({"x": x, "s": s})["id"]
+    assert got.tolist() == np.argmax(x, axis=1).tolist()  # numpy: the first occurrence of the maximum

@@ -60,6 +60,7 @@ def _swiglu_split(lw, n, ins, outs, p):
 
 # ---------------------------------------------------------------- norms and row reductions
 SAMPLE_THREADS = 1024  # sample.cu: one block per row, each thread one contiguous segment of it
+ARGMAX_THREADS, ARGMAX_CHUNK = 256, 4096  # sample.cu row_argmax_part_f32: logits per block of the first stage
 
 
 def _rows(x: Any) -> tuple[int, int]:
@@ -136,7 +137,14 @@ def _top_k(lw, n, ins, outs, p):
 def _sample(lw, n, ins, outs, p):
     x, settings, y = dev(ins[0]), ins[1], outs[0]
     rows, ncols = _rows(x)
-    return [Launch("sample.cu", "sample_f32", rows, SAMPLE_THREADS, (x, settings, y, i32(ncols)))]
+    n_part = cdiv(ncols, ARGMAX_CHUNK)
+    if n_part < 2:  # one block scans it as fast
+        return [Launch("sample.cu", "sample_f32", rows, SAMPLE_THREADS,
+                       (x, settings, y, i32(ncols), x, y, i32(0)))]
+    part_v, part_i = lw.scratch((rows, n_part)), lw.scratch((rows, n_part), np.int32)
+    return [Launch("sample.cu", "row_argmax_part_f32", (n_part, rows), ARGMAX_THREADS, (x, part_v, part_i, i32(ncols))),
+            Launch("sample.cu", "sample_f32", rows, SAMPLE_THREADS,
+                   (x, settings, y, i32(ncols), part_v, part_i, i32(n_part)))]
 
 
 def _softmax(lw, n, ins, outs, p):

@@ -49,8 +49,42 @@ DEVICE bool above(unsigned int k, const Cut& c, long long& tie_rank) {
     return tie_rank++ < c.ties;
 }
 
+// Better of two (value, index) candidates: larger value, then lower index; NONE loses to anything.
+DEVICE void better(float& bv, int& bi, float ov, int oi) {
+    if (oi != NONE && (bi == NONE || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+}
+
+// Stage 1 of the largest logit: block (g, row) scans ARGMAX_CHUNK logits of the row and writes its
+// best (value, index) to part_v/part_i[row * gridDim.x + g]. One block reading a 150k-250k row
+// alone took 30-48 us (H200, `profile_gpu_decode.py`); spread over ~40-60 blocks it is a few us.
+#define ARGMAX_THREADS 256
+#define ARGMAX_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) row_argmax_part_f32(
+    const float* __restrict__ logits, float* __restrict__ part_v, int* __restrict__ part_i, int ncols) {
+    __shared__ float sv[ARGMAX_THREADS / WARP_SIZE];
+    __shared__ int si[ARGMAX_THREADS / WARP_SIZE];
+    const float* x = logits + (long long)blockIdx.y * ncols;
+    const int lo = blockIdx.x * ARGMAX_CHUNK, hi = min(ncols, lo + ARGMAX_CHUNK);
+    float bv = NEG_INF;
+    int bi = NONE;
+#pragma unroll 4
+    for (int i = lo + threadIdx.x; i < hi; i += ARGMAX_THREADS) better(bv, bi, x[i], i);
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int o = WARP_SIZE / 2; o > 0; o >>= 1) better(bv, bi, SHFL_XOR(bv, o), SHFL_XOR(bi, o));
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < ARGMAX_THREADS / WARP_SIZE; ++w) better(bv, bi, sv[w], si[w]);
+        part_v[blockIdx.y * gridDim.x + blockIdx.x] = bv;
+        part_i[blockIdx.y * gridDim.x + blockIdx.x] = bi;
+    }
+}
+
+// n_part > 0: the row's largest logit is merged from row_argmax_part_f32's n_part candidates
+// instead of scanned here.
 extern "C" __global__ void sample_f32(const float* __restrict__ logits, const float* __restrict__ settings,
-                                      int* __restrict__ out, int ncols) {
+                                      int* __restrict__ out, int ncols, const float* __restrict__ part_v,
+                                      const int* __restrict__ part_i, int n_part) {
     __shared__ float sv[MAX_THREADS / WARP_SIZE];
     __shared__ int si[MAX_THREADS / WARP_SIZE];
     __shared__ unsigned int count_hist[256];
@@ -74,8 +108,13 @@ extern "C" __global__ void sample_f32(const float* __restrict__ logits, const fl
     //    all that greedy decoding runs)
     float bv = NEG_INF;
     int bi = NONE;
-    for (int i = threadIdx.x; i < ncols; i += blockDim.x)
-        if (bi == NONE || x[i] > bv) { bv = x[i]; bi = i; }
+    if (n_part > 0) {
+        for (int j = threadIdx.x; j < n_part; j += blockDim.x)
+            better(bv, bi, part_v[blockIdx.x * n_part + j], part_i[blockIdx.x * n_part + j]);
+    } else {
+        for (int i = threadIdx.x; i < ncols; i += blockDim.x)
+            if (bi == NONE || x[i] > bv) { bv = x[i]; bi = i; }
+    }
     {   // block-wide best: larger value, then lower index
         const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
         const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
