@@ -36,6 +36,16 @@ except ImportError:  # pragma: no cover - the package always has it; keep collec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
 
+
+def _tensor_cores() -> bool:
+    from graphir.backends.gpu.attention import _tensor_cores
+
+    return available() and _tensor_cores()
+
+
+# The kernel's tests; without bf16 tensor cores flash_attn_bf16 runs the f32 kernel (test_without_tensor_cores_*).
+tensor_cores = pytest.mark.skipif(not _tensor_cores(), reason="no bf16 tensor cores here (HIP or below sm_80)")
+
 GARBAGE = 1e3
 MAX_REL = 1e-2  # of max |ref|, any element (a flipped weight in a row of two keys: ~4e-3)
 ROW_REL = 1e-4  # of max |ref|, every (query, head) row but a few (flipped weights of short rows)
@@ -148,6 +158,7 @@ def _check_kernels(run, case):
 
 
 # ---------------------------------------------------------------- shapes
+@tensor_cores
 @pytest.mark.parametrize("n_q", [5, 7, 64, 65, 130, 511, 1025])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
@@ -164,6 +175,7 @@ def test_prefill_from_empty_cache(runner, n_q, group, d, kvdtype):
     close_bf16(run(q, k, v, pos, n_q), case.ref(q, k, v, pos, n_q))
 
 
+@tensor_cores
 @pytest.mark.parametrize("n_q,start", [(7, 300), (130, 61), (511, 1000), (64, 64)])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 def test_prefill_after_earlier_chunk(runner, n_q, start, kvdtype):
@@ -177,6 +189,7 @@ def test_prefill_after_earlier_chunk(runner, n_q, start, kvdtype):
     close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
+@tensor_cores
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 def test_prefill_4096(kvdtype):
     """Qwen3-8B's bench length and head dim, one GQA group of 8."""
@@ -196,6 +209,7 @@ def _positions(rng, n_q, kv_len):
     return pos
 
 
+@tensor_cores
 @pytest.mark.parametrize("window", [0, 5, 100])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 def test_arbitrary_positions_and_window(runner, window, kvdtype):
@@ -212,6 +226,7 @@ def test_arbitrary_positions_and_window(runner, window, kvdtype):
     close_bf16(run(q, k, v, pos, 400), case.ref(q, k, v, pos, 400))
 
 
+@tensor_cores
 @pytest.mark.parametrize("hq,hk,d,dv", [(4, 2, 64, 32), (6, 1, 6, 10), (2, 1, 96, 128), (3, 3, 80, 80),
                                         (12, 1, 128, 120)])
 def test_head_shapes(runner, hq, hk, d, dv):
@@ -226,6 +241,7 @@ def test_head_shapes(runner, hq, hk, d, dv):
         close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
+@tensor_cores
 @pytest.mark.parametrize("kvdtype,offset", [("f16", 1), ("f32", 1), ("f16", 4)])
 def test_unaligned_kv(kvdtype, offset):
     """K/V at any element offset: the conversion kernel loads elements, the tiles read the aligned scratch."""
@@ -237,6 +253,7 @@ def test_unaligned_kv(kvdtype, offset):
     close_bf16(run(q, k, v, pos, 150), case.ref(q, k, v, pos, 150))
 
 
+@tensor_cores
 def test_replay_many_kv_len():
     """One lowered program, many contexts and chunk starts (tile boundaries of the keys and the queries)."""
     case = Case(65, 8, 2, 128, 128, 1100, "f32")
@@ -250,6 +267,7 @@ def test_replay_many_kv_len():
         close_bf16(run(q, k2, v2, pos, kv_len), case.ref(q, k2, v2, pos, kv_len))
 
 
+@tensor_cores
 def test_no_visible_key_gives_zero(runner):
     case = Case(9, 4, 1, 64, 64, 16, "f32", window=5)
     run = runner(case)
@@ -261,6 +279,7 @@ def test_no_visible_key_gives_zero(runner):
     np.testing.assert_array_equal(run(q, k, v, np.arange(9, dtype=np.int32), 0), 0.0)  # kv_len 0
 
 
+@tensor_cores
 def test_kv_len_past_capacity_raises(runner):
     case = Case(9, 4, 2, 64, 64, 37, "f32")
     run = runner(case)
@@ -288,7 +307,24 @@ def test_head_dim_past_128_takes_the_f32_kernel():
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
 
 
+def test_without_tensor_cores_falls_back_to_f32(monkeypatch):
+    """HIP and GPUs below sm_80 lower flash_attn_bf16 with the f32 prefill kernel: attention without the op's
+    roundings, off its reference by about their cost (4e-3 of max |ref| here)."""
+    from graphir.backends.gpu import attention
+
+    monkeypatch.setattr(attention, "_tensor_cores", lambda: False)
+    case = Case(70, 8, 2, 128, 128, 100, "f32")
+    run = RuleRunner(case)
+    assert run.kernels == ["attn_prefill_f32_d128_g4"], run.kernels
+    rng = np.random.default_rng(70)
+    q, k, v = case.data(rng, 100)
+    pos = np.arange(30, 100, dtype=np.int32)
+    want = case.ref(q, k, v, pos, 100)
+    assert np.abs(run(q, k, v, pos, 100) - want).max() <= 1e-2 * np.abs(want).max()
+
+
 # ---------------------------------------------------------------- a whole model
+@tensor_cores
 def test_qwen3_tiny_with_attn_bf16():
     """random:qwen3-tiny, prompt chunks of more than 4 tokens (later chunks start past row 0): with the pass,
     the gpu meets the reference backend running the same pass (f32 differences and rare flips: 2e-3 of max
