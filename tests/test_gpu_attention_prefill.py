@@ -325,6 +325,21 @@ def test_without_tensor_cores_falls_back_to_f32(monkeypatch):
 
 # ---------------------------------------------------------------- a whole model
 @tensor_cores
+def test_qwen3_tiny_prefill_passes_replay_lint():
+    """No launch of the lowered prefill (the bf16 K/V scratch, the kernels' grids) depends on an Input's value."""
+    from graphir.backends.gpu.replay_lint import launches, lint
+
+    from graphir.passes import run_pipeline
+
+    model = graphir.load("random:qwen3-tiny", backend="gpu", passes="default", ctx=64)
+    graph = run_pipeline(model.graph("prefill", 8, last_only=True), "default,attn-bf16")
+    program = get_backend("gpu").lower(graph, model.weights)
+    assert lint(program, get_backend("gpu").new_state(graph)) == []
+    names = [launch[0] for launch in launches(program)]
+    assert names.count("attn_prefill_bf16_d64") == model.config.n_layers, names
+
+
+@tensor_cores
 def test_qwen3_tiny_with_attn_bf16():
     """random:qwen3-tiny, prompt chunks of more than 4 tokens (later chunks start past row 0): with the pass,
     the gpu meets the reference backend running the same pass (f32 differences and rare flips: 2e-3 of max
