@@ -262,3 +262,26 @@ def test_qwen35_tiny_greedy_gpu_equals_cpu():
     want = list(graphir.load("random:qwen35-tiny", backend="cpu", passes="default", ctx=128).generate(
         ids, 32, stop_at_eos=False))
     assert got == want
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,n", [(16, 32, 128, 128, 1), (2, 4, 64, 64, 16), (1, 1, 100, 36, 3),
+                                           (1, 3, 16, 12, 2)])
+@pytest.mark.parametrize("l2_eps", [None, 1e-6])
+def test_few_token_step_kernel_equals_token_loop_and_reference(hk, hv, dk, dv, n, l2_eps, monkeypatch, rng):
+    """The `_step` kernels (decode and verify sizes, 256 threads per 16 columns, float4 state) against
+    the op's reference and against the `_r{ROWS}` token loop they replace there."""
+    from graphir.backends.gpu import recurrent as R
+
+    qk = 2.0 if l2_eps else dk ** -0.5
+    raw = [normal(rng, (n, hk, dk), qk), normal(rng, (n, hk, dk), qk), normal(rng, (n, hv, dv)),
+           normal(rng, (n, hv)), normal(rng, (n, hv)), -np.exp(normal(rng, (hv,))), normal(rng, (hv,)),
+           normal(rng, (hv, dk, dv), 0.3)]
+    p = {"scale": dk ** -0.5, "l2_eps": l2_eps}
+    shapes = [(n, hv, dv), (hv, dk, dv)]
+    step_o, step_s = _run_rule(R.lower_gated_delta_net_raw, raw, shapes, p)
+    monkeypatch.setattr(R, "GDS_DK", (0,))  # no _step kernel fits: the token loop runs
+    loop_o, loop_s = _run_rule(R.lower_gated_delta_net_raw, raw, shapes, p)
+    want_o, want_s = OPS["gated_delta_net_raw"].ref(*raw, **p)
+    for got, want, what in ((step_o, want_o, "o"), (step_s, want_s, "state"), (loop_o, want_o, "loop o")):
+        np.testing.assert_allclose(got, want, rtol=GDN_RTOL, atol=GDN_ATOL, err_msg=what)
+    np.testing.assert_allclose(step_o, loop_o, rtol=GDN_RTOL, atol=GDN_ATOL)

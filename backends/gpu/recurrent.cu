@@ -303,3 +303,173 @@ DEFINE_GDN(8)   // dk <= 32
 DEFINE_GDN(16)  // dk <= 64
 DEFINE_GDN(32)  // dk <= 128 (Qwen3.5)
 DEFINE_GDN(64)  // dk <= 256
+
+// ================================================================ delta rule, few tokens (decode, verify)
+// The token loop above gives each state column to 4 threads of 32 rows each: 64-thread blocks, 16K
+// threads for a 32-head, 128 x 128 state, too few to keep the loads in flight (4.35 us a decode step
+// at Qwen3.5-9B shapes, 23 % of the 2 x 2 MiB state traffic at copy bandwidth). Here a 256-thread
+// block owns 16 columns of one head: thread (row group rg of 64, column quad cq of 4) holds rows
+// rg + 64 r (r < DK/64) as float4s, so the state moves in 16-byte loads by 4x the threads. Column
+// sums over rows are an xor-shuffle over the 8 row groups of a 32-lane group, then 8 group partials
+// through shared memory. The math, gates, l2 and steps options are gdn_body's; in place is safe
+// for the same reason (a thread reads its elements before the token loop and writes them after).
+// Needs dv % 4 == 0 and 16-byte aligned state, v, o (and steps): recurrent.py checks.
+#define GDS_THREADS 256
+#define GDS_COLS 16                          // columns per block
+#define GDS_GROUPS (GDS_THREADS / 32)        // 32-lane groups per block (on 32- and 64-wide waves)
+#define GDS_RG (GDS_THREADS / (GDS_COLS / 4))  // row groups: 64
+
+DEVICE float4 f4_fma(float a, float4 x, float4 y) {  // a * x + y
+    return make_float4(fmaf(a, x.x, y.x), fmaf(a, x.y, y.y), fmaf(a, x.z, y.z), fmaf(a, x.w, y.w));
+}
+
+DEVICE float4 f4_xor_sum(float4 v) {  // sum over the 8 lanes of a 32-lane group that share lane % 4
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        v.x += SHFL_XOR(v.x, o);
+        v.y += SHFL_XOR(v.y, o);
+        v.z += SHFL_XOR(v.z, o);
+        v.w += SHFL_XOR(v.w, o);
+    }
+    return v;
+}
+
+template <int DK, bool RAW>
+DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                     const float* __restrict__ gate0, const float* __restrict__ gate1,
+                     const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
+                     const float* state, float* __restrict__ o, float* new_state,
+                     int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh,
+                     int l2, float l2_eps, float* __restrict__ steps) {
+    constexpr int R = DK / GDS_RG;  // rows per thread
+    __shared__ float sk[DK];
+    __shared__ float sq[DK];
+    __shared__ float snorm[2][GDS_GROUPS];  // per-group sums of k^2 (0) and q^2 (1)
+    __shared__ float4 red_kv[GDS_GROUPS][GDS_COLS / 4];
+    __shared__ float4 red_o[GDS_GROUPS][GDS_COLS / 4];
+
+    const int tid = threadIdx.x, lane = tid % 32, grp = tid / 32;
+    const int cq = lane % 4, rg = grp * 8 + lane / 4;
+    const int col = blockIdx.x * GDS_COLS + cq * 4;
+    const int h = blockIdx.y, kh = h / (hv / hk);
+    const bool live = col < dv;  // dv % 4 == 0: a quad is all in or all out
+
+    float4 s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = rg + GDS_RG * r;
+        s[r] = (live && i < dk) ? *(const float4*)(state + ((size_t)h * dk + i) * dv + col) : make_float4(0, 0, 0, 0);
+    }
+
+    for (int t = 0; t < n; ++t) {
+        // stage k_t (threads 0..DK-1) and q_t (DK..2DK-1), zero past dk; with l2, each group's sum of squares
+        float e2 = 0.0f;
+        if (tid < 2 * DK) {
+            const int e = tid % DK;
+            const float* src = (tid < DK ? k : q) + ((size_t)t * hk + kh) * dk;
+            const float val = e < dk ? src[e] : 0.0f;
+            if (tid < DK) sk[e] = val; else sq[e] = val * scale;
+            e2 = val * val;
+        }
+        if (l2) {
+#pragma unroll
+            for (int o2 = 16; o2 > 0; o2 >>= 1) e2 += SHFL_XOR(e2, o2);
+            if (lane == 0 && grp * 32 < 2 * DK) snorm[grp * 32 < DK ? 0 : 1][grp] = e2;
+        }
+        const size_t th = (size_t)t * hv + h;
+        float decay, beta;
+        if (RAW) {
+            const float z = gate0[th] + dt_bias[(size_t)t * d_st + (size_t)h * d_sh];
+            decay = expf(a_neg[(size_t)t * a_st + (size_t)h * a_sh] * gdn_softplus(z));
+            beta = 1.0f / (1.0f + expf(-gate1[th]));
+        } else {
+            decay = expf(gate0[th]);
+            beta = gate1[th];
+        }
+        const float4 vt = live ? *(const float4*)(v + th * dv + col) : make_float4(0, 0, 0, 0);
+        __syncthreads();
+        float inv_k = 1.0f, inv_q = 1.0f;
+        if (l2) {
+            float nk = 0.0f, nq = 0.0f;
+            for (int g2 = 0; g2 < DK / 32; ++g2) nk += snorm[0][g2];
+            for (int g2 = DK / 32; g2 < 2 * DK / 32; ++g2) nq += snorm[1][g2];
+            inv_k = 1.0f / sqrtf(nk + l2_eps);
+            inv_q = 1.0f / sqrtf(nq + l2_eps);
+        }
+
+        float4 kv = make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            s[r] = make_float4(s[r].x * decay, s[r].y * decay, s[r].z * decay, s[r].w * decay);
+            kv = f4_fma(sk[rg + GDS_RG * r], s[r], kv);
+        }
+        kv = f4_xor_sum(kv);
+        if (lane < 4) red_kv[grp][cq] = kv;
+        __syncthreads();
+        kv = red_kv[0][cq];
+#pragma unroll
+        for (int g2 = 1; g2 < GDS_GROUPS; ++g2) {
+            const float4 p = red_kv[g2][cq];
+            kv.x += p.x; kv.y += p.y; kv.z += p.z; kv.w += p.w;
+        }
+        // with l2: kv = (k/|k|)^T S and the update adds (k/|k|) delta, so delta carries 1/|k|
+        const float bk = beta * inv_k;
+        const float4 delta = make_float4(bk * (vt.x - kv.x * inv_k), bk * (vt.y - kv.y * inv_k),
+                                         bk * (vt.z - kv.z * inv_k), bk * (vt.w - kv.w * inv_k));
+        float4 op = make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int i = rg + GDS_RG * r;
+            s[r] = f4_fma(sk[i], delta, s[r]);
+            op = f4_fma(sq[i], s[r], op);
+        }
+        op = f4_xor_sum(op);
+        if (lane < 4) red_o[grp][cq] = op;
+        if (steps != nullptr && live) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = rg + GDS_RG * r;
+                if (i < dk) *(float4*)(steps + (th * dk + i) * dv + col) = s[r];
+            }
+        }
+        __syncthreads();
+        if (grp == 0 && lane < 4 && live) {
+            float4 acc = red_o[0][cq];
+#pragma unroll
+            for (int g2 = 1; g2 < GDS_GROUPS; ++g2) {
+                const float4 p = red_o[g2][cq];
+                acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+            }
+            *(float4*)(o + th * dv + col) = make_float4(acc.x * inv_q, acc.y * inv_q, acc.z * inv_q, acc.w * inv_q);
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = rg + GDS_RG * r;
+        if (live && i < dk) *(float4*)(new_state + ((size_t)h * dk + i) * dv + col) = s[r];
+    }
+}
+
+#define DEFINE_GDS(DK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GDS_THREADS) gated_delta_net_step_d##DK(               \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ a_neg,   \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        gds_body<DK, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
+                            scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                          \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDS_THREADS) gated_delta_net_raw_step_d##DK(           \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ alpha, const float* __restrict__ b, const float* __restrict__ a_neg,  \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        gds_body<DK, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
+                           scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                           \
+    }
+
+DEFINE_GDS(64)   // dk <= 64: one row per thread
+DEFINE_GDS(128)  // dk <= 128 (Qwen3.5): two rows per thread

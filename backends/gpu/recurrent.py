@@ -2,7 +2,8 @@
 
 ssm_conv / ssm_conv_silu: one thread per (channel, run of CONV_TOKENS tokens), a register window
 of the kernel's K-1 taps. gated_delta_net / gated_delta_net_raw: the f32 state stays in
-registers for the whole call (read once, written once), a token loop inside the kernel; the raw
+registers for the whole call (read once, written once), a token loop inside the kernel (the
+`_step` kernels for a few tokens, the `_r{ROWS}` ones otherwise, delta_chunked for prefill); the raw
 variant computes g = a_neg * softplus(alpha + dt_bias) and beta = sigmoid(b) in the kernel.
 Every rule writes the new state into its output. The program (program.py) may hand a rule the
 State buffer itself as that output when the graph only assigns it back (`inplace_state`): for the
@@ -29,6 +30,9 @@ GDN_BLOCK = 64  # recurrent.cu GDN_BLOCK
 GDN_TILE = 16  # state columns per block (GDN_BLOCK / GDN_SPLIT)
 GDN_SPLIT = 4  # threads per state column
 GDN_ROWS = (2, 4, 8, 16, 32, 64)  # gated_delta_net_r{ROWS}: dk <= ROWS * GDN_SPLIT
+# Few tokens (decode, verify: n <= INPLACE_MAX_TOKENS), dv % 4 == 0, 16-byte aligned state/v/o:
+# gated_delta_net(_raw)_step_d{DK}, 256 threads per 16 columns of a head, float4 state (recurrent.cu)
+GDS_THREADS, GDS_COLS, GDS_DK = 256, 16, (64, 128)
 
 
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -132,6 +136,10 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
     args = (q, k, v, gate0, gate1, a_neg, dt_bias, state, o, new_state, i32(n), i32(hk), i32(hv), i32(dk), i32(dv),
             f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0),
             steps if steps is not None else NULL)
+    aligned = all(a.data.ptr % 16 == 0 for a in (state, new_state, v, o, *(() if steps is None else (steps,))))
+    if n <= INPLACE_MAX_TOKENS and dk <= GDS_DK[-1] and dv % 4 == 0 and aligned:
+        name = f"gated_delta_net{'_raw' if raw else ''}_step_d{next(d for d in GDS_DK if dk <= d)}"
+        return [Launch(SOURCE, name, (cdiv(dv, GDS_COLS), hv), GDS_THREADS, args)]
     return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
 
 
