@@ -36,21 +36,33 @@ DEVICE float gdc_softplus(float z) {  // log(1 + e^z) without overflow (as recur
     return fmaxf(z, 0.0f) + log1pf(expf(-fabsf(z)));
 }
 
+struct alignas(16) gdc_f4 {
+    float x, y, z, w;
+};
+
+DEVICE gdc_f4 gdc_ld4(const float* p) { return *(const gdc_f4*)p; }
+DEVICE float gdc_dot4(gdc_f4 a, gdc_f4 b, float acc) { return acc + a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
 // ================================================================ prep: one block per (chunk, v-head)
-// Rows past the prompt (the last chunk's tail) get k = q = 0, g = 0 and beta = 0: their A rows,
-// T rows (past the diagonal), CK and RK are 0, so they add nothing to U or S.
+// Rows past the prompt (the last chunk's tail) get k = q = 0, g = 0, beta = 0 and 1/|k| = 0: their
+// A rows, T rows (past the diagonal), CK and RK are 0, so they add nothing to U or S.
+// The Gram products k_t.k_j and q_t.k_j: thread (t, jg) = (tid % L, tid / L) takes row t against
+// columns j = jg + 4 m, 16-byte reads; a quarter-warp reads 8 rows 4 banks apart (rows padded to
+// DK + 4) and one shared column row (a broadcast).
 template <int DK, bool RAW>
 DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__ k,
                           const float* __restrict__ gate0, const float* __restrict__ gate1,
                           const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
                           float* __restrict__ rec, int n, int hk, int hv, int dk, float scale,
                           int a_st, int a_sh, int d_st, int d_sh, int l2, float l2_eps) {
-    constexpr int L = GDC_L;
-    static_assert(GDC_THREADS >= 3 * L, "the gate scan and the two norms run on three groups of L threads");
-    __shared__ float sK[L][DK + 1];  // +1: row-strided reads (norms, Gram columns) hit distinct banks
-    __shared__ float sQ[L][DK + 1];
-    __shared__ float sA[L][L + 1];
-    __shared__ float sT[L][L + 1];  // T, strictly lower part
+    constexpr int L = GDC_L, NT = GDC_THREADS, JG = NT / L, JM = L / JG;
+    static_assert(NT >= 3 * L && NT % L == 0, "the gate scan and the two norms run on three groups of L threads");
+    __shared__ gdc_f4 sK4[L][DK / 4 + 1], sQ4[L][DK / 4 + 1];  // 16-byte aligned float rows of DK + 4
+    float(*sK)[DK + 4] = reinterpret_cast<float(*)[DK + 4]>(sK4);
+    float(*sQ)[DK + 4] = reinterpret_cast<float(*)[DK + 4]>(sQ4);
+    __shared__ float sA[L][L + 1];  // A, strictly lower
+    __shared__ float sT[L][L + 1];  // T = (I + A)^-1, strictly lower part
+    __shared__ float sP[L][L + 1];  // P, on and below the diagonal
     __shared__ double sG[L];
     __shared__ float sg[L], sBeta[L], sIk[L], sIq[L];
 
@@ -61,7 +73,7 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
     const int len = n - t0 < L ? n - t0 : L;
     float* out = rec + ((size_t)chunk * hv + h) * GDC_REC;
 
-    for (int e = tid; e < L * DK; e += GDC_THREADS) {
+    for (int e = tid; e < L * DK; e += NT) {
         const int t = e / DK, i = e % DK;
         const bool in = t < len && i < dk;
         const size_t at = ((size_t)(t0 + t) * hk + kh) * dk + i;
@@ -94,9 +106,12 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
         }
     } else if (tid >= L && tid < 3 * L) {  // 1/|k_t| and 1/|q_t| (1 without l2), as the l2_norm op
         const int t = tid % L;
-        const float(*x)[DK + 1] = tid < 2 * L ? sK : sQ;
+        const float(*x)[DK + 4] = tid < 2 * L ? sK : sQ;
         float ss = 0.0f;
-        for (int i = 0; i < DK; ++i) ss += x[t][i] * x[t][i];
+        for (int i = 0; i < DK; i += 4) {
+            const gdc_f4 x4 = gdc_ld4(&x[t][i]);
+            ss = gdc_dot4(x4, x4, ss);
+        }
         // 0 on padding rows: with l2_eps = 0 their 1/|0| would turn the zeros they multiply into NaN
         const float inv = t >= len ? 0.0f : l2 ? 1.0f / sqrtf(ss + l2_eps) : 1.0f;
         if (tid < 2 * L) sIk[t] = inv;
@@ -104,21 +119,27 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
     }
     __syncthreads();
 
-    // A (strictly lower, to shared memory) and P (on and below the diagonal, to the record).
-    for (int e = tid; e < L * L; e += GDC_THREADS) {
-        const int t = e / L, j = e % L;
-        float a = 0.0f;
-        if (j <= t) {
-            float kk = 0.0f, qk = 0.0f;
-            for (int i = 0; i < DK; ++i) {
-                kk += sK[t][i] * sK[j][i];
-                qk += sQ[t][i] * sK[j][i];
+    {  // A (strictly lower) and P (on and below the diagonal)
+        const int t = tid % L, jg = tid / L;
+        float kk[JM], qk[JM];
+#pragma unroll
+        for (int m = 0; m < JM; ++m) kk[m] = qk[m] = 0.0f;
+        for (int i = 0; i < DK; i += 4) {
+            const gdc_f4 kt = gdc_ld4(&sK[t][i]), qt = gdc_ld4(&sQ[t][i]);
+#pragma unroll
+            for (int m = 0; m < JM; ++m) {
+                const gdc_f4 kj = gdc_ld4(&sK[jg + JG * m][i]);
+                kk[m] = gdc_dot4(kt, kj, kk[m]);
+                qk[m] = gdc_dot4(qt, kj, qk[m]);
             }
-            const float decay = expf((float)(sG[t] - sG[j]));  // <= 1 for decaying gates
-            if (j < t) a = sBeta[t] * decay * (sIk[t] * sIk[j] * kk);
-            out[GDC_M + e] = decay * scale * (sIq[t] * sIk[j] * qk);
         }
-        sA[t][j] = a;
+#pragma unroll
+        for (int m = 0; m < JM; ++m) {
+            const int j = jg + JG * m;
+            const float decay = j <= t ? expf((float)(sG[t] - sG[j])) : 0.0f;  // <= 1 for decaying gates
+            sA[t][j] = j < t ? sBeta[t] * decay * (sIk[t] * sIk[j] * kk[m]) : 0.0f;
+            sP[t][j] = decay * scale * (sIq[t] * sIk[j] * qk[m]);
+        }
     }
     __syncthreads();
 
@@ -132,9 +153,9 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
         }
         __syncthreads();
     }
-    for (int e = tid; e < L * L; e += GDC_THREADS) {  // T^T above the diagonal
+    for (int e = tid; e < L * L; e += NT) {  // M: P on and below the diagonal, T^T above it
         const int t = e / L, j = e % L;
-        if (j > t) out[GDC_M + e] = sT[j][t];
+        out[GDC_M + e] = j <= t ? sP[t][j] : sT[j][t];
     }
     if (tid < L) {
         const int t = tid;
@@ -143,7 +164,7 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
         out[GDC_BETA + t] = sBeta[t];
         out[GDC_CK + t] = sBeta[t] * gamma * sIk[t];
         out[GDC_RQ + t] = gamma * scale * sIq[t];
-        out[GDC_RK + t] = t < len ? (float)exp(g_last - sG[t]) * sIk[t] : 0.0f;
+        out[GDC_RK + t] = (float)exp(g_last - sG[t]) * sIk[t];  // 0 past len (1/|k| = 0 there)
         if (t < 4) out[GDC_GC + t] = t == 0 ? (float)exp(g_last) : 0.0f;
     }
 }
@@ -160,13 +181,6 @@ DEVICE void gdc_prep_body(const float* __restrict__ q, const float* __restrict__
 // loads' latency hides behind the arithmetic.
 // In place (new_state == state) is allowed: each thread reads its state elements before the chunk
 // loop and writes the same elements after it; so state/new_state are not __restrict__.
-struct alignas(16) gdc_f4 {
-    float x, y, z, w;
-};
-
-DEVICE gdc_f4 gdc_ld4(const float* p) { return *(const gdc_f4*)p; }
-DEVICE float gdc_dot4(gdc_f4 a, gdc_f4 b, float acc) { return acc + a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
-
 template <int DK>
 DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ rec, const float* state, float* __restrict__ o,
