@@ -154,6 +154,7 @@ def steps_graph(model: Model, b: int, sampler: bool = False) -> Graph:
 
 
 def commit_graph(model: Model) -> Graph:
+    """The family's "commit" graph (per-token state row STATE_ROW_INPUT becomes current), built once."""
     key = ("commit",)
     if key not in model._graphs:
         model._graphs[key] = registry.family_of(model.config).build(model.config, "commit")
@@ -176,7 +177,7 @@ def _run_graph(model: Model, graph: Graph, inputs: dict[str, np.ndarray]) -> dic
 
 
 def commit(model: Model, row: int) -> None:
-    """Make per-token state row `row` (the state after the row-th token of the last verify call) current."""
+    """Make per-token state row `row` current: the state after tokens 0..row of the last verify call."""
     _run_graph(model, commit_graph(model), {STATE_ROW_INPUT: np.array([row], np.int32)})
 
 
