@@ -13,9 +13,7 @@
 // f32 throughout; G in double (its differences G_t - G_j are what the exponentials see).
 #include "common.cuh"
 
-#ifndef GDC_L
 #define GDC_L 32  // tokens per chunk; delta_chunked.py mirrors GDC_L, GDC_THREADS and GDC_TILE
-#endif
 #define GDC_THREADS 128  // both kernels
 #define GDC_TILE 16      // state columns per scan block
 #define GDC_RG (GDC_THREADS / GDC_TILE)  // row groups of the scan block

@@ -9,8 +9,8 @@ becomes a chunk-by-chunk one, CHUNK x fewer sequential steps, each a set of smal
 The math is the cpu backend's (backends/cpu/recurrent.py module doc), with q and k normalized (with
 l2_eps) and scaled through the row factors rather than rewritten.
 
-Scratch: one record of RECORD floats per (chunk, v-head), allocated at lowering; 4.6 KiB per 32
-tokens per v-head, e.g. 18.5 MiB for 4096 tokens at 32 v-heads.
+Scratch: one record of RECORD floats per (chunk, v-head), allocated at lowering: 4.5 KiB per 32
+tokens per v-head, e.g. 18 MiB for 4096 tokens at 32 v-heads.
 """
 
 from __future__ import annotations
