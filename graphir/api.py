@@ -259,7 +259,7 @@ class Model:
 
 
 def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dtype: str | None = None,
-         ctx: int | None = None, passes: str = "default", threads: int | None = None) -> Model:
+         ctx: int | None = None, passes: str = "default", threads: int | None = None, tp: int = 1) -> Model:
     """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
     "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
     `backend` "auto" is gpu when CuPy sees a device, else cpu; `passes` is the pipeline applied before
@@ -269,7 +269,9 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     `threads` fixes the cpu backend's kernel threads (1..numba's pool; per process, as numba's pool is);
     None leaves them as they are: auto unless set, i.e. the whole pool while the machine is quiet and
     one thread fewer per core other programs keep busy (graphir/backends/cpu/threads.py).
-    A model from an HF directory without tokenizer.json loads with `tokenizer` None."""
+    A model from an HF directory without tokenizer.json loads with `tokenizer` None.
+    `tp` > 1: tensor parallel over that many processes, one per GPU (gpu, NCCL) or sharing memory
+    (cpu); the result is a graphir.tp_workers.TensorParallelModel with generate, logits and close."""
     t0 = time.perf_counter()
     if threads is not None:
         from graphir.backends.cpu.threads import set_threads
@@ -280,6 +282,10 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
+    if tp != 1 or isinstance(tp, bool):  # the workers load the model themselves, each its rank's part
+        from graphir import tp_workers
+
+        return tp_workers.load(str(spec), backend, dtype, ctx, passes, threads, tp)  # type: ignore[return-value]
     config, weights, tokenizer, eos, source = _resolve(str(spec), dtype)
     if dtype is not None and not str(spec).startswith("random:"):
         weights = loader.convert_weights(weights, dtype)

@@ -18,6 +18,7 @@ from graphir.ir import Graph, Node
 from graphir.lowering import ParamRef, fold_params, val  # noqa: F401  (re-exported for program.py)
 from graphir.ops import OPS
 
+from . import host_collective as HC
 from . import kernels as K
 from . import matmul as MM
 
@@ -286,7 +287,7 @@ def _cont(n, ins, out, p):
 
 # rules that only use numpy array operations, which handle every dtype
 ARRAY_RULES = ("add", "sub", "mul", "div", "view", "reshape", "permute", "transpose", "cont", "mul_mat",
-               "get_rows")
+               "get_rows", "all_reduce", "all_gather")
 
 RULES: dict[str, Callable] = {
     "mul_mat": _mul_mat,
@@ -365,6 +366,27 @@ def _assign(n, ins, out, p):
     return dst, lambda: np.copyto(dst, value)
 
 
+def _one_rank_collective(n, ins, out, p):
+    """One rank's part of a collective, in a process that joined a host group (tp_workers.py): the
+    exchange with the other processes. Simulated ranks, or no group, take the reference (which says
+    that a one-source collective needs such a process)."""
+    if len(ins) != 1 or p["ranks"] == 1:
+        return None
+    group = HC.current(n)
+    if group is None:
+        return None
+    x, o = val(ins[0]), out[0]
+    if n.op == "all_reduce":
+        return o, lambda: group.all_reduce(x, o)
+    pieces = np.empty((p["ranks"],) + x.shape, x.dtype)  # bound once, reused every call
+    axis = p["axis"] % x.ndim
+
+    def gather() -> None:
+        group.all_gather(x, pieces)
+        np.concatenate(list(pieces), axis=axis, out=o)
+    return o, gather
+
+
 RULES.update({
     "ssm_conv": _ssm_conv(False),
     "ssm_conv_silu": _ssm_conv(True),
@@ -372,4 +394,6 @@ RULES.update({
     "gated_delta_net_raw": _gated_delta_net_raw,
     "l2_norm": _l2_norm,
     "assign": _assign,
+    "all_reduce": _one_rank_collective,
+    "all_gather": _one_rank_collective,
 })

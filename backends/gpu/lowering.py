@@ -16,7 +16,7 @@ import numpy as np
 from graphir.errors import BackendError
 from graphir.ir import Node
 
-from . import attention, matmul, recurrent
+from . import attention, matmul, nccl, recurrent
 from .launch import Launch, Lowering, cdiv, dev, f32, i32
 from .layout import BLOCK, broadcast_strides, collapse, copy_launch, grid_for, tname, view_layout
 
@@ -229,28 +229,40 @@ def _concat(lw, n, ins, outs, p):
     return [Launch("copy.cu", kernel, grid_for(y.size), BLOCK, args)]  # lower_node skips empty results
 
 
-def _one_rank(n: Node) -> None:
-    if len(n.src) == 1 and n.params["ranks"] > 1:
-        raise BackendError(f"{n.op} with one source is one rank's collective; the gpu backend runs it through "
-                           f"NCCL across processes, which is not built yet: lower the all-ranks graph instead")
+def _one_rank(n: Node) -> bool:
+    """Whether n is one rank's part of a collective (one source, several ranks): NCCL's to run."""
+    return len(n.src) == 1 and n.params["ranks"] > 1
 
 
 def _all_reduce(lw, n, ins, outs, p):
-    """Simulated ranks in one Program: the sum of the rank sources, in rank order (as the reference)."""
-    _one_rank(n)
+    """One rank's part: NCCL (nccl.py). Simulated ranks in one Program: the sum of the rank sources,
+    in rank order (as the reference)."""
     xs, y = [dev(x) for x in ins], outs[0]
+    if _one_rank(n):
+        return nccl.all_reduce(n, xs[0], y)
     if len(xs) == 1:
         return [copy_launch(xs[0], y, what="all_reduce of one rank")]
     return [binary_launch("add", xs[0], xs[1], y)] + [binary_launch("add", y, x, y) for x in xs[2:]]
 
 
 def _all_gather(lw, n, ins, outs, p):
-    """Simulated ranks in one Program: the rank pieces joined along `axis`, pairwise through scratch."""
-    _one_rank(n)
+    """One rank's part: NCCL gathers every rank's piece (straight into y when the pieces are y's flat
+    parts, else into scratch [ranks, *piece], joined below). Simulated ranks: the rank pieces joined
+    along `axis`, pairwise through scratch."""
     xs, y = [dev(x) for x in ins], outs[0]
     axis = p["axis"] % y.ndim
+    if _one_rank(n):
+        if nccl.gather_is_flat(xs[0].shape, axis):
+            return nccl.all_gather_flat(n, xs[0], y.reshape((p["ranks"],) + xs[0].shape))
+        pieces = lw.scratch((p["ranks"],) + xs[0].shape, y.dtype)
+        return nccl.all_gather_flat(n, xs[0], pieces) + _join(lw, n, list(pieces), y, axis)
     if len(xs) == 1:
         return [copy_launch(xs[0], y, what="all_gather of one rank")]
+    return _join(lw, n, xs, y, axis)
+
+
+def _join(lw: Lowering, n: Node, xs: list, y: Any, axis: int) -> list:
+    """y = xs joined along axis, pairwise through scratch (concat kernels)."""
     steps, acc = [], xs[0]
     for i, x in enumerate(xs[1:], start=2):
         shape = acc.shape[:axis] + (acc.shape[axis] + x.shape[axis],) + acc.shape[axis + 1:]

@@ -1,0 +1,202 @@
+"""Tensor parallelism in real processes on the cpu backend (graphir/tp_workers.py with the host
+collective, backends/cpu/host_collective.py): what the gpu backend does over NCCL, tested without GPUs.
+
+Oracles for the logits: the unsharded model on the same backend, within REL = 1e-5 of max |logit| as in
+tests/test_shard_tp.py (sharding only regroups f32 sums: 3e-7 llama-tiny, 2.5e-6 qwen35-tiny); the
+all-ranks graph on simulated ranks in one process, bitwise (the host collective sums in the reference's
+order); and the numpy reference on the unsharded graph, within the cpu backend's own tolerance against
+it, REL_BACKENDS (tests/test_cpu_models.py: cpu vs reference is 1.1e-5 on qwen35-tiny unsharded). For
+ids: the single-process cpu model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from graphir.backends.cpu import host_collective
+from graphir.backends.registry import get_backend
+
+import graphir
+from graphir import tp_workers
+from graphir.errors import BackendError, InputError
+from graphir.passes import run_pipeline
+from graphir.run_inputs import new_state
+from graphir.tp_workers import TpWorkerError
+
+REL = 1e-5
+REL_BACKENDS = 1e-4
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+PROMPT = [(7 * i + 3) % 256 for i in range(37)]  # 37 tokens: a 32-token chunk and a padded (or exact) rest
+DEATH_S = 4.0  # a failure must surface within a few seconds (about 0.1 s here; a stuck peer is never waited for)
+
+
+def rel(want: np.ndarray, got: np.ndarray) -> float:
+    return float(np.abs(want.astype(np.float64) - got).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=TINY)
+def pair(request):
+    """(tp=2 model on cpu, the single-process cpu model) for one preset."""
+    model = graphir.load(request.param, backend="cpu", tp=2)
+    yield model, graphir.load(request.param, backend="cpu")
+    model.close()
+
+
+def test_logits_equal_the_unsharded_model(pair):
+    model, plain = pair
+    got = model.logits(PROMPT)
+    want = plain.logits(PROMPT)
+    assert got.shape == want.shape == (len(PROMPT), model.config.n_vocab)
+    assert rel(want, got) <= REL, f"logits differ by {rel(want, got):.3g} of max |logit|"
+    simulated = graphir.load(model.source, backend="cpu", passes="shard-tp{n=2},default").logits(PROMPT)
+    np.testing.assert_array_equal(got, simulated)
+    reference = graphir.load(model.source, backend="reference", passes="").logits(PROMPT)
+    assert rel(reference, got) <= REL_BACKENDS
+    assert model.stats["prefill_tokens"] == len(PROMPT)  # rank 0's stats reach the parent
+
+
+def test_generate_equals_the_single_process_model(pair):
+    model, plain = pair
+    want = list(plain.generate(PROMPT, 32, stop_at_eos=False))
+    assert list(model.generate(PROMPT, 32, stop_at_eos=False)) == want
+    assert model.stats["decode_tokens"] == 31
+    # a second sequence starts from reset state (Qwen3.5's per-rank recurrent states are zeroed too)
+    assert list(model.generate(PROMPT, 32, stop_at_eos=False)) == want
+    sampled = {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 11}
+    assert list(model.generate(PROMPT, 24, **sampled)) == list(plain.generate(PROMPT, 24, **sampled))
+
+
+def test_a_dropped_stream_is_finished_before_the_next_command(pair):
+    model, plain = pair
+    stream = model.generate(PROMPT, 20, stop_at_eos=False)
+    first = next(stream)
+    del stream  # the workers still produce the other 19 ids; the next command collects them first
+    assert list(model.generate(PROMPT, 5, stop_at_eos=False)) == list(plain.generate(PROMPT, 5, stop_at_eos=False))
+    assert first == next(plain.generate(PROMPT, 1))
+
+
+def test_bad_arguments_are_refused_in_the_parent(pair):
+    model, _ = pair
+    with pytest.raises(InputError, match="out of range"):
+        list(model.generate([model.config.n_vocab], 3))
+    with pytest.raises(InputError, match="exceeds the context"):
+        model.generate(PROMPT, model.config.ctx)
+    with pytest.raises(InputError, match="temperature"):
+        model.generate(PROMPT, 3, temperature=-1.0)
+    assert len(list(model.generate(PROMPT, 3, stop_at_eos=False))) == 3  # the workers are still there
+
+
+def _procs_gone(model) -> bool:
+    return all(not p.is_alive() for p in model._procs)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_worker_ends_all_with_a_clear_error(victim):
+    model = graphir.load("random:qwen3-tiny", backend="cpu", tp=2)
+    stream = model.generate(PROMPT, 200, stop_at_eos=False)
+    next(stream)
+    os.kill(model.pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TpWorkerError, match=rf"rank {victim} of 2 .*pid {model.pids[victim]}.* killed by signal "
+                                            rf"SIGKILL while generating; all 2 workers ended"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < DEATH_S
+    assert _procs_gone(model)
+    with pytest.raises(TpWorkerError, match="is closed"):
+        model.logits(PROMPT)
+
+
+def _raise_on(model, rank: int) -> None:
+    """Rank `rank` raises; the other ranks read a prompt, which blocks in its first collective."""
+    if tp_workers.worker_rank() == rank:
+        raise RuntimeError("planted failure")
+    model.logits(PROMPT)
+
+
+def test_a_worker_that_raises_ends_its_blocked_peers():
+    model = graphir.load("random:llama-tiny", backend="cpu", tp=2)
+    t0 = time.monotonic()
+    with pytest.raises(TpWorkerError, match=r"rank 1 of 2 .*RuntimeError: planted failure \(while running "
+                                            r"_raise_on\)") as info:
+        model.call(_raise_on, 1)
+    assert time.monotonic() - t0 < DEATH_S
+    assert "rank 1's traceback" in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
+    assert _procs_gone(model)
+
+
+def test_close_ends_the_workers():
+    with graphir.load("random:llama-tiny", backend="cpu", tp=2) as model:
+        assert len(set(model.pids)) == 2 and os.getpid() not in model.pids
+        procs = model._procs
+    assert all(p.exitcode == 0 for p in procs)  # they left their loop, not killed
+
+
+def test_bad_tp_is_a_clear_error(monkeypatch):
+    with pytest.raises(TpWorkerError, match=r"rank \d of 3 .*GraphError: rank_graph: all_gather 'logits' .*unequal "
+                                            r"pieces .*\(while loading\)"):
+        graphir.load("random:llama-tiny", backend="cpu", tp=3)  # vocab 272 over 3 ranks
+    for tp in (0, -2, 2.0, True):
+        with pytest.raises(InputError, match="tp must be an int >= 1"):
+            graphir.load("random:llama-tiny", backend="cpu", tp=tp)
+    with pytest.raises(InputError, match="backend 'reference' has no collective between processes"):
+        graphir.load("random:llama-tiny", backend="reference", tp=2)
+    with pytest.raises(InputError, match="already hold shard-tp"):
+        graphir.load("random:llama-tiny", backend="cpu", tp=2, passes="shard-tp{n=2},default")
+    monkeypatch.setattr(tp_workers, "gpu_count", lambda: 2)
+    with pytest.raises(InputError, match="tp=4 needs 4 GPUs .*CuPy sees 2"):
+        tp_workers.check_tp(4, "gpu", "default")
+
+
+def test_one_rank_graph_without_a_group_is_refused_on_cpu():
+    model = graphir.load("random:llama-tiny", backend="cpu", passes="")
+    graph = run_pipeline(model.graph("decode"), "shard-tp{n=2,rank=0}")
+    feeds = {"tokens": np.array([5], np.int32), "pos": np.array([0], np.int32), "kv_idx": np.array([0], np.int32),
+             "kv_len": np.array([1], np.int32)}
+    with pytest.raises(BackendError, match="holds one rank of 2; it needs a backend that exchanges data"):
+        get_backend("cpu").lower(graph, model.weights)(feeds, new_state(graph))
+
+
+# ---------------------------------------------------------------- the host collective alone
+SIZES = [1, 7, 65, 1025]  # elements; with 64-byte slots, 1025 f32 take 65 rounds (a last round of 1)
+
+
+def _exchange(link, rank: int, out) -> None:
+    group = host_collective.HostGroup(link, rank)
+    for k, n in enumerate(SIZES):
+        x = _piece(rank, n, k)
+        summed = np.empty_like(x)
+        group.all_reduce(x, summed)
+        pieces = np.empty((link.ranks,) + x.shape, x.dtype)
+        group.all_gather(x, pieces)
+        out.put((rank, k, summed, pieces))
+
+
+def _piece(rank: int, n: int, k: int) -> np.ndarray:
+    return np.random.default_rng(100 * rank + k).uniform(-2, 2, (n,)).astype(np.float32)
+
+
+def test_host_collective_in_small_rounds():
+    ranks = 3
+    ctx = mp.get_context("spawn")
+    link = host_collective.HostLink.create(ctx, ranks, slot_bytes=64)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_exchange, args=(link, r, out), daemon=True) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in range(ranks * len(SIZES))]
+    for p in procs:
+        p.join(10)
+    assert all(p.exitcode == 0 for p in procs)
+    for rank, k, summed, pieces in results:
+        parts = [_piece(r, SIZES[k], k) for r in range(ranks)]
+        want = parts[0].copy()
+        for p in parts[1:]:
+            want = want + p  # rank order, in f32, as the reference all_reduce
+        np.testing.assert_array_equal(summed, want, err_msg=f"all_reduce on rank {rank}, {SIZES[k]} elements")
+        np.testing.assert_array_equal(pieces, np.stack(parts), err_msg=f"all_gather on rank {rank}")
