@@ -21,8 +21,7 @@ run() {  # name, command...: run, log to OUT_DIR/name.log, remember pass/fail
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops.py tests/test_gpu_backend.py \
-    tests/test_gpu_matmul.py tests/test_gpu_attention.py tests/test_gpu_recurrent.py tests/test_gpu_replay.py
+run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/
 if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
     for tool in memcheck racecheck; do
         run "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
@@ -31,6 +30,9 @@ if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
 fi
 run bench-gemv python3 benchmarks/bench_gpu_gemv.py ${QUICK:+--quick}
 run bench-attention python3 benchmarks/bench_gpu_attention.py ${QUICK:+--quick}
+run bench-attention-prefill python3 benchmarks/bench_gpu_attention_prefill.py
+run bench-delta-chunked python3 benchmarks/bench_gpu_delta_chunked.py ${QUICK:+--quick}
+run profile-prefill python3 benchmarks/profile_gpu_prefill.py random:qwen3-0.6b --tokens 4096
 run profile-decode python3 benchmarks/profile_gpu_decode.py smollm2-135m
 run bench-smollm2 python3 -m graphir bench smollm2-135m --backend gpu --prefill 512 --prompt 128 \
     --decode 128 --repeats 3 --no-llama-cpp
