@@ -286,8 +286,9 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
           new_process: bool = False, compare_hf: bool = False,
-          hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4) -> dict[str, Any]:
-    """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key)."""
+          hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4, tp: int = 1) -> dict[str, Any]:
+    """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key).
+    `tp` > 1: tensor parallel over that many processes, measured inside them (graphir/bench_tp.py)."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
                     ("decode_tokens", decode_tokens), ("repeats", repeats)):
@@ -299,6 +300,13 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     from graphir.backends.registry import resolve_backend
 
     backend = resolve_backend(backend)
+    if tp != 1:
+        if new_process or compare_hf or draft:
+            raise ValueError("--new-process, --compare and --draft do not run with --tp yet")
+        from graphir.bench_tp import bench_tp
+
+        return bench_tp(spec, backend, passes, prefill_tokens, prompt_tokens, decode_tokens, repeats,
+                        long_prefill_tokens, tp)
     on_gpu = backend == "gpu"
     t0 = time.perf_counter()
     model = load(spec, backend=backend, passes=passes)
@@ -461,6 +469,8 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("decode / limit", "decode_fraction_of_limit", lambda v: f"{100 * v:.1f} %"),
     ("decode step, device only", "decode_step_device_s", lambda v: f"{v * 1e6:.0f} us"),
     ("host time per decode token", "host_us_per_token", lambda v: f"{v:.1f} us"),
+    ("collectives alone per decode step (tp, device)", "collective_step_s", lambda v: f"{v * 1e6:.0f} us"),
+    ("collectives' share of the decode step (tp, a floor)", "collective_share", lambda v: f"{100 * v:.1f} %"),
     ("TTFT, new process (caches warm)", "ttft_new_process_s", lambda v: f"{v:.2f} s"),
     ("TTFT, new process (caches cold)", "ttft_cold_process_s", lambda v: f"{v:.2f} s"),
 )
@@ -469,7 +479,8 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
 HF_ROWS = (("logits vs graphir (max diff / max |logit|)", "logits_rel_diff", lambda v: f"{v:.1e}"),)
 # rows shown only when the result has them (non-zero)
 OPTIONAL = frozenset({"device_memory_bytes", "state_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
-                      "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s"})
+                      "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s", "collective_step_s",
+                      "collective_share"})
 
 
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:
@@ -482,7 +493,8 @@ def header_lines(result: dict[str, Any], command: str | None = None) -> list[str
         lines.append(f"command: {command}")
     if result.get("draft"):
         lines.append(f"speculative: draft {result['draft']}, draft_len {result['draft_len']}")
-    lines.append(f"model: {result['source']} | backend {result['backend']} | passes {result['passes'] or '(none)'}"
+    tp = f" | tp {result['tp']} (rank 0's timings)" if result.get("tp", 1) > 1 else ""
+    lines.append(f"model: {result['source']} | backend {result['backend']}{tp} | passes {result['passes'] or '(none)'}"
                  f" | prefill {result['prefill_tokens']}, prompt {result['prompt_tokens']}, "
                  f"decode {result['decode_tokens']}, repeats {result['repeats']}")
     return lines

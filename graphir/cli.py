@@ -242,6 +242,11 @@ def _draft_options(fn: Callable) -> Callable:
                              "'lookup' (prompt n-grams); output equals plain decoding when greedy")(fn)
 
 
+def _tp_option(fn: Callable) -> Callable:
+    return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                        help="tensor parallel over N processes: one per GPU (NCCL) on gpu, sharing memory on cpu")(fn)
+
+
 @main.command("run")
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("-p", "--prompt", default="The capital of France is", show_default=True)
@@ -258,9 +263,10 @@ def _draft_options(fn: Callable) -> Callable:
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
 @_draft_options
+@_tp_option
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
             backend: str | None, pipeline: str, ctx: int | None, threads: int | None, draft: str | None,
-            draft_len: int | None) -> None:
+            draft_len: int | None, tp: int) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
@@ -272,6 +278,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
         _run_example(prompt, n, seed or 0, backend or "reference")
         return
     _check_draft_len(draft, draft_len)
+    if tp > 1 and draft:
+        raise click.UsageError("--draft does not run with --tp yet")
     backend = _checked_backend(backend or AUTO)
     _check_runnable(model)
     if draft and draft != "lookup":
@@ -280,7 +288,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     click.echo(f"loading {model} on {backend} ...", err=True)
     t0 = time.perf_counter()
     # --threads only when given: without it load() leaves the thread setting as it is (auto)
-    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, **({"threads": threads} if threads else {}))
+    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, **({"threads": threads} if threads else {}),
+                  **({"tp": tp} if tp > 1 else {}))
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
@@ -558,9 +567,10 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
 @_draft_options
+@_tp_option
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
               long_prefill: int | None, new_process: bool, no_llama_cpp: bool, compare: str | None,
-              json_path: str | None, threads: int | None, draft: str | None, draft_len: int | None) -> None:
+              json_path: str | None, threads: int | None, draft: str | None, draft_len: int | None, tp: int) -> None:
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
@@ -586,7 +596,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
                        decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp,
                        long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare is not None,
-                       hf_compiled=compare == "hf", draft=draft, draft_len=draft_len or DEFAULT_DRAFT_LEN)
+                       hf_compiled=compare == "hf", draft=draft, draft_len=draft_len or DEFAULT_DRAFT_LEN, tp=tp)
     except ValueError as e:
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
@@ -597,6 +607,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
                          + (["--no-llama-cpp"] if no_llama_cpp else [])
                          + (["--compare", compare] if compare else [])
                          + (["--threads", str(threads)] if threads is not None else [])
+                         + (["--tp", str(tp)] if tp > 1 else [])
                          + (["--draft", draft, "--draft-len", str(draft_len or DEFAULT_DRAFT_LEN)] if draft else []))
     result["command"] = command
     render(result, command, file=sys.stdout)

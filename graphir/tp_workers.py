@@ -24,6 +24,7 @@ TpWorkerError naming the rank and the cause. A worker whose parent dies exits.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -43,6 +44,9 @@ from graphir.errors import BackendError, InputError
 
 BACKENDS = ("gpu", "cpu")  # the backends with a collective between processes
 JOIN_S = 5.0  # seconds a worker gets to exit after close() before it is killed
+# Seconds the parent waits for any worker's message before calling it a hang (None: no limit, since a
+# large model's load or prefill may take long; the GPU tests set one so a hang costs minutes, not hours).
+REPLY_TIMEOUT_S: float | None = None
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on these hosts (issue 16)
 
 
@@ -103,6 +107,7 @@ class TensorParallelModel:
         self._closed = False
         self._pending: deque[int] | None = None  # ranks still owing a final reply to an abandoned stream
         self._ready = False  # every worker has loaded its rank
+        self.reply_timeout_s = REPLY_TIMEOUT_S
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         link = None
@@ -258,7 +263,10 @@ class TensorParallelModel:
         anywhere ends all workers and raises."""
         inbox = self._inbox[rank]
         while not inbox:
-            ready = wait(self._conns + [p.sentinel for p in self._procs])
+            ready = wait(self._conns + [p.sentinel for p in self._procs], self.reply_timeout_s)
+            if not ready:
+                self._fail(rank, f"no message from any worker for {self.reply_timeout_s} s while {doing} "
+                                 f"(every worker still runs: a hang)")
             for r, conn in enumerate(self._conns):
                 if conn in ready:
                     self._take(r, doing)
@@ -341,6 +349,8 @@ def _worker_main(rank: int, n: int, conn: Connection, args: LoadArgs, link: Any)
         info = {"config": model.config, "tokenizer": model.tokenizer, "eos_ids": model.eos_ids}
         conn.send(("reply", info if rank == 0 else None))
         _serve(rank, conn, model)
+        del model, info
+        gc.collect()  # its Programs (captured graphs that call the communicator) go before the communicator
         if hasattr(group, "close"):  # a clean close only: after an error, peers may never join its teardown
             group.close()
     except (EOFError, KeyboardInterrupt):

@@ -200,3 +200,43 @@ def test_host_collective_in_small_rounds():
             want = want + p  # rank order, in f32, as the reference all_reduce
         np.testing.assert_array_equal(summed, want, err_msg=f"all_reduce on rank {rank}, {SIZES[k]} elements")
         np.testing.assert_array_equal(pieces, np.stack(parts), err_msg=f"all_gather on rank {rank}")
+
+
+# ---------------------------------------------------------------- cli and bench
+def test_cli_run_with_tp_prints_the_single_process_text():
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    args = ["run", "random:qwen3-tiny", "--backend", "cpu", "-n", "12", "-p", "Hello"]
+    plain = CliRunner().invoke(main, args, catch_exceptions=False)
+    sharded = CliRunner().invoke(main, args + ["--tp", "2"], catch_exceptions=False)
+    assert sharded.exit_code == plain.exit_code == 0
+    assert sharded.stdout == plain.stdout and len(plain.stdout) > len("Hello")
+
+
+def test_bench_with_tp_returns_every_number():
+    from graphir.bench import NUMBERS, bench
+
+    r = bench("random:llama-tiny", backend="cpu", tp=2, prefill_tokens=16, prompt_tokens=8, decode_tokens=8,
+              repeats=1)
+    for k in NUMBERS:
+        assert isinstance(r[k], (int, float)) and np.isfinite(r[k]) and r[k] > 0, (k, r[k])
+    assert r["tp"] == 2 and r["collective_share"] == 0.0  # measured on gpu only
+    with pytest.raises(ValueError, match="do not run with --tp"):
+        bench("random:llama-tiny", backend="cpu", tp=2, draft="lookup")
+
+
+def test_rank_weight_bytes_are_the_rank_slices():
+    """Summed over ranks: every weight once, plus what each further rank holds again (norms, and the
+    untied embedding's one looked-up row)."""
+    from graphir.bench import decode_weight_bytes
+    from graphir.bench_tp import rank_decode_bytes
+
+    plain = graphir.load("random:llama-tiny", backend="cpu")
+    ranks = [graphir.load("random:llama-tiny", backend="cpu", passes=f"shard-tp{{n=2,rank={r}}},default")
+             for r in range(2)]
+    emb = plain.weights["token_embd.weight"]
+    norms = sum(w.nbytes for name, w in plain.weights.items() if "norm" in name)
+    again = norms + emb.nbytes // emb.shape[0]
+    assert sum(rank_decode_bytes(m)[0] for m in ranks) == decode_weight_bytes(plain) + again

@@ -1,0 +1,134 @@
+"""Tensor parallelism over GPUs: one process per GPU, collectives through NCCL (marker `gpu`; needs CuPy
+to see at least 2 devices, e.g. the device tool's nvidia-h200-x2).
+
+Oracle: the same model on one GPU in this process. Tolerances are issue 16's: f32 logits within 1e-4 of
+max |logit| (sharding regroups f32 sums: 3e-7..2.5e-6 on the cpu backend, tests/test_tp_workers.py, and
+the gpu's matmul kernels sum in another order again); bf16 weights within 1e-2; greedy ids equal in f32.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from _gpu_helpers import HAS_GPU
+
+import graphir
+from graphir import tp_workers
+from graphir.api import Model
+from graphir.tp_workers import TpWorkerError
+
+
+def _gpus() -> int:
+    return tp_workers.gpu_count() if HAS_GPU else 0
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_gpus() < 2, reason="tensor parallel tests need CuPy to see >= 2 GPUs")]
+
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+PROMPT = [(7 * i + 3) % 256 for i in range(37)]
+REL_F32, REL_BF16 = 1e-4, 1e-2
+DEATH_S = 20.0  # a failure must surface within this (driver teardown of a context blocked in NCCL included)
+
+
+@pytest.fixture(autouse=True)
+def no_hang(monkeypatch):
+    """A hang fails a test after 180 s instead of holding the GPU machine."""
+    monkeypatch.setattr(tp_workers, "REPLY_TIMEOUT_S", 180.0)
+
+
+def rel(want: np.ndarray, got: np.ndarray) -> float:
+    return float(np.abs(want.astype(np.float64) - got).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=TINY)
+def pair(request):
+    with pytest.MonkeyPatch.context() as patch:  # module scope: the autouse no_hang has not run yet
+        patch.setattr(tp_workers, "REPLY_TIMEOUT_S", 180.0)
+        model = graphir.load(request.param, backend="gpu", tp=2)  # keeps the limit as its reply_timeout_s
+    yield model, graphir.load(request.param, backend="gpu")
+    model.close()
+
+
+def test_logits_equal_one_gpu_f32(pair):
+    model, one = pair
+    got, want = model.logits(PROMPT), one.logits(PROMPT)  # 37 rows: the all_gather into scratch, then joined
+    assert got.shape == want.shape
+    assert rel(want, got) <= REL_F32, f"logits differ by {rel(want, got):.3g} of max |logit|"
+    model.reset()
+    last = model.feed(PROMPT[:5], last_only=True)  # one row: NCCL gathers straight into the result
+    assert rel(one.logits(PROMPT[:5])[-1:], last) <= REL_F32
+
+
+def test_greedy_ids_equal_one_gpu_and_decode_is_captured(pair):
+    model, one = pair
+    want = list(one.generate(PROMPT, 32, stop_at_eos=False))
+    assert list(model.generate(PROMPT, 32, stop_at_eos=False)) == want
+    assert model.call(_decode_captured) is True
+    assert list(model.generate(PROMPT, 32, stop_at_eos=False)) == want  # replayed with its all-reduces
+
+
+def _decode_captured(model: Model) -> bool:
+    """On every rank: the decode step (sampler included) ran from its captured CUDA graph, NCCL calls
+    inside it. A rank where it did not raises, which names that rank."""
+    from graphir.backends.gpu.nccl import NcclCall
+
+    program = model._program(1, False, sampler=True)
+    calls = [s for s in program._steps if isinstance(s, NcclCall)]
+    if not program.captured or not calls:
+        raise AssertionError(f"rank {tp_workers.worker_rank()}: decode captured {program.captured}, "
+                             f"{len(calls)} NCCL calls")
+    return True
+
+
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
+def test_logits_equal_one_gpu_bf16(spec):
+    with graphir.load(spec, backend="gpu", dtype="bf16", tp=2) as model:
+        got = model.logits(PROMPT)
+    want = graphir.load(spec, backend="gpu", dtype="bf16").logits(PROMPT)
+    assert rel(want, got) <= REL_BF16, f"logits differ by {rel(want, got):.3g} of max |logit|"
+
+
+def test_a_killed_gpu_worker_ends_all_with_a_clear_error():
+    model = graphir.load("random:qwen3-tiny", backend="gpu", tp=2)
+    stream = model.generate(PROMPT, 200, stop_at_eos=False)
+    next(stream)
+    os.kill(model.pids[1], signal.SIGKILL)  # rank 0 is left waiting in an NCCL all-reduce
+    t0 = time.monotonic()
+    with pytest.raises(TpWorkerError, match=r"rank 1 of 2 .*killed by signal SIGKILL while generating"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < DEATH_S
+    _assert_gone(model)
+
+
+def _raise_on(model: Model, rank: int) -> None:
+    if tp_workers.worker_rank() == rank:
+        raise RuntimeError("planted failure")
+    model.logits(PROMPT)  # blocks in NCCL: its peer never joins
+
+
+def test_a_gpu_worker_that_raises_ends_its_peer_blocked_in_nccl():
+    model = graphir.load("random:llama-tiny", backend="gpu", tp=2)
+    t0 = time.monotonic()
+    with pytest.raises(TpWorkerError, match=r"rank 1 of 2 .*RuntimeError: planted failure"):
+        model.call(_raise_on, 1)
+    assert time.monotonic() - t0 < DEATH_S
+    _assert_gone(model)
+
+
+def _assert_gone(model) -> None:
+    deadline = time.monotonic() + DEATH_S
+    while any(p.is_alive() for p in model._procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.is_alive() for p in model._procs)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error():
+    n = _gpus() + 1
+    with pytest.raises(graphir.InputError, match=f"tp={n} needs {n} GPUs"):
+        graphir.load("random:llama-tiny", backend="gpu", tp=n)
