@@ -191,10 +191,15 @@ def test_reset_recurrent_zeroes_only_recurrent_state(loaded):
 def test_passes_fire_on_the_model_graph(loaded, phase):
     config, weights = loaded
     report = coverage(qwen35.build(config, phase, None if phase == "decode" else 20))
-    for name, sites in [("stack-projections", 8), ("fuse-ssm-conv-silu", 3), ("fuse-gated-delta-net-raw", 3),
-                        ("fuse-gated-delta-net-l2", 3), ("fuse-rms-norm-mul-gate", 3)]:
+    for name, sites in [("fuse-ssm-conv-silu", 3), ("fuse-gated-delta-net-raw", 3), ("fuse-gated-delta-net-l2", 3),
+                        ("fuse-rms-norm-mul-gate", 3)]:
         assert len(report[name].matched) == sites, report.text()
         assert not report[name].rejected, report.text()
+    if phase == "prefill":  # 20 rows: compute-bound projections stay apart (no strided views to copy)
+        assert not report["stack-projections"].matched
+        assert all("max_rows" in why for _, why in report["stack-projections"].rejected), report.text()
+        return
+    assert len(report["stack-projections"].matched) == 8 and not report["stack-projections"].rejected
     stacked = " ".join(report["stack-projections"].matched)
     for part in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "attn_q", "attn_k", "attn_v"):
         assert f"blk.0.{part}" in stacked or f"blk.3.{part}" in stacked
