@@ -294,3 +294,28 @@ def test_get_rows_bad_id_is_an_error(fmt, bad, rng):
         prog({"ids": np.array([0, bad, 2], np.int32)})
     good = np.array([36, 0, 2], np.int32)  # the same Program still works afterwards
     np.testing.assert_array_equal(prog({"ids": good})["y"], dequantize(raw, fmt, (37, dim))[good])
+
+
+def test_mul_mat_bf16_projections_of_one_x_share_its_rounding():
+    """q, k, v-style mul_mat_bf16s of one x round x once (the first one's cast, shared); a second x
+    computed later (its own node) gets its own cast. Each result equals the op's reference."""
+    from graphir.ops.fused import bf16_round
+
+    rng = np.random.default_rng(11)
+    m, n_in = 37, 96
+    outs_n = {"a": 40, "b": 24, "c": 24}
+    ws = {k: rng.standard_normal((n, n_in)).astype(np.float32) for k, n in outs_n.items()}
+    weights = Weights({k: Weight("bf16", w.shape, (bf16_round(w).view(np.uint32) >> np.uint32(16)).astype(np.uint16))
+                       for k, w in ws.items()})
+    x = g.input("x", (m, n_in))
+    ys = {k: g.mul_mat_bf16(g.param(k, (n, n_in), "bf16"), x) for k, n in outs_n.items()}
+    x2 = g.scale(x, s=1.5)  # another node: must not reuse x's rounded copy
+    ys["d"] = g.mul_mat_bf16(g.param("a", (40, n_in), "bf16"), x2)
+    program = get_backend("gpu").lower(Graph(ys), weights)
+    xv = rng.standard_normal((m, n_in)).astype(np.float32)
+    got = program({"x": xv})
+    xs = {"a": xv, "b": xv, "c": xv, "d": xv * np.float32(1.5)}
+    for k, y in got.items():
+        w = bf16_round(ws["a" if k == "d" else k]).astype(np.float64)
+        want = bf16_round(xs[k]).astype(np.float64) @ w.T
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=k)

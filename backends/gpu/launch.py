@@ -119,6 +119,8 @@ class Lowering:
         self.code = 0
         self.scratch_buffers: list[Any] = []
         self.messages: dict[int, str] = {}  # error code -> message template ({value} is the bad value)
+        # values rules share within one binding, keyed by what they derive from (e.g. a node's bf16 copy)
+        self.shared: dict[Any, Any] = {}
 
     def scratch(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         """A device buffer owned by the Program, for temporaries of one node (fixed address)."""

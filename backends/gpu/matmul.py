@@ -213,9 +213,15 @@ def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> 
     def to_bf16(src: Any, dst: Any) -> None:
         cast((min(cdiv(src.size, 256), _MAX_GRID),), (256,), (src, dst, np.int64(src.size)))
 
-    xb = lw.scratch((m, n_in), np.uint16)
-    steps = [Launch("matmul.cu", "cast_f32_bf16", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
-                    (x2, xb, np.int64(m * n_in)))]
+    # q, k, v (and gate, up) read one x: it is rounded once, by the first of them, into a buffer they
+    # share (x's arena slot stays live, unwritten, until its last reader has run)
+    key = ("bf16 x", id(n.src[1]) if n is not None else id(x))
+    steps = []
+    if key not in lw.shared:
+        lw.shared[key] = lw.scratch((m, n_in), np.uint16)
+        steps.append(Launch("matmul.cu", "cast_f32_bf16", min(cdiv(m * n_in, 256), _MAX_GRID), 256,
+                            (x2, lw.shared[key], np.int64(m * n_in))))
+    xb = lw.shared[key]
     if w.dtype == "bf16":
         def weight_ptr() -> int:
             return w.raw.data.ptr
