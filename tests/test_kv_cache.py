@@ -86,3 +86,14 @@ def test_last_only_takes_the_last_row_before_the_output_norm(model):
     graph = model.graph("prefill", 8, last_only=True)
     assert graph.outputs["logits"].shape == (1, model.config.n_vocab)
     assert any(n.name == "last_row" and n.op == "view" for n in graph)
+
+
+def test_gpu_buckets_take_long_prompts_in_few_large_calls():
+    """The gpu backend's plan (GPU_PREFILL_BUCKETS, GPU_CALL_COST): one call for 4096 tokens, and a
+    few for awkward lengths, each bucket a power of two; the same planner as the cpu's."""
+    model = graphir.load("random:llama-tiny", backend="reference", ctx=8192)
+    model.prefill_buckets, model.call_cost = graphir.api.GPU_PREFILL_BUCKETS, graphir.api.GPU_CALL_COST
+    assert model.chunks(4096) == [4096]
+    for n in (7, 600, 1025, 5000):
+        plan = model.chunks(n)
+        assert len(plan) <= 4 and sum(plan) >= n and set(plan) <= set(graphir.api.GPU_PREFILL_BUCKETS), (n, plan)
