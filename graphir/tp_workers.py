@@ -267,14 +267,15 @@ class TensorParallelModel:
             if not ready:
                 self._fail(rank, f"no message from any worker for {self.reply_timeout_s} s while {doing} "
                                  f"(every worker still runs: a hang)")
-            for r, conn in enumerate(self._conns):
-                if conn in ready:
-                    self._take(r, doing)
+            # an ended worker first: a peer's error (an NCCL error on a lost peer) is its consequence
             for r, p in enumerate(self._procs):
                 if p.sentinel in ready:
                     self._take(r, doing)  # a report it sent before it ended comes first
                     self._fail(r, f"its process (pid {p.pid}) ended {_how(p)} while {doing}"
                                   + ("" if self._ready else _START_HINT))
+            for r, conn in enumerate(self._conns):
+                if conn in ready:
+                    self._take(r, doing)
         return inbox.popleft()
 
     def _take(self, r: int, doing: str) -> None:

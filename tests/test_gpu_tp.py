@@ -132,3 +132,17 @@ def test_more_ranks_than_gpus_is_a_clear_error():
     n = _gpus() + 1
     with pytest.raises(graphir.InputError, match=f"tp={n} needs {n} GPUs"):
         graphir.load("random:llama-tiny", backend="gpu", tp=n)
+
+
+def test_one_rank_graph_without_a_communicator_is_refused():
+    from graphir.backends.registry import get_backend
+
+    from graphir.passes import run_pipeline
+
+    model = graphir.load("random:llama-tiny", backend="gpu", passes="")
+    graph = run_pipeline(model.graph("decode"), "shard-tp{n=2,rank=0}")
+    gpu = get_backend("gpu")
+    feeds = {"tokens": np.array([5], np.int32), "pos": np.array([0], np.int32), "kv_idx": np.array([0], np.int32),
+             "kv_len": np.array([1], np.int32)}
+    with pytest.raises(graphir.BackendError, match="runs only in a process that joined an NCCL communicator"):
+        gpu.lower(graph, model.weights)(feeds, gpu.new_state(graph))  # binds (and lowers each node) on first call

@@ -240,3 +240,58 @@ def test_rank_weight_bytes_are_the_rank_slices():
     norms = sum(w.nbytes for name, w in plain.weights.items() if "norm" in name)
     again = norms + emb.nbytes // emb.shape[0]
     assert sum(rank_decode_bytes(m)[0] for m in ranks) == decode_weight_bytes(plain) + again
+
+
+ORPHAN = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import graphir
+from test_tp_workers import _stall
+
+if __name__ == "__main__":
+    model = graphir.load("random:llama-tiny", backend="cpu", tp=2)
+    with open(sys.argv[2], "w") as f:
+        print(*model.pids, file=f)
+    model._send(("call", _stall, ()))
+    time.sleep(1.0)  # rank 0 waits in a collective, rank 1 sleeps: neither reads its pipe
+    os._exit(0)  # no close, no atexit: the workers must notice on their own
+"""
+
+
+def _stall(model) -> None:
+    if tp_workers.worker_rank() == 1:
+        time.sleep(600)
+    model.logits(PROMPT)
+
+
+def test_workers_exit_when_the_parent_dies(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    pid_file = tmp_path / "pids"
+    # no pipes: orphans holding the parent's stdout would keep run() waiting
+    subprocess.run([sys.executable, str(script), os.path.dirname(__file__), str(pid_file)], timeout=120, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + DEATH_S
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left unreaped by a container's init counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
