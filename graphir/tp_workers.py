@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -284,9 +285,10 @@ class TensorParallelModel:
             while conn.poll():
                 msg = conn.recv()
                 if msg[0] == "error":
-                    _, kind, text, trace, exc = msg
-                    self._fail(r, f"{kind}: {text} (while {doing})\n--- rank {r}'s traceback ---\n{trace}", exc)
-                self._inbox[r].append(msg[1] if msg[0] == "reply" else msg)
+                    _, kind, text, trace, blob = msg
+                    self._fail(r, f"{kind}: {text} (while {doing})\n--- rank {r}'s traceback ---\n{trace}",
+                               _unpickled(blob))
+                self._inbox[r].append(msg[1])  # ("reply", value)
         except (EOFError, OSError):
             return  # the pipe closed: the sentinel says how the process ended
 
@@ -296,6 +298,15 @@ class TensorParallelModel:
         self._finalizer()
         raise TpWorkerError(f"tensor-parallel rank {rank} of {self.tp} ({self.backend}, {self.source}): {cause}; "
                             f"all {self.tp} workers ended") from exc
+
+
+def _unpickled(blob: bytes | None) -> BaseException | None:
+    """A worker's exception, to chain to TpWorkerError; None when it does not travel (some classes
+    cannot be rebuilt from their pickled args): the message and traceback text carry it anyway."""
+    try:
+        return pickle.loads(blob) if blob is not None else None
+    except Exception:
+        return None
 
 
 def _how(p: Any) -> str:
@@ -427,14 +438,12 @@ def _serve(rank: int, conn: Connection, model: Any) -> None:
 
 
 def _report(conn: Connection, e: BaseException) -> None:
-    import pickle
-
     try:
-        exc = e if pickle.loads(pickle.dumps(e)) is not None else None
+        blob = pickle.dumps(e)
     except Exception:  # an exception that does not pickle travels as text only
-        exc = None
+        blob = None
     try:
-        conn.send(("error", type(e).__name__, str(e), traceback.format_exc(), exc))
+        conn.send(("error", type(e).__name__, str(e), traceback.format_exc(), blob))
     except (BrokenPipeError, OSError):
         pass
 

@@ -295,3 +295,14 @@ def _alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen35-tiny"])
+def test_four_ranks_with_replicated_kv_heads(spec):
+    """4 processes: 2 KV heads over 4 ranks are each held by two (tests/test_shard_tp.py), the host
+    collective sums 4 parts; logits and greedy ids as with one process."""
+    plain = graphir.load(spec, backend="cpu")
+    with graphir.load(spec, backend="cpu", tp=4) as model:
+        assert rel(plain.logits(PROMPT), model.logits(PROMPT)) <= REL
+        assert list(model.generate(PROMPT, 16, stop_at_eos=False)) == list(plain.generate(PROMPT, 16,
+                                                                                           stop_at_eos=False))
