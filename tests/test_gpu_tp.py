@@ -146,3 +146,71 @@ def test_one_rank_graph_without_a_communicator_is_refused():
              "kv_len": np.array([1], np.int32)}
     with pytest.raises(graphir.BackendError, match="runs only in a process that joined an NCCL communicator"):
         gpu.lower(graph, model.weights)(feeds, gpu.new_state(graph))  # binds (and lowers each node) on first call
+
+
+# ---------------------------------------------------------------- the NCCL lowering alone
+def _collective_graph():
+    from graphir import g
+    from graphir.ir import Graph
+
+    x, y = g.input("x", (3, 7)), g.input("y", (1, 1025))
+    return Graph({"sum": g.all_reduce(x, ranks=2),
+                  "cols": g.all_gather(x, axis=1, ranks=2),  # 3 rows: NCCL into scratch, then joined
+                  "rows": g.all_gather(x, axis=0, ranks=2),  # flat: NCCL straight into the result
+                  "long": g.all_gather(y, axis=-1, ranks=2)})
+
+
+def _feeds(rank: int, call: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(10 * call + rank)
+    return {"x": rng.uniform(-2, 2, (3, 7)).astype(np.float32), "y": rng.uniform(-2, 2, (1, 1025)).astype(np.float32)}
+
+
+def _nccl_rank(rank: int, uids, results) -> None:
+    """One process: join a 2-rank NCCL communicator, lower the collective graph, call it 3 times (launched,
+    captured, replayed)."""
+    import traceback
+
+    try:
+        from graphir.backends.gpu import nccl
+        from graphir.backends.gpu.device import cupy
+        from graphir.backends.registry import get_backend
+
+        cupy().cuda.Device(rank).use()
+        if rank == 0:
+            uid = nccl.unique_id()
+            uids.put(uid)
+        else:
+            uid = uids.get(timeout=60)
+        comm = nccl.NcclCommunicator(2, uid, rank)
+        nccl.use(comm)
+        program = get_backend("gpu").lower(_collective_graph(), None)
+        outs = [program(_feeds(rank, call)) for call in range(3)]
+        results.put((rank, outs, program.captured))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+
+
+def test_nccl_collectives_launched_captured_and_replayed():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    uids, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, uids, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (outs, captured)) for r, outs, captured in (results.get(timeout=180) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, (outs, captured) in got.items():
+        assert captured is not None, f"rank {rank} failed:\n{outs}"
+        assert captured, f"rank {rank}: the Program of NCCL steps was not captured"
+        for call, out in enumerate(outs):
+            a, b = _feeds(0, call), _feeds(1, call)
+            np.testing.assert_array_equal(out["sum"], a["x"] + b["x"], err_msg=f"rank {rank} call {call}")
+            np.testing.assert_array_equal(out["cols"], np.concatenate([a["x"], b["x"]], axis=1))
+            np.testing.assert_array_equal(out["rows"], np.concatenate([a["x"], b["x"]], axis=0))
+            np.testing.assert_array_equal(out["long"], np.concatenate([a["y"], b["y"]], axis=1))
