@@ -19,8 +19,10 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
 - flash_attn_bf16 (the attn-bf16 pass; prefill): on CUDA sm_80+ `attn_kv_bf16_<kv>` rounds the K/V
   rows below kv_len into a bf16 scratch shared by every layer, then `attn_prefill_bf16_d<DK>`
   (attention_prefill.cu) runs FlashAttention-2 on tensor cores, 16*TC_WARPS queries of one q head
-  per block. Head dims past 128, HIP and older GPUs take the f32 kernels above: they compute the
-  op without its bf16 roundings (closer to exact attention, off the op's reference by about them).
+  per block; DK 256 (Qwen3.5, Gemma 3) keeps Q in dynamic shared memory above the 48 KiB default.
+  HIP and older GPUs (and a GPU without that much shared memory a block) take the f32 kernels
+  above: they compute the op without its bf16 roundings (closer to exact attention, off the op's
+  reference by about them).
 """
 
 from __future__ import annotations
@@ -162,7 +164,8 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
 
 TC_FILE = "attention_prefill.cu"
 TC_WARPS = 4  # ATTN_TC_WARPS: 16 query rows per warp
-TC_MAX_HEAD_DIM = 128
+TC_MAX_HEAD_DIM = 256
+TC_BN_D256 = 32  # ATTN_TC_BN_D256: keys per K/V tile at DK 256
 KV_CONVERT_THREADS = 256  # ATTN_KV_CONVERT_THREADS
 KV_BF16_KEY = "attn_bf16_kv_scratch"
 
@@ -174,6 +177,32 @@ def _tensor_cores() -> bool:
 
     cp = cupy()
     return not cp.cuda.runtime.is_hip and int(cp.cuda.Device().compute_capability) >= 80
+
+
+def _tc_dk(d: int, dv: int) -> int:
+    """The attn_prefill_bf16_d<DK> that serves head dims d, dv (<= TC_MAX_HEAD_DIM)."""
+    return 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
+
+
+def _tc_dynamic_shared(dk: int) -> int:
+    """Bytes of dynamic shared memory attn_prefill_bf16_d<dk> is launched with: at DK 256 its K and V
+    tiles and every warp's 16 Q rows, bf16 rows of DK + 8 (attention_prefill.cu); the others use static."""
+    return (2 * TC_BN_D256 + 16 * TC_WARPS) * (dk + 8) * 2 if dk == 256 else 0
+
+
+def _tc_kernel_fits(kernel: Any, dynamic: int) -> bool:
+    """Raise the kernel's dynamic shared memory limit to `dynamic` bytes; False where the device cannot
+    give a block that much (its opt-in maximum, static shared memory included)."""
+    if dynamic == 0:
+        return True
+    from .device import cupy
+
+    limit = int(cupy().cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    if int(kernel.shared_size_bytes) + dynamic > limit:
+        return False
+    if int(kernel.max_dynamic_shared_size_bytes) < dynamic:
+        kernel.max_dynamic_shared_size_bytes = dynamic
+    return True
 
 
 def _kv_bf16_scratch(lw: Lowering, size: int) -> Any:
@@ -203,8 +232,11 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
         raise BackendError(f"flash_attn_bf16: k is {k.dtype} and v is {v.dtype}: the gpu backend needs one K/V dtype")
     if n_q == 0 or hq == 0 or dv == 0:
         return []
+    dk = _tc_dk(d, dv)
+    shared = _tc_dynamic_shared(dk)
+    if not _tc_kernel_fits(kernels.get(TC_FILE, f"attn_prefill_bf16_d{dk}"), shared):
+        return lower_flash_attn(lw, n, ins, outs, p)
     pos, kv_len, out = ins[3], ins[4], outs[0]
-    dk = 64 if max(d, dv) <= 64 else 128
     kvb = _kv_bf16_scratch(lw, 2 * hk * cap * dk)
     window = int(p.get("window", 0))
     window = window if 0 < window < 2**31 else 0
@@ -213,7 +245,7 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
                      KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
     attend = Launch(TC_FILE, f"attn_prefill_bf16_d{dk}", (hq, cdiv(n_q, 16 * TC_WARPS)), 32 * TC_WARPS,
                     (q, kvb, pos, kv_len, out, i32(n_q), i32(hq), i32(hk), i32(d), i32(dv), i32(cap),
-                     f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code))
+                     f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code), shared=shared)
     return [convert, attend]
 
 

@@ -10,6 +10,12 @@
 //                         next tile loads while P.V runs, V while Q.K^T runs); tiles outside the
 //                         block's visible rows are never loaded, a warp skips tiles outside its own,
 //                         and tiles inside every row's range skip the mask.
+//                         DK 64, 128: Q fragments in registers, K/V tiles in static shared memory.
+//                         DK 256: O alone takes 128 registers a lane, so Q waits in shared memory
+//                         (bf16, its A fragments re-read by ldmatrix every tile) and the three
+//                         buffers are dynamic shared memory: (2 * BN + 16 * WARPS) * (DK + 8) bf16,
+//                         66 KiB at BN 32 and 4 warps, above the 48 KiB default (attention.py raises
+//                         the limit).
 //
 // Per warp and tile: S = Q K^T (mma m16n8k16, bf16 in, f32 out; K fragments by ldmatrix), then the
 // online softmax in f32 in the log2 domain, then O += P V (P from S's accumulator registers, V
@@ -33,6 +39,9 @@
 #ifndef ATTN_TC_BN
 #define ATTN_TC_BN 64  // keys per K/V tile: 2 x 64 x (DK + 8) bf16 = 34 KiB of shared memory at DK 128
 #endif
+#ifndef ATTN_TC_BN_D256
+#define ATTN_TC_BN_D256 32  // at DK 256: a 64-key tile's scores and weights (48 registers) make O spill
+#endif
 #ifndef ATTN_KV_CONVERT_THREADS
 #define ATTN_KV_CONVERT_THREADS 256
 #endif
@@ -40,6 +49,11 @@
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
 #define ATTN_TC_THREADS (32 * ATTN_TC_WARPS)
+
+template <int DK>
+struct TileKeys {  // keys per K/V tile (BN) at head dim DK
+    static constexpr int value = DK > 128 ? ATTN_TC_BN_D256 : ATTN_TC_BN;
+};
 
 // ---------------------------------------------------------------- conversions
 DEVICE unsigned int pack_bf16(float lo, float hi) {  // round to nearest even; `lo` in the low half
@@ -125,42 +139,104 @@ DEVICE void row_range(int p, int L, int window, int& lo, int& hi) {
 template <int DK>
 DEVICE void load_tile(u16* tile, const u16* head, int j0, int jhi) {
     constexpr int CH = DK / 8, LDS = DK + 8;
-    static_assert(ATTN_TC_BN * CH % ATTN_TC_THREADS == 0, "a tile is whole 16-byte chunks per thread");
+    constexpr int BN = TileKeys<DK>::value;
+    static_assert(BN * CH % ATTN_TC_THREADS == 0, "a tile is whole 16-byte chunks per thread");
 #pragma unroll
-    for (int n = 0; n < ATTN_TC_BN * CH / ATTN_TC_THREADS; ++n) {
+    for (int n = 0; n < BN * CH / ATTN_TC_THREADS; ++n) {
         const int i = n * ATTN_TC_THREADS + threadIdx.x, r = i / CH, c = i % CH;
         const bool ok = j0 + r < jhi;
         cp_async16(tile + r * LDS + c * 8, head + (long long)(ok ? j0 + r : 0) * DK + c * 8, ok);
     }
 }
 
-// S[16 rows x BN keys] = Q K^T for this warp's rows.
+// This warp's 16 query rows as bf16 A fragments, and S[16 rows x BN keys] = Q K^T from them.
+// Two places for Q, one interface: load() once, scores() per K tile.
+DEVICE float q_at(const float* __restrict__ q, int row, int c, int n_q, int hq, int h, int d) {
+    return row < n_q && c < d ? q[((long long)row * hq + h) * d + c] : 0.0f;
+}
+
+#define MEMBER __device__ __forceinline__  // DEVICE is static: not for member functions
+
 template <int DK>
-DEVICE void tile_scores(float (&s)[ATTN_TC_BN / 8][4], const unsigned int (&qf)[DK / 16][4], const u16* sk,
-                        int lane) {
-    constexpr int LDS = DK + 8;
+struct QInRegisters {  // DK / 4 registers a lane
+    unsigned int f[DK / 16][4];
+
+    MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
+        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < ATTN_TC_BN / 8; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        for (int kc = 0; kc < DK / 16; ++kc) {
+            const int c = kc * 16 + 2 * t;
 #pragma unroll
-        for (int kc = 0; kc < DK / 32; ++kc) {  // matrices: keys nt*8.., columns kc*32 + 8i..
-            unsigned int b[4];
-            ldmatrix_x4(b, sk + (nt * 8 + (lane & 7)) * LDS + kc * 32 + (lane >> 3) * 8);
-            mma_bf16(s[nt], qf[2 * kc], b[0], b[1]);
-            mma_bf16(s[nt], qf[2 * kc + 1], b[2], b[3]);
+            for (int i = 0; i < 4; ++i) {
+                const int r = row0 + g + (i & 1) * 8, cc = c + (i >> 1) * 8;
+                f[kc][i] = pack_bf16(q_at(q, r, cc, n_q, hq, h, d), q_at(q, r, cc + 1, n_q, hq, h, d));
+            }
         }
     }
-}
+
+    MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+        constexpr int LDS = DK + 8;
+#pragma unroll
+        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+            for (int kc = 0; kc < DK / 32; ++kc) {  // matrices: keys nt*8.., columns kc*32 + 8i..
+                unsigned int b[4];
+                ldmatrix_x4(b, sk + (nt * 8 + (lane & 7)) * LDS + kc * 32 + (lane >> 3) * 8);
+                mma_bf16(s[nt], f[2 * kc], b[0], b[1]);
+                mma_bf16(s[nt], f[2 * kc + 1], b[2], b[3]);
+            }
+        }
+    }
+};
+
+template <int DK>
+struct QInShared {  // the warp's own 16 rows x (DK + 8) bf16 of shared memory; 8 registers a lane
+    u16* sq;
+
+    MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
+        constexpr int LDS = DK + 8, PAIRS = DK / 2;
+#pragma unroll 4
+        for (int i = lane; i < 16 * PAIRS; i += 32) {  // consecutive lanes, consecutive columns
+            const int r = i / PAIRS, c = (i % PAIRS) * 2;
+            ((unsigned int*)(sq + r * LDS))[c / 2] =
+                pack_bf16(q_at(q, row0 + r, c, n_q, hq, h, d), q_at(q, row0 + r, c + 1, n_q, hq, h, d));
+        }
+        __syncwarp();  // only this warp reads its rows
+    }
+
+    // Same products in the same order as QInRegisters; k-steps outer, so each Q fragment is read once a tile.
+    MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+        constexpr int LDS = DK + 8;
+#pragma unroll
+        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < DK / 32; ++kc) {
+            // A of columns kc*32.. and kc*32+16..: matrices rows 8(i%2).., columns 8(i/2)..
+            const u16* qrow = sq + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + kc * 32 + (lane >> 4) * 8;
+            unsigned int a0[4], a1[4];
+            ldmatrix_x4(a0, qrow);
+            ldmatrix_x4(a1, qrow + 16);
+#pragma unroll
+            for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) {  // matrices: keys nt*8.., columns kc*32 + 8i..
+                unsigned int b[4];
+                ldmatrix_x4(b, sk + (nt * 8 + (lane & 7)) * LDS + kc * 32 + (lane >> 3) * 8);
+                mma_bf16(s[nt], a0, b[0], b[1]);
+                mma_bf16(s[nt], a1, b[2], b[3]);
+            }
+        }
+    }
+};
 
 // The online softmax step of one tile for rows g (r = 0) and g + 8 (r = 1): scores to the log2
 // domain and masked, the integer running max raised, acc and sums rescaled, weights packed as bf16.
 template <int DK>
-DEVICE void tile_softmax(float (&s)[ATTN_TC_BN / 8][4], unsigned int (&pf)[ATTN_TC_BN / 16][4],
+DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&pf)[TileKeys<DK>::value / 16][4],
                          float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int (&lo)[2],
                          const int (&hi)[2], int j0, bool full, float scale2, int t) {
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int nt = 0; nt < ATTN_TC_BN / 8; ++nt)
+    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
@@ -183,7 +259,7 @@ DEVICE void tile_softmax(float (&s)[ATTN_TC_BN / 8][4], unsigned int (&pf)[ATTN_
         for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
     }
 #pragma unroll
-    for (int kc = 0; kc < ATTN_TC_BN / 16; ++kc) {
+    for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // key columns 16kc + 8*half + 2t..+1
             const float(&c)[4] = s[2 * kc + half];
@@ -198,10 +274,10 @@ DEVICE void tile_softmax(float (&s)[ATTN_TC_BN / 8][4], unsigned int (&pf)[ATTN_
 
 // O[16 rows x DK] += P V for this warp's rows.
 template <int DK>
-DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[ATTN_TC_BN / 16][4], const u16* sv, int lane) {
+DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[TileKeys<DK>::value / 16][4], const u16* sv, int lane) {
     constexpr int LDS = DK + 8;
 #pragma unroll
-    for (int kc = 0; kc < ATTN_TC_BN / 16; ++kc)
+    for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc)
 #pragma unroll
         for (int dp = 0; dp < DK / 16; ++dp) {  // matrices: keys kc*16 + 8(i%2).., columns dp*16 + 8(i/2)..
             unsigned int b[4];
@@ -211,17 +287,13 @@ DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[ATTN_TC_BN /
         }
 }
 
-DEVICE float q_at(const float* __restrict__ q, int row, int c, int n_q, int hq, int h, int d) {
-    return row < n_q && c < d ? q[((long long)row * hq + h) * d + c] : 0.0f;
-}
-
-template <int DK>
-DEVICE void attn_prefill_tc(const float* __restrict__ q, const u16* __restrict__ kvb, const int* __restrict__ pos,
-                            const int* __restrict__ kv_len, float* __restrict__ out, int n_q, int hq, int hk, int d,
-                            int dv, int cap, float scale2, int window, int* errflag, int code) {
-    constexpr int BN = ATTN_TC_BN, LDS = DK + 8, BIG = 0x7fffffff;
-    __shared__ alignas(16) u16 sk[BN * LDS];
-    __shared__ alignas(16) u16 sv[BN * LDS];
+// sk, sv: K and V tiles, BN x (DK + 8) bf16 each; qa: where this warp's Q lives (QInRegisters, QInShared).
+template <int DK, typename QA>
+DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q, const u16* __restrict__ kvb,
+                            const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ out,
+                            int n_q, int hq, int hk, int d, int dv, int cap, float scale2, int window, int* errflag,
+                            int code) {
+    constexpr int BN = TileKeys<DK>::value, BIG = 0x7fffffff;
     __shared__ int blo, bhi;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
@@ -252,16 +324,7 @@ DEVICE void attn_prefill_tc(const float* __restrict__ q, const u16* __restrict__
     __syncthreads();
     const int jlo = blo, jhi = bhi;  // the keys any row of the block sees (empty when kv_len is bad)
 
-    unsigned int qf[DK / 16][4];  // this warp's 16 rows of Q as A fragments, rounded to bf16
-#pragma unroll
-    for (int kc = 0; kc < DK / 16; ++kc) {
-        const int c = kc * 16 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = row[i & 1], cc = c + (i >> 1) * 8;
-            qf[kc][i] = pack_bf16(q_at(q, r, cc, n_q, hq, h, d), q_at(q, r, cc + 1, n_q, hq, h, d));
-        }
-    }
+    qa.load(q, q0 + warp * 16, n_q, hq, h, d, lane);  // rounded to bf16
     float o[DK / 8][4];
 #pragma unroll
     for (int nt = 0; nt < DK / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -282,7 +345,7 @@ DEVICE void attn_prefill_tc(const float* __restrict__ q, const u16* __restrict__
         unsigned int pf[BN / 16][4];
         if (busy) {
             float s[BN / 8][4];
-            tile_scores<DK>(s, qf, sk, lane);
+            qa.scores(s, sk, lane);
             tile_softmax<DK>(s, pf, o, m, l, lo, hi, j0, j0 >= ilo && j0 + BN <= ihi, scale2, t);
         }
         cp_async_wait_all();
@@ -317,14 +380,28 @@ DEVICE void attn_prefill_tc(const float* __restrict__ q, const u16* __restrict__
 ATTN_KV_DEFINE(f32, float)
 ATTN_KV_DEFINE(f16, u16)
 
-// DK: the head dims served (d, dv <= DK); 64 and 128 (Qwen3, Llama). Larger ones take the f32 kernel.
+// DK: the head dims served (d, dv <= DK). 64 and 128 (Qwen3, Llama): everything in static shared memory.
+#define ATTN_TC_ARGS                                                                                                 \
+    const float *q, const u16 *kvb, const int *pos, const int *kv_len, float *out, int n_q, int hq, int hk, int d,  \
+        int dv, int cap, float scale2, int window, int *errflag, int code
+#define ATTN_TC_PASS q, kvb, pos, kv_len, out, n_q, hq, hk, d, dv, cap, scale2, window, errflag, code
 #define ATTN_TC_DEFINE(DK)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(                           \
-        const float* q, const u16* kvb, const int* pos, const int* kv_len, float* out, int n_q, int hq, int hk,     \
-        int d, int dv, int cap, float scale2, int window, int* errflag, int code) {                                  \
-        attn_prefill_tc<DK>(q, kvb, pos, kv_len, out, n_q, hq, hk, d, dv, cap, scale2, window, errflag, code);      \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS) {           \
+        __shared__ alignas(16) u16 sk[ATTN_TC_BN * (DK + 8)];                                                       \
+        __shared__ alignas(16) u16 sv[ATTN_TC_BN * (DK + 8)];                                                       \
+        attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);                                              \
     }
 ATTN_TC_DEFINE(64)
 ATTN_TC_DEFINE(128)
+
+// 256 (Qwen3.5, Gemma 3): Q in shared memory; K tile, V tile, then Q rows of each warp, all dynamic
+// (launched with (2 * ATTN_TC_BN_D256 + 16 * ATTN_TC_WARPS) * 264 * 2 bytes).
+extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d256(ATTN_TC_ARGS) {
+    constexpr int LDS = 256 + 8;
+    extern __shared__ __align__(16) u16 attn_tc_smem[];
+    constexpr int BN = TileKeys<256>::value;
+    u16* sq = attn_tc_smem + (2 * BN + 16 * (threadIdx.x / 32)) * LDS;
+    attn_prefill_tc<256>(QInShared<256>{sq}, attn_tc_smem, attn_tc_smem + BN * LDS, ATTN_TC_PASS);
+}
 
 #endif  // __CUDA_ARCH__ >= 800
