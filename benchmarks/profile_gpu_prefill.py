@@ -27,6 +27,7 @@ def main() -> None:
     import cupy as cp
     from graphir.backends.gpu.device import stream
     from graphir.backends.registry import get_backend
+
     from graphir.passes import run_pipeline
 
     model = graphir.load(args.model, backend="gpu", passes=args.passes, ctx=args.tokens)
