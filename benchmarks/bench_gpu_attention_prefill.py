@@ -1,11 +1,13 @@
 """Benchmark causal prefill attention on the GPU: the tensor-core bf16 kernel against the f32 one.
 
-    python benchmarks/bench_gpu_attention_prefill.py [--n 512 4096] [--warps 4 8] [--reps N]
+    python benchmarks/bench_gpu_attention_prefill.py [--shape qwen3-8b qwen3.5] [--n 512 4096] [--warps 4 8]
+        [--reps N]
 
-Shapes are Qwen3-8B's attention: 32 q heads, 8 kv heads, head_dim 128; a prompt of n tokens from an
-empty cache (positions 0..n-1, kv_len n) with K/V caches of f32 and f16. In the same run, on the same
-buffers: `lower_flash_attn` (attn_prefill_<kv>_d128_g4, f32 CUDA cores) and `lower_flash_attn_bf16`
-(attn_kv_bf16_<kv> + attn_prefill_bf16_d128, tensor cores) once per --warps value (ATTN_TC_WARPS:
+Shapes (--shape): Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128) and Qwen3.5's (16 q heads,
+4 kv heads, head_dim 256); a prompt of n tokens from an empty cache (positions 0..n-1, kv_len n) with K/V
+caches of f32 and f16. In the same run, on the same buffers: `lower_flash_attn` (attn_prefill_<kv>_d<DK>_g4,
+f32 CUDA cores) and `lower_flash_attn_bf16` (attn_kv_bf16_<kv> + attn_prefill_bf16_d<DK>, tensor cores)
+once per --warps value (ATTN_TC_WARPS:
 16 query rows per warp; the file is recompiled with that define). Steps are captured into a CUDA
 graph and replayed (gpu_timing.py), so the times are the kernels'. The bf16 time includes the K/V
 conversion, which is also timed alone.
@@ -27,15 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import replay_seconds  # noqa: E402  (beside this script)
 
-HQ, HK, D = 32, 8, 128
+SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3.5": (16, 4, 256)}  # q heads, kv heads, head dim
 
 
-def lower(rule, bufs, out):
+def lower(rule, bufs, out, d: int):
     from graphir.backends.gpu.launch import Lowering
 
     lw = Lowering(None)
     lw.code = 1
-    steps = rule(lw, None, bufs, [out], {"scale": 1.0 / np.sqrt(D), "window": 0})
+    steps = rule(lw, None, bufs, [out], {"scale": 1.0 / np.sqrt(d), "window": 0})
     return steps, lw
 
 
@@ -53,40 +55,43 @@ def run_steps(steps) -> None:
         st()
 
 
-def bench_case(n: int, kvdtype: str, warps_list: list[int], reps: int) -> list[tuple]:
+def bench_case(shape: str, n: int, kvdtype: str, warps_list: list[int], reps: int) -> list[tuple]:
     import cupy as cp
     from graphir.backends.gpu.attention import lower_flash_attn, lower_flash_attn_bf16
 
+    hq, hk, d = SHAPES[shape]
     rng = np.random.default_rng(n)
     npdt = np.float32 if kvdtype == "f32" else np.float16
-    q = cp.asarray(rng.standard_normal((n, HQ, D), dtype=np.float32))
-    k = cp.asarray(rng.standard_normal((n, HK, D)).astype(npdt))
-    v = cp.asarray(rng.standard_normal((n, HK, D)).astype(npdt))
+    q = cp.asarray(rng.standard_normal((n, hq, d), dtype=np.float32))
+    k = cp.asarray(rng.standard_normal((n, hk, d)).astype(npdt))
+    v = cp.asarray(rng.standard_normal((n, hk, d)).astype(npdt))
     pos, kv_len = cp.arange(n, dtype=cp.int32), cp.asarray([n], cp.int32)
     bufs = [q, k, v, pos, kv_len]
-    flops = 4.0 * D * HQ * n * (n + 1) / 2
+    flops = 4.0 * d * hq * n * (n + 1) / 2
     rows = []
 
-    out32 = cp.zeros((n, HQ, D), cp.float32)
-    steps, _ = lower(lower_flash_attn, bufs, out32)
+    out32 = cp.zeros((n, hq, d), cp.float32)
+    steps, _ = lower(lower_flash_attn, bufs, out32, d)
     t32 = replay_seconds(lambda: run_steps(steps), reps)[0]
-    rows.append((f"{kvdtype} n={n}", steps[0].name, t32, flops / t32 / 1e12, 1.0, ""))
+    case = f"{shape} {kvdtype} n={n}"
+    rows.append((case, steps[0].name, t32, flops / t32 / 1e12, 1.0, ""))
     ref = out32.get()
     for warps in warps_list:
         use_warps(warps)
-        out = cp.zeros((n, HQ, D), cp.float32)
-        steps, lw = lower(lower_flash_attn_bf16, bufs, out)
+        out = cp.zeros((n, hq, d), cp.float32)
+        steps, lw = lower(lower_flash_attn_bf16, bufs, out, d)
         t = replay_seconds(lambda steps=steps: run_steps(steps), reps)[0]
         t_convert = replay_seconds(steps[0], reps)[0]
         assert not lw.errflag.get()[0], "a kernel reported an error"
         diff = float(np.abs(out.get() - ref).max() / np.abs(ref).max())
-        rows.append((f"{kvdtype} n={n}", f"{steps[1].name} w{warps} (convert {t_convert * 1e6:.0f} us)", t,
+        rows.append((case, f"{steps[1].name} w{warps} (convert {t_convert * 1e6:.0f} us)", t,
                      flops / t / 1e12, t32 / t, f"{diff:.2e}"))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="attention shapes")
     ap.add_argument("--n", type=int, nargs="+", default=[512, 4096], help="prompt lengths")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="ATTN_TC_WARPS values to time")
     ap.add_argument("--kv", nargs="+", default=["f32", "f16"], choices=["f32", "f16"])
@@ -94,12 +99,14 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
-    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: hq {HQ}, hk {HK}, d {D}, causal from 0")
-    print(f"{'case':<14} {'kernel':<52} {'us':>9} {'TFLOP/s':>8} {'x f32':>6} {'vs f32':>9}")
-    for n in args.n:
-        for kvdtype in args.kv:
-            for case, name, t, tflops, speedup, diff in bench_case(n, kvdtype, args.warps, args.reps):
-                print(f"{case:<14} {name:<52} {t * 1e6:9.1f} {tflops:8.1f} {speedup:6.1f} {diff:>9}")
+    shapes = ", ".join(f"{s} (hq {SHAPES[s][0]}, hk {SHAPES[s][1]}, d {SHAPES[s][2]})" for s in args.shape)
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: {shapes}, causal from 0")
+    print(f"{'case':<24} {'kernel':<52} {'us':>9} {'TFLOP/s':>8} {'x f32':>6} {'vs f32':>9}")
+    for shape in args.shape:
+        for n in args.n:
+            for kvdtype in args.kv:
+                for case, name, t, tflops, speedup, diff in bench_case(shape, n, kvdtype, args.warps, args.reps):
+                    print(f"{case:<24} {name:<52} {t * 1e6:9.1f} {tflops:8.1f} {speedup:6.1f} {diff:>9}")
 
 
 if __name__ == "__main__":

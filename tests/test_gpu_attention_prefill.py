@@ -149,7 +149,8 @@ def close_bf16(got, want):
 
 
 def _kernels(kvdtype, d, dv):
-    return [f"attn_kv_bf16_{kvdtype}", f"attn_prefill_bf16_d{64 if max(d, dv) <= 64 else 128}"]
+    dk = 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
+    return [f"attn_kv_bf16_{kvdtype}", f"attn_prefill_bf16_d{dk}"]
 
 
 def _check_kernels(run, case):
@@ -201,6 +202,55 @@ def test_prefill_4096(kvdtype):
     close_bf16(run(q, k, v, pos, 4096), case.ref(q, k, v, pos, 4096))
 
 
+# ---------------------------------------------------------------- head dim 256 (Qwen3.5, Gemma 3)
+@tensor_cores
+@pytest.mark.parametrize("n_q", [7, 65, 511])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("start", [0, 300])
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill_d256(runner, n_q, group, start, kvdtype):
+    """attn_prefill_bf16_d256 (Q in shared memory, 32-key tiles): a chunk at positions start..start+n-1,
+    kv_len = start + n (> n past the first chunk), capacity beyond it."""
+    hk = 2 if n_q <= 65 else 1
+    kv_len = start + n_q
+    case = Case(n_q, hk * group, hk, 256, 256, kv_len + 21, kvdtype)
+    run = runner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(n_q * 100 + group * 10 + start)
+    q, k, v = case.data(rng, kv_len)
+    pos = np.arange(start, kv_len, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
+@tensor_cores
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_prefill_4096_d256(kvdtype):
+    """Qwen3.5's head dim and GQA group (16 q heads over 4 kv heads; one group here) at its bench length."""
+    case = Case(4096, 4, 1, 256, 256, 4096, kvdtype)
+    run = RuleRunner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(4097)
+    q, k, v = case.data(rng, 4096)
+    pos = np.arange(4096, dtype=np.int32)
+    close_bf16(run(q, k, v, pos, 4096), case.ref(q, k, v, pos, 4096))
+
+
+@tensor_cores
+@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
+def test_gemma3_sliding_window_d256(kvdtype):
+    """Gemma 3's local layers: head dim 256, 4 q heads over 1 kv head, 512-key window; a 1025-token prompt
+    (the window slides over 32-key tiles, early tiles skipped), then a later chunk past the window."""
+    case = Case(1025, 4, 1, 256, 256, 1700, kvdtype, window=512)
+    run = RuleRunner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(512)
+    for start in (0, 675):
+        kv_len = start + 1025
+        q, k, v = case.data(rng, kv_len)
+        pos = np.arange(start, kv_len, dtype=np.int32)
+        close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
+
+
 def _positions(rng, n_q, kv_len):
     """Out of order and repeated; some past kv_len, one at 0, one at -1 (sees nothing)."""
     pos = rng.integers(0, kv_len + 3, n_q).astype(np.int32)
@@ -212,9 +262,10 @@ def _positions(rng, n_q, kv_len):
 @tensor_cores
 @pytest.mark.parametrize("window", [0, 5, 100])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
-def test_arbitrary_positions_and_window(runner, window, kvdtype):
+@pytest.mark.parametrize("d", [64, 256])
+def test_arbitrary_positions_and_window(runner, window, kvdtype, d):
     """Positions need not be a run: every row masks by its own position; windows skip early tiles."""
-    case = Case(150, 8, 2, 64, 64, 400, kvdtype, window)
+    case = Case(150, 8, 2, d, d, 400, kvdtype, window)
     run = runner(case)
     rng = np.random.default_rng(window + 1)
     for kv_len in (1, 63, 64, 65, 300, 400):
@@ -228,9 +279,9 @@ def test_arbitrary_positions_and_window(runner, window, kvdtype):
 
 @tensor_cores
 @pytest.mark.parametrize("hq,hk,d,dv", [(4, 2, 64, 32), (6, 1, 6, 10), (2, 1, 96, 128), (3, 3, 80, 80),
-                                        (12, 1, 128, 120)])
+                                        (12, 1, 128, 120), (4, 1, 136, 256), (6, 2, 250, 130)])
 def test_head_shapes(runner, hq, hk, d, dv):
-    """dv != d, odd and non-power-of-two head dims (zero-padded to DK 64 or 128), GQA groups 2, 3, 6, 12."""
+    """dv != d, odd and non-power-of-two head dims (zero-padded to DK 64, 128 or 256), GQA groups 2, 3, 4, 6, 12."""
     case = Case(70, hq, hk, d, dv, 333, "f16")
     run = runner(case)
     _check_kernels(run, case)
@@ -254,13 +305,14 @@ def test_unaligned_kv(kvdtype, offset):
 
 
 @tensor_cores
-def test_replay_many_kv_len():
+@pytest.mark.parametrize("d", [128, 256])
+def test_replay_many_kv_len(d):
     """One lowered program, many contexts and chunk starts (tile boundaries of the keys and the queries)."""
-    case = Case(65, 8, 2, 128, 128, 1100, "f32")
+    case = Case(65, 8, 2, d, d, 1100, "f32")
     run = RuleRunner(case)
     rng = np.random.default_rng(11)
     q, k, v = case.data(rng, 1100)
-    for kv_len in (65, 66, 127, 128, 129, 191, 192, 193, 640, 1100):
+    for kv_len in (65, 66, 95, 96, 97, 127, 128, 129, 191, 192, 193, 640, 1100):
         k2, v2 = k.copy(), v.copy()
         k2[kv_len:], v2[kv_len:] = GARBAGE, -GARBAGE
         pos = np.arange(kv_len - 65, kv_len, dtype=np.int32)
@@ -293,9 +345,13 @@ def test_kv_len_past_capacity_raises(runner):
     close_bf16(run(q, k, v, pos, 37), case.ref(q, k, v, pos, 37))  # the program still works afterwards
 
 
-def test_head_dim_past_128_takes_the_f32_kernel():
-    """d 256: the CUDA-core kernel computes attention without the op's roundings, so it agrees with the
-    reference to about their size (the rounding cost, not flips): 1e-2 of max |ref|."""
+@tensor_cores
+def test_d256_without_the_shared_memory_takes_the_f32_kernel(monkeypatch):
+    """A GPU that cannot give attn_prefill_bf16_d256 its dynamic shared memory (here: asked for 1 MiB) lowers
+    with the f32 kernel: attention without the op's roundings, off its reference by about their cost."""
+    from graphir.backends.gpu import attention
+
+    monkeypatch.setattr(attention, "_tc_dynamic_shared", lambda dk: 1 << 20 if dk == 256 else 0)
     case = Case(70, 4, 2, 256, 256, 100, "f16")
     run = RuleRunner(case)
     assert run.kernels == ["attn_prefill_f16_d256_g4"], run.kernels
@@ -349,6 +405,41 @@ def test_qwen3_tiny_with_attn_bf16():
     ref = graphir.load("random:qwen3-tiny", backend="reference", passes="default,attn-bf16", ctx=256)
     f32 = graphir.load("random:qwen3-tiny", backend="gpu", passes="default", ctx=256)
     got, want, exact = gpu.logits(ids), ref.logits(ids), f32.logits(ids)
+    scale = float(np.abs(want).max())
+    assert np.abs(got - want).max() <= 2e-3 * scale
+    assert ((got - exact) ** 2).sum() / (exact * exact).sum() <= 1e-4
+    assert np.abs(got - exact).max() > 1e-4 * scale  # the roundings happened: the pass reached the gpu
+
+
+def _gemma3_d256(backend: str, passes: str):
+    """gemma3-tiny with Gemma 3's real head shape: head dim 256, 4 q heads over 1 kv head; windows of 40."""
+    import dataclasses
+
+    from graphir.models import gemma3, presets
+
+    from graphir.api import Model
+
+    config = dataclasses.replace(gemma3.PRESETS["gemma3-tiny"][0], head_dim=256, n_kv_heads=1, sliding_window=40)
+    return Model(config, gemma3.random_weights(config), presets.ByteTokenizer(), backend=backend, passes=passes)
+
+
+@tensor_cores
+def test_gemma3_d256_with_attn_bf16():
+    """Sliding-window and global layers at head dim 256 all take attn_prefill_bf16_d256; the logits meet the
+    reference backend running the same pass (2e-3 of max |logit|, as test_qwen3_tiny_with_attn_bf16) and
+    differ from the f32 graph by the rounding's cost."""
+    from graphir.backends.gpu.replay_lint import launches
+
+    from graphir.passes import run_pipeline
+
+    gpu = _gemma3_d256("gpu", "default,attn-bf16")
+    graph = run_pipeline(gpu.graph("prefill", 64, last_only=True), "default,attn-bf16")
+    names = [launch[0] for launch in launches(get_backend("gpu").lower(graph, gpu.weights))]
+    assert names.count("attn_prefill_bf16_d256") == gpu.config.n_layers, names
+    ids = list(np.random.default_rng(1).integers(0, 256, 150))
+    got = gpu.logits(ids)
+    want = _gemma3_d256("reference", "default,attn-bf16").logits(ids)
+    exact = _gemma3_d256("gpu", "default").logits(ids)
     scale = float(np.abs(want).max())
     assert np.abs(got - want).max() <= 2e-3 * scale
     assert ((got - exact) ** 2).sum() / (exact * exact).sum() <= 1e-4

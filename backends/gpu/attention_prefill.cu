@@ -155,13 +155,13 @@ DEVICE float q_at(const float* __restrict__ q, int row, int c, int n_q, int hq, 
     return row < n_q && c < d ? q[((long long)row * hq + h) * d + c] : 0.0f;
 }
 
-#define MEMBER __device__ __forceinline__  // DEVICE is static: not for member functions
+#define TC_MEMBER __device__ __forceinline__  // DEVICE is static: not for member functions
 
 template <int DK>
 struct QInRegisters {  // DK / 4 registers a lane
     unsigned int f[DK / 16][4];
 
-    MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
+    TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int kc = 0; kc < DK / 16; ++kc) {
@@ -174,7 +174,7 @@ struct QInRegisters {  // DK / 4 registers a lane
         }
     }
 
-    MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+    TC_MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
         constexpr int LDS = DK + 8;
 #pragma unroll
         for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) {
@@ -194,7 +194,7 @@ template <int DK>
 struct QInShared {  // the warp's own 16 rows x (DK + 8) bf16 of shared memory; 8 registers a lane
     u16* sq;
 
-    MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
+    TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
         constexpr int LDS = DK + 8, PAIRS = DK / 2;
 #pragma unroll 4
         for (int i = lane; i < 16 * PAIRS; i += 32) {  // consecutive lanes, consecutive columns
@@ -206,7 +206,7 @@ struct QInShared {  // the warp's own 16 rows x (DK + 8) bf16 of shared memory; 
     }
 
     // Same products in the same order as QInRegisters; k-steps outer, so each Q fragment is read once a tile.
-    MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+    TC_MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
         constexpr int LDS = DK + 8;
 #pragma unroll
         for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
