@@ -197,7 +197,8 @@ def _tc_kernel_fits(kernel: Any, dynamic: int) -> bool:
         return True
     from .device import cupy
 
-    limit = int(cupy().cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    rt = cupy().cuda.runtime
+    limit = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, rt.getDevice()))
     if int(kernel.shared_size_bytes) + dynamic > limit:
         return False
     if int(kernel.max_dynamic_shared_size_bytes) < dynamic:
@@ -234,18 +235,18 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
         return []
     dk = _tc_dk(d, dv)
     shared = _tc_dynamic_shared(dk)
-    if not _tc_kernel_fits(kernels.get(TC_FILE, f"attn_prefill_bf16_d{dk}"), shared):
-        return lower_flash_attn(lw, n, ins, outs, p)
     pos, kv_len, out = ins[3], ins[4], outs[0]
     kvb = _kv_bf16_scratch(lw, 2 * hk * cap * dk)
     window = int(p.get("window", 0))
     window = window if 0 < window < 2**31 else 0
     code = lw.code_arg(f"flash_attn_bf16: kv_len {{value}} outside 0..{cap} (the KV capacity)")
-    convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 2, KV_CONVERT_THREADS)), 2),
-                     KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
     attend = Launch(TC_FILE, f"attn_prefill_bf16_d{dk}", (hq, cdiv(n_q, 16 * TC_WARPS)), 32 * TC_WARPS,
                     (q, kvb, pos, kv_len, out, i32(n_q), i32(hq), i32(hk), i32(d), i32(dv), i32(cap),
                      f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code), shared=shared)
+    if not _tc_kernel_fits(attend.kernel, shared):
+        return lower_flash_attn(lw, n, ins, outs, p)
+    convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 2, KV_CONVERT_THREADS)), 2),
+                     KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
     return [convert, attend]
 
 
