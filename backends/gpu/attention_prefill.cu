@@ -274,7 +274,8 @@ DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&
 
 // O[16 rows x DK] += P V for this warp's rows.
 template <int DK>
-DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[TileKeys<DK>::value / 16][4], const u16* sv, int lane) {
+DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[TileKeys<DK>::value / 16][4], const u16* sv,
+                    int lane) {
     constexpr int LDS = DK + 8;
 #pragma unroll
     for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc)
@@ -373,7 +374,7 @@ DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q
 
 // ---------------------------------------------------------------- specializations
 #define ATTN_KV_DEFINE(KVNAME, KVT)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(ATTN_KV_CONVERT_THREADS) attn_kv_bf16_##KVNAME(                   \
+    extern "C" __global__ void __launch_bounds__(ATTN_KV_CONVERT_THREADS) attn_kv_bf16_##KVNAME(                     \
         const KVT* k, const KVT* v, u16* dst, const int* kv_len, int cap, int hk, int d, int dv, int dk) {           \
         kv_to_bf16<KVT>(k, v, dst, kv_len, cap, hk, d, dv, dk);                                                      \
     }
@@ -382,14 +383,14 @@ ATTN_KV_DEFINE(f16, u16)
 
 // DK: the head dims served (d, dv <= DK). 64 and 128 (Qwen3, Llama): everything in static shared memory.
 #define ATTN_TC_ARGS                                                                                                 \
-    const float *q, const u16 *kvb, const int *pos, const int *kv_len, float *out, int n_q, int hq, int hk, int d,  \
+    const float *q, const u16 *kvb, const int *pos, const int *kv_len, float *out, int n_q, int hq, int hk, int d,   \
         int dv, int cap, float scale2, int window, int *errflag, int code
 #define ATTN_TC_PASS q, kvb, pos, kv_len, out, n_q, hq, hk, d, dv, cap, scale2, window, errflag, code
 #define ATTN_TC_DEFINE(DK)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS) {           \
-        __shared__ alignas(16) u16 sk[ATTN_TC_BN * (DK + 8)];                                                       \
-        __shared__ alignas(16) u16 sv[ATTN_TC_BN * (DK + 8)];                                                       \
-        attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS) {            \
+        __shared__ alignas(16) u16 sk[TileKeys<DK>::value * (DK + 8)];                                               \
+        __shared__ alignas(16) u16 sv[TileKeys<DK>::value * (DK + 8)];                                               \
+        attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);                                               \
     }
 ATTN_TC_DEFINE(64)
 ATTN_TC_DEFINE(128)
