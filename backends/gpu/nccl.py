@@ -40,18 +40,18 @@ def _nccl() -> Any:
     return nccl
 
 
-def unique_id() -> tuple[int, ...]:
+def unique_id() -> Any:
     """A new NCCL unique id (made by one rank, sent to the others). The process that makes it hosts
     NCCL's bootstrap root, so it must outlive the communicator's setup."""
     cupy()
-    return tuple(_nccl().get_unique_id())
+    return _nccl().get_unique_id()  # as CuPy makes it (bytes in CuPy 14): its NcclCommunicator takes that type
 
 
 class NcclCommunicator:
     """This process's member of an n-rank NCCL communicator, on the current device (set it first).
     Joining blocks until all n ranks have joined."""
 
-    def __init__(self, n: int, uid: tuple[int, ...], rank: int):
+    def __init__(self, n: int, uid: Any, rank: int):
         if not 0 <= rank < n:
             raise BackendError(f"NcclCommunicator: rank {rank} is outside 0..{n - 1}")
         nccl = _nccl()
