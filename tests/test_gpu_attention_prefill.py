@@ -436,13 +436,15 @@ def test_d256_model_with_attn_bf16(family):
     """Every attention layer (sliding and global) takes attn_prefill_bf16_d256; the logits meet the reference
     backend running the same pass (2e-3 of max |logit|, as test_qwen3_tiny_with_attn_bf16) and differ from the
     f32 graph by the rounding's cost (on the reference backend: 7e-3 of max |logit| for gemma3, 6e-4 qwen35)."""
-    from graphir.backends.gpu.replay_lint import launches
+    from graphir.backends.gpu.replay_lint import launches, lint
 
     from graphir.passes import run_pipeline
 
     gpu = _d256_model(family, "gpu", "default,attn-bf16")
     graph = run_pipeline(gpu.graph("prefill", 64, last_only=True), "default,attn-bf16")
-    names = [launch[0] for launch in launches(get_backend("gpu").lower(graph, gpu.weights))]
+    program = get_backend("gpu").lower(graph, gpu.weights)
+    assert lint(program, get_backend("gpu").new_state(graph)) == []  # binds the Program (it holds State)
+    names = [launch[0] for launch in launches(program)]
     n_attn = sum(nd.op == "flash_attn_bf16" for nd in graph.nodes())
     assert n_attn >= 1 and names.count("attn_prefill_bf16_d256") == n_attn, names
     ids = list(np.random.default_rng(1).integers(0, 256, 150))
