@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from graphir.errors import InputError
-from graphir.models.llama import SLOT_MAP
+from graphir.models.family import SLOT_MAP
 
 
 def check_slot_map(slot_map: np.ndarray, pool: int, positions: np.ndarray) -> None:

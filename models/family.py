@@ -67,6 +67,7 @@ class Family:
 
 
 PHASES = ("prefill", "decode")
+SLOT_MAP = "slot_map"  # Input [ctx] i32 of graphs with a KV slot pool (kv_slots): the pool slot of each position
 DEFAULT_PREFILL_TOKENS = 8
 
 

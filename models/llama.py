@@ -39,6 +39,7 @@ from graphir.weights import Weights
 
 from . import random_init
 from .family import (
+    SLOT_MAP,
     Family,
     ParamNodes,
     check_rules,
@@ -50,8 +51,6 @@ from .family import (
     step_inputs,
 )
 from .names import NameMap
-
-SLOT_MAP = "slot_map"  # Input [ctx] i32 of graphs with kv_slots: the pool slot of each position
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pytest
 from _gpu_helpers import gpu_only
 from graphir.backends.registry import get_backend
 from graphir.models import llama
+from graphir.models.family import SLOT_MAP
 from test_replay import copy_state
 
 import graphir
@@ -73,7 +74,7 @@ def test_shuffled_slots_give_the_logits_of_a_contiguous_cache(backend, spec):
 def test_slot_graphs_pass_replay_lint_and_hold_no_position():
     _, slotted = models("reference")
     graph = slotted.graph("prefill", 4)
-    assert [n.name for n in graph.inputs if n.name == llama.SLOT_MAP] == [llama.SLOT_MAP]
+    assert [n.name for n in graph.inputs if n.name == SLOT_MAP] == [SLOT_MAP]
     assert next(n for n in graph.states if n.name == "blk.0.k_cache").shape[0] == POOL
     for b in (1, 2, 16):
         a = slotted.graph("decode" if b == 1 else "prefill", b)
@@ -153,7 +154,7 @@ def test_a_pool_view_sized_from_a_logical_length_is_caught(monkeypatch):
         program(slotted, 8)(prefix, a)
         program(slotted, 8)(prefix, b)
         want = program(slotted, 4)(inputs, a)["logits"]
-        got = backend.lower(broken, slotted.weights)({k: v for k, v in inputs.items() if k != llama.SLOT_MAP}, b)
+        got = backend.lower(broken, slotted.weights)({k: v for k, v in inputs.items() if k != SLOT_MAP}, b)
         # (unfused, as replay-lint stops the default pipeline: equal up to f32 rounding where it is right)
         assert np.allclose(got["logits"], want, rtol=1e-4, atol=1e-4) == agree
 
