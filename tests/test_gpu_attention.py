@@ -10,15 +10,14 @@ at many kv_len values.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 import pytest
+from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, attention_graph, host
 from graphir.backends.registry import get_backend
 
-from graphir import g
 from graphir.errors import BackendError
-from graphir.ir import Graph
 
 try:
     from graphir.backends.gpu.device import available
@@ -28,87 +27,12 @@ except ImportError:  # pragma: no cover - the package always has it; keep collec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
 
-GARBAGE = 1e3
+class Case(AttentionCase):
+    op = "flash_attn"
 
 
-def _graph(n_q, hq, cap, hk, d, dv, kvdtype, scale, window, state=False):
-    leaf = g.state if state else g.input
-    node = g.flash_attn(g.input("q", (n_q, hq, d)), leaf("k", (cap, hk, d), kvdtype), leaf("v", (cap, hk, dv), kvdtype),
-                        g.input("pos", (n_q,), "i32"), g.input("len", (1,), "i32"), scale=scale, window=window)
-    return Graph({"out": node})
-
-
-class Case:
-    """Shapes of one flash_attn node; `run(...)` evaluates it on a runner, `ref(...)` on the reference."""
-
-    def __init__(self, n_q, hq, hk, d, dv, cap, kvdtype, window, scale=None):
-        self.n_q, self.hq, self.hk, self.d, self.dv, self.cap = n_q, hq, hk, d, dv, cap
-        self.kvdtype, self.window = kvdtype, window
-        self.scale = 1.0 / math.sqrt(d) if scale is None else scale
-        self.graph = _graph(n_q, hq, cap, hk, d, dv, kvdtype, self.scale, window)
-        self.reference = get_backend("reference").lower(self.graph, None)
-
-    def data(self, rng, kv_len):
-        npdt = np.float32 if self.kvdtype == "f32" else np.float16
-        q = (rng.standard_normal((self.n_q, self.hq, self.d)) * 1.5).astype(np.float32)
-        k = rng.standard_normal((self.cap, self.hk, self.d)).astype(npdt)
-        v = rng.standard_normal((self.cap, self.hk, self.dv)).astype(npdt)
-        k[kv_len:], v[kv_len:] = GARBAGE, -GARBAGE
-        return q, k, v
-
-    def feeds(self, q, k, v, pos, kv_len):
-        return {"q": q, "k": k, "v": v, "pos": np.asarray(pos, np.int32), "len": np.array([kv_len], np.int32)}
-
-    def ref(self, *args):
-        return self.reference(self.feeds(*args))["out"]
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-class GraphRunner:
-    def __init__(self, case: Case):
-        self.case, self.program = case, get_backend("gpu").lower(case.graph, None)
-
-    def __call__(self, *args):
-        return _host(self.program(self.case.feeds(*args))["out"])
-
-
-class RuleRunner:
-    """lower_flash_attn on persistent device buffers: new values are copied in, pointers never change."""
-
-    def __init__(self, case: Case, kv_offset: int = 0):
-        import cupy as cp
-        from graphir.backends.gpu.attention import lower_flash_attn
-        from graphir.backends.gpu.launch import Lowering
-
-        c = self.case = case
-        kvdt = np.float32 if c.kvdtype == "f32" else np.float16
-
-        def kv(width):  # kv_offset elements past an aligned address
-            n = c.cap * c.hk * width
-            return cp.zeros(n + kv_offset, kvdt)[kv_offset:].reshape(c.cap, c.hk, width)
-
-        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), kv(c.d), kv(c.dv), cp.zeros((c.n_q,), np.int32),
-                     cp.zeros((1,), np.int32)]
-        self.steps = None
-        self.out = cp.full((c.n_q, c.hq, c.dv), np.nan, np.float32)
-        self.lw = Lowering(None)
-        self.lw.code = 1
-        self.steps = lower_flash_attn(self.lw, None, self.bufs, [self.out], {"scale": c.scale, "window": c.window})
-        self.kernels = [st.name for st in self.steps]
-
-    def __call__(self, *args):
-        for buf, host in zip(self.bufs, self.case.feeds(*args).values()):
-            buf.set(np.ascontiguousarray(host))
-        self.lw.errflag.fill(0)
-        for step in self.steps:
-            step()
-        flag = self.lw.errflag.get()
-        if flag[0]:
-            raise BackendError(self.lw.messages[int(flag[0])].format(value=int(flag[1])))
-        return self.out.get()
+_graph = functools.partial(attention_graph, "flash_attn")
+_host = host
 
 
 @pytest.fixture(params=["rule", "graph"])

@@ -17,16 +17,13 @@ of their sum; expected well under 0.1 %). A wrong mask, tile or fragment moves m
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, host
 from graphir.backends.registry import get_backend
 
 import graphir
-from graphir import g
 from graphir.errors import BackendError
-from graphir.ir import Graph
 
 try:
     from graphir.backends.gpu.device import available
@@ -46,88 +43,15 @@ def _tensor_cores() -> bool:
 # The kernel's tests; without bf16 tensor cores flash_attn_bf16 runs the f32 kernel (test_without_tensor_cores_*).
 tensor_cores = pytest.mark.skipif(not _tensor_cores(), reason="no bf16 tensor cores here (HIP or below sm_80)")
 
-GARBAGE = 1e3
 MAX_REL = 1e-2  # of max |ref|, any element (a flipped weight in a row of two keys: ~4e-3)
 ROW_REL = 1e-4  # of max |ref|, every (query, head) row but a few (flipped weights of short rows)
 
 
-def _graph(n_q, hq, cap, hk, d, dv, kvdtype, scale, window):
-    node = g.flash_attn_bf16(g.input("q", (n_q, hq, d)), g.input("k", (cap, hk, d), kvdtype),
-                             g.input("v", (cap, hk, dv), kvdtype), g.input("pos", (n_q,), "i32"),
-                             g.input("len", (1,), "i32"), scale=scale, window=window)
-    return Graph({"out": node})
+class Case(AttentionCase):
+    op = "flash_attn_bf16"
 
 
-class Case:
-    """Shapes of one flash_attn_bf16 node; `ref(...)` evaluates it on the reference backend."""
-
-    def __init__(self, n_q, hq, hk, d, dv, cap, kvdtype, window=0):
-        self.n_q, self.hq, self.hk, self.d, self.dv, self.cap = n_q, hq, hk, d, dv, cap
-        self.kvdtype, self.window, self.scale = kvdtype, window, 1.0 / math.sqrt(d)
-        self.graph = _graph(n_q, hq, cap, hk, d, dv, kvdtype, self.scale, window)
-        self.reference = get_backend("reference").lower(self.graph, None)
-
-    def data(self, rng, kv_len):
-        npdt = np.float32 if self.kvdtype == "f32" else np.float16
-        q = (rng.standard_normal((self.n_q, self.hq, self.d)) * 1.5).astype(np.float32)
-        k = rng.standard_normal((self.cap, self.hk, self.d)).astype(npdt)
-        v = rng.standard_normal((self.cap, self.hk, self.dv)).astype(npdt)
-        k[kv_len:], v[kv_len:] = GARBAGE, -GARBAGE
-        return q, k, v
-
-    def feeds(self, q, k, v, pos, kv_len):
-        return {"q": q, "k": k, "v": v, "pos": np.asarray(pos, np.int32), "len": np.array([kv_len], np.int32)}
-
-    def ref(self, *args):
-        return self.reference(self.feeds(*args))["out"]
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-class GraphRunner:
-    def __init__(self, case: Case):
-        self.case, self.program = case, get_backend("gpu").lower(case.graph, None)
-
-    def __call__(self, *args):
-        return _host(self.program(self.case.feeds(*args))["out"])
-
-
-class RuleRunner:
-    """lower_flash_attn_bf16 on persistent device buffers: new values are copied in, pointers never change."""
-
-    def __init__(self, case: Case, kv_offset: int = 0):
-        import cupy as cp
-        from graphir.backends.gpu.attention import lower_flash_attn_bf16
-        from graphir.backends.gpu.launch import Lowering
-
-        c = self.case = case
-        kvdt = np.float32 if c.kvdtype == "f32" else np.float16
-
-        def kv(width):  # kv_offset elements past an aligned address
-            n = c.cap * c.hk * width
-            return cp.zeros(n + kv_offset, kvdt)[kv_offset:].reshape(c.cap, c.hk, width)
-
-        self.bufs = [cp.zeros((c.n_q, c.hq, c.d), np.float32), kv(c.d), kv(c.dv), cp.zeros((c.n_q,), np.int32),
-                     cp.zeros((1,), np.int32)]
-        self.out = cp.full((c.n_q, c.hq, c.dv), np.nan, np.float32)
-        self.lw = Lowering(None)
-        self.lw.code = 1
-        self.steps = lower_flash_attn_bf16(self.lw, None, self.bufs, [self.out],
-                                           {"scale": c.scale, "window": c.window})
-        self.kernels = [st.name for st in self.steps]
-
-    def __call__(self, *args):
-        for buf, host in zip(self.bufs, self.case.feeds(*args).values()):
-            buf.set(np.ascontiguousarray(host))
-        self.lw.errflag.fill(0)
-        for step in self.steps:
-            step()
-        flag = self.lw.errflag.get()
-        if flag[0]:
-            raise BackendError(self.lw.messages[int(flag[0])].format(value=int(flag[1])))
-        return self.out.get()
+_host = host
 
 
 @pytest.fixture(params=["rule", "graph"])
