@@ -16,6 +16,7 @@ layers) take exact chunks instead, since a padding token would advance their sta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from graphir import kv_slots
 from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.chat import Conversation
@@ -69,6 +71,10 @@ class Model:
         self._dtypes = {name: w.dtype for name, w in weights.items()}
         self._graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._state: dict[str, np.ndarray] | None = None
+        # a KV slot pool (kv_slots=N): the slots of the sequence's positions, fed as the slot map every call
+        pool = getattr(config, "kv_slots", 0)
+        self.slots = kv_slots.SlotPool(pool, config.ctx) if pool else None
+        self.kv_capacity = min(config.ctx, pool) if pool else config.ctx  # the KV rows a sequence can hold
         self.n_past = 0  # KV rows written (the next token's position)
         self.conversation = Conversation(self)  # the chat turns the KV cache holds
         self._padding_ok: bool | None = None  # _pads_safely(), worked out once
@@ -97,6 +103,28 @@ class Model:
 
     # ---- running ----
 
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @n_past.setter
+    def n_past(self, n: int) -> None:
+        """Moving the sequence's end; with a slot pool, rewinding (a reset, rolling back rejected drafts, past
+        a call's padding rows) frees the slots of the positions past it."""
+        self._n_past = n
+        if self.slots is not None:
+            self.slots.release(n)
+
+    def _slot_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A call's Inputs (kv_idx: the positions n_past.. it writes) on this model's cache: unchanged for a
+        contiguous cache; with a slot pool, those positions take slots (an InputError before the call when the
+        pool is exhausted), kv_idx names the slots and the slot map is added."""
+        if self.slots is None:
+            return inputs
+        self.slots.release(self.n_past)
+        self.slots.hold(self.n_past + len(inputs["kv_idx"]))
+        return kv_slots.slot_inputs(inputs, self.slots.slot_map, self.slots.n_slots)
+
     def reset(self) -> None:
         """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
         the conv and recurrent states of hybrid models, which are not indexed by position."""
@@ -110,6 +138,7 @@ class Model:
         if self.n_past + len(ids) > self.config.ctx:
             raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
+        self._check_slots(self.n_past + len(ids))
         self._ensure_state()
         out, start = [], 0
         for b in self.chunks(len(ids)):
@@ -118,7 +147,7 @@ class Model:
             pos = np.concatenate([rows[m:], rows[:m]])  # padding first, at the free rows past the real ones
             tokens = np.concatenate([np.full(b - m, ids[start], np.int32), ids[start:start + m]])
             inputs = {"tokens": tokens, "pos": pos, "kv_idx": pos, "kv_len": np.array([self.n_past + m], np.int32)}
-            logits = self._program(b, last_only)(inputs, self._state)["logits"]
+            logits = self._program(b, last_only)(self._slot_inputs(inputs), self._state)["logits"]
             out.append(logits if last_only else logits[b - m:])
             start, self.n_past = start + m, self.n_past + m
         return out[-1] if last_only else np.concatenate(out, axis=0)
@@ -129,7 +158,7 @@ class Model:
         be padded (its bucket past the tokens left, within the context) and a one-token call (the decode
         graph) only reads a last single token. Models that cannot be padded take exact chunks."""
         buckets = sorted(set(self.prefill_buckets) - {1})
-        pad_room = self.config.ctx - self.n_past if self._pads_safely() else 0
+        pad_room = self.kv_capacity - self.n_past if self._pads_safely() else 0
         best = [(0.0, 0)]  # best[k]: (modelled cost, first call's bucket) of the plan for the last k tokens
         for k in range(1, n + 1):
             plans = [(1 + self.call_cost, 1)] if k == 1 else []
@@ -213,13 +242,14 @@ class Model:
         if n + 1 > self.config.ctx:
             raise InputError(f"1 token after {n} exceeds the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
+        self._check_slots(n + 1)
         self._ensure_state()
         feeds = self._step_feeds
         feeds["tokens"][0] = token
         feeds["pos"][0] = feeds["kv_idx"][0] = n
         feeds["kv_len"][0] = n + 1
         feeds[SAMPLING_INPUT][0] = settings.row()
-        out = self._program(1, False, sampler=True)(feeds, self._state)[TOKEN_OUTPUT]
+        out = self._program(1, False, sampler=True)(self._slot_inputs(feeds), self._state)[TOKEN_OUTPUT]
         self.n_past = n + 1
         self._add_stats("decode", 1, t0)
         return int(out[0])
@@ -251,6 +281,15 @@ class Model:
         if n_prompt + n_new > self.config.ctx:
             raise InputError(f"prompt of {n_prompt} tokens + max_new_tokens {n_new} exceeds the context of "
                              f"{self.config.ctx} (load(..., ctx=N) to raise it)")
+        if self.slots is not None and n_prompt + n_new > self.slots.n_slots:
+            raise InputError(f"prompt of {n_prompt} tokens + max_new_tokens {n_new} needs {n_prompt + n_new} KV "
+                             f"slots, the pool has {self.slots.n_slots} (load(..., kv_slots=N) to raise it)")
+
+    def _check_slots(self, n: int) -> None:
+        """A sequence of n tokens fits the slot pool (checked before a call, so the cache is left as it was)."""
+        if self.slots is not None and n > self.slots.n_slots:
+            raise InputError(f"KV slot pool exhausted: a sequence of {n} tokens needs {n} slots, the pool has "
+                             f"{self.slots.n_slots} ({self.n_past} held; load(..., kv_slots=N) to raise it)")
 
     def _clear_run_stats(self) -> None:
         self.stats.update(prefill_s=0.0, prefill_tokens=0, decode_s=0.0, decode_tokens=0)
@@ -266,7 +305,8 @@ class Model:
 
 
 def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dtype: str | None = None,
-         ctx: int | None = None, passes: str = "default", threads: int | None = None, tp: int = 1) -> Model:
+         ctx: int | None = None, passes: str = "default", threads: int | None = None, tp: int = 1,
+         kv_slots: int | None = None) -> Model:
     """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
     "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
     `backend` "auto" is gpu when CuPy sees a device, else cpu; `passes` is the pipeline applied before
@@ -278,7 +318,9 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     one thread fewer per core other programs keep busy (graphir/backends/cpu/threads.py).
     A model from an HF directory without tokenizer.json loads with `tokenizer` None.
     `tp` > 1: tensor parallel over that many processes, one per GPU (gpu, NCCL) or sharing memory
-    (cpu); the result is a graphir.tp_workers.TensorParallelModel with generate, logits and close."""
+    (cpu); the result is a graphir.tp_workers.TensorParallelModel with generate, logits and close.
+    `kv_slots` N: the KV cache is a pool of N slots addressed through a slot map (graphir/kv_slots.py;
+    families whose config has a kv_slots field: llama, qwen3); a sequence holds at most min(ctx, N) tokens."""
     t0 = time.perf_counter()
     if threads is not None:
         from graphir.backends.cpu.threads import set_threads
@@ -289,6 +331,10 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
+    if kv_slots is not None and (isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < 1):
+        raise InputError(f"kv_slots must be an int >= 1, got {kv_slots!r}")
+    if kv_slots is not None and tp != 1:
+        raise InputError("kv_slots: tensor-parallel models keep a contiguous KV cache (load with tp=1)")
     if tp != 1 or isinstance(tp, bool):  # the workers load the model themselves, each its rank's part
         from graphir import tp_workers
 
@@ -298,8 +344,18 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
         weights = loader.convert_weights(weights, dtype)
     if ctx is not None:
         config = loader.with_ctx(config, ctx)
+    if kv_slots is not None:
+        config = _with_kv_slots(config, kv_slots, source)
     return Model(config, weights, tokenizer, backend=backend, passes=passes, eos_ids=eos, source=source,
                  load_s=time.perf_counter() - t0)
+
+
+def _with_kv_slots(config: ModelConfig, n: int, source: str) -> ModelConfig:
+    """`config` with a KV slot pool of n slots; an InputError for a family whose graphs have none."""
+    if "kv_slots" not in {f.name for f in dataclasses.fields(config)}:  # type: ignore[arg-type]
+        raise InputError(f"kv_slots: {source} ({config.arch}) has no KV slot pool; the families with one build "
+                         f"llama and qwen3 models")
+    return dataclasses.replace(config, kv_slots=n)  # type: ignore[type-var]
 
 
 def check_pipeline(passes: str) -> None:

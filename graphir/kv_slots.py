@@ -4,6 +4,9 @@ N slots, and every call is fed a slot map, the pool slot of each of the sequence
     config = dataclasses.replace(model.config, kv_slots=N)   # graphs take the Input slot_map [ctx]
     inputs = slot_inputs(inputs, slot_map, N)               # kv_idx (positions) -> the slots they write
 
+graphir.load(spec, kv_slots=N) gives a Model that does this itself: it owns a SlotPool (a free list; each
+position of its sequence holds a slot) and feeds the slot map on every call, prefill, decode and verify.
+
 The slots need not follow the positions (a paged or shared pool hands them out in any order); the
 graph gathers the sequence's rows through the map, so shuffled slots give the logits contiguous
 ones do. The map is checked before a call, so a bad one fails without touching the cache.
@@ -45,3 +48,41 @@ def slot_inputs(inputs: Mapping[str, np.ndarray], slot_map: np.ndarray, pool: in
     used = int(inputs["kv_len"][0])
     check_slot_map(slot_map, pool, np.concatenate([np.arange(used), np.asarray(inputs["kv_idx"])]))
     return {**inputs, "kv_idx": slot_map[np.asarray(inputs["kv_idx"])], SLOT_MAP: slot_map}
+
+
+class SlotPool:
+    """The slots one sequence's KV rows live in, for a Model loaded with kv_slots=N: a free list of the pool's
+    slots and the slot map [ctx] fed to every call. Positions 0..held-1 hold slots of their own; the rest
+    point at slot 0, which the graph gathers but the KV length masks. Rewinding the sequence (a reset, the
+    rejected drafts of a verify call, a call's padding rows) gives the slots past it back to the free list,
+    first in line for the next call."""
+
+    def __init__(self, n_slots: int, ctx: int):
+        self.n_slots = n_slots
+        self.free: list[int] = list(range(n_slots))  # handed out from the front
+        self.slot_map = np.zeros(ctx, np.int32)
+        self.held = 0
+
+    def hold(self, n: int) -> None:
+        """Give positions held..n-1 slots from the free list; an InputError, changing nothing, when too few
+        are free."""
+        need = n - self.held
+        if need > len(self.free):
+            raise InputError(f"KV slot pool exhausted: positions {self.held}..{n - 1} need {need} slots, "
+                             f"{len(self.free)} of the pool's {self.n_slots} are free (load(..., kv_slots=N) "
+                             f"to raise it)")
+        if need > 0:
+            self.slot_map[self.held:n] = self.free[:need]
+            del self.free[:need]
+            self.held = n
+
+    def release(self, n: int) -> None:
+        """Positions n.. give their slots back (put first in the free list, so the next call reuses them)."""
+        if n < self.held:
+            self.free[:0] = self.slot_map[n:self.held].tolist()
+            self.slot_map[n:self.held] = 0
+            self.held = n
+
+    def shuffle_free(self, rng: np.random.Generator) -> None:
+        """Permute the free list (tests: slots handed out in no particular order must not change a result)."""
+        self.free = [self.free[i] for i in rng.permutation(len(self.free))]

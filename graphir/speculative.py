@@ -185,12 +185,12 @@ def step_logits(model: Model, token: int, row: int) -> np.ndarray:
     """Feed one token at n_past through the 1-token verify graph, keeping its state in row `row` as well as
     current; its logits [vocab]. n_past advances."""
     n = model.n_past
-    if n + 1 > model.config.ctx:
-        raise InputError(f"1 token after {n} exceeds the context of {model.config.ctx}")
+    if n + 1 > model.kv_capacity:
+        raise InputError(f"1 token after {n} exceeds the {model.kv_capacity} KV rows of {model.source}")
     inputs = {"tokens": np.array([token], np.int32), "pos": np.array([n], np.int32),
               "kv_idx": np.array([n], np.int32), "kv_len": np.array([n + 1], np.int32),
               STEP_ROWS_INPUT: np.array([row], np.int32)}
-    logits = _run_graph(model, steps_graph(model, 1), inputs)["logits"]
+    logits = _run_graph(model, steps_graph(model, 1), model._slot_inputs(inputs))["logits"]
     model.n_past = n + 1
     return np.asarray(logits)[0]
 
@@ -234,7 +234,7 @@ class DraftModel:
 
     def propose(self, context: Sequence[int], k: int, settings: Settings) -> Draft:
         m = self.model
-        k = min(k, m.config.ctx - len(context) + 1)  # the context and k - 1 drafts must fit its KV cache
+        k = min(k, m.kv_capacity - len(context) + 1)  # the context and k - 1 drafts must fit its KV cache
         if k <= 0:
             return Draft([])
         keep = _common_prefix(self._fed, context, len(context) - 1)  # at least the last token is fed again
@@ -410,11 +410,12 @@ def verify(target: Model, tokens: Sequence[int], greedy: bool) -> np.ndarray:
     n_past is left unchanged: the caller advances it past the accepted tokens (and, for a model keeping
     per-token states, commits the accepted token's row)."""
     m, n = len(tokens), target.n_past
-    b = verify_bucket(m, target.config.ctx - n)
+    b = verify_bucket(m, target.kv_capacity - n)
     keep = b > 1 and keeps_states(target)
     inputs = verify_inputs(n, tokens, b, keep)
     if greedy:
         inputs[SAMPLING_INPUT] = np.zeros((b, len(SAMPLING_FIELDS)), np.float32)  # temperature 0: argmax
+    inputs = target._slot_inputs(inputs)  # a slot pool: rows n.. take slots; those of rejected drafts come back
     out = np.asarray(_run_graph(target, verify_graph(target, b, greedy), inputs)[TOKEN_OUTPUT if greedy else "logits"])
     return out[:m] if keep else out[b - m:]
 
@@ -502,7 +503,7 @@ def _step(target: Model, drafter: Drafter, context: list[int], k: int, settings:
           stats: SpecStats) -> list[int]:
     """One draft-and-verify round after `context` (its last token pending: not yet fed to the target);
     the new tokens, at least one. target.n_past moves past the pending token and the accepted drafts."""
-    k = min(k, max_verify_tokens(target.config.ctx - target.n_past) - 1)
+    k = min(k, max_verify_tokens(target.kv_capacity - target.n_past) - 1)
     draft = drafter.propose(context, k, settings) if k > 0 else Draft([])
     draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
     tokens = [context[-1], *draft.tokens]
@@ -513,7 +514,7 @@ def _step(target: Model, drafter: Drafter, context: list[int], k: int, settings:
         new = accept_sampled(draft, np.stack([_probs(row, settings) for row in logits]), settings.rng)
     if len(tokens) > 1 and keeps_states(target):
         commit(target, len(new) - 1)  # the state after the pending token and the accepted drafts
-    target.n_past += len(new)  # the pending token and the accepted drafts; the rest roll back
+    target.n_past += len(new)  # the pending token and the accepted drafts; the rest roll back (slots freed)
     stats.verify_calls += 1
     stats.draft_tokens += len(draft.tokens)
     stats.accepted_tokens += len(new) - 1

@@ -15,6 +15,7 @@ from graphir.backends.registry import get_backend
 from graphir.models import llama
 from graphir.models.family import SLOT_MAP
 from test_replay import copy_state
+from test_speculative import ScriptedDrafter
 
 import graphir
 from graphir import kv_slots
@@ -227,3 +228,168 @@ def test_every_family_reads_its_kv_within_the_rule(spec):
         graphs.append(sp.commit_graph(m))
     for graph in graphs:
         assert kv_bound_problems(graph) == [] and kv_bound_problems(run_pipeline(graph, "default")) == []
+
+
+# ---------------------------------------------------------------- end to end: graphir.load(spec, kv_slots=N)
+E2E_CTX = 64
+SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
+
+
+def pair(spec: str, backend: str, pool: int, **kw) -> tuple[Model, Model]:
+    """(contiguous cache of E2E_CTX rows, the same model with a pool of `pool` slots)."""
+    load = lambda **more: graphir.load(spec, backend=backend, passes="default", ctx=E2E_CTX, **kw, **more)  # noqa: E731
+    return load(), load(kv_slots=pool)
+
+
+def repeating_prompt(n: int, seed: int) -> list[int]:
+    """n tokens that repeat a phrase (prompt lookup finds n-grams in it)."""
+    phrase = np.random.default_rng(seed).integers(0, 256, 9).tolist()
+    return (phrase * (n // 9 + 1))[:n]
+
+
+def check_pool(model: Model) -> None:
+    """Between calls the sequence's positions hold distinct slots and every other slot is free, once."""
+    pool = model.slots
+    assert pool.held == model.n_past
+    assert sorted([*pool.slot_map[:pool.held].tolist(), *pool.free]) == list(range(pool.n_slots))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny"])
+def test_generate_with_a_slot_pool_equals_the_contiguous_cache(backend, spec):
+    """Greedy and seeded sampling, prompts across the prefill buckets (padded calls included), slots handed out
+    in order and from shuffled free lists: token for token the contiguous cache's output."""
+    plain, slotted = pair(spec, backend, pool=96)
+    for n, settings in ((1, {}), (9, SAMPLED), (13, {}), (33, SAMPLED)):
+        prompt = repeating_prompt(n, seed=n)
+        want = list(plain.generate(prompt, 24, stop_at_eos=False, **settings))
+        for shuffle in (None, 1, 2):
+            slotted.reset()
+            if shuffle is not None:
+                slotted.slots.shuffle_free(np.random.default_rng(shuffle))
+            got = list(slotted.generate(prompt, 24, stop_at_eos=False, **settings))
+            assert got == want, f"{spec} {backend}: prompt {n}, {settings}, shuffle {shuffle}"
+            check_pool(slotted)
+            held = slotted.slots.slot_map[:slotted.n_past]
+            if shuffle is not None:  # the slots really were out of position order
+                assert np.any(np.diff(held) != 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny"])
+def test_speculative_greedy_with_slots_equals_plain_greedy(backend, spec):
+    """Verify calls write their rows to slots; rejected drafts give them back and the next call reuses them.
+    The pool is exactly prompt + new tokens, so a leaked slot would exhaust it; verify calls shrink at its end."""
+    plain, _ = pair(spec, backend, pool=8)
+    prompt = repeating_prompt(20, seed=3)
+    new = 30
+    want = list(plain.generate(prompt, new, stop_at_eos=False))
+    _, target = pair(spec, backend, pool=len(prompt) + new)
+    _, draft = pair(spec, backend, pool=E2E_CTX, dtype="q8_0")
+    scripted = ScriptedDrafter(prompt, want, wrong=2)
+    accepted = rejected = 0
+    for k, drafter in ((1, "lookup"), (3, scripted), (5, draft), (8, scripted), (8, sp.PromptLookup(min_ngram=1))):
+        for shuffle in (None, k):
+            target.reset()
+            if shuffle is not None:
+                target.slots.shuffle_free(np.random.default_rng(shuffle))
+                draft.slots.shuffle_free(np.random.default_rng(shuffle + 100))
+            got = list(sp.generate(target, drafter, prompt, new, draft_len=k, stop_at_eos=False))
+            assert got == want, f"{spec} {backend}: draft_len {k}, {getattr(drafter, 'name', drafter)}"
+            check_pool(target)
+            check_pool(draft)
+            stats = sp.last_stats(target)
+            accepted += stats.accepted_tokens
+            rejected += stats.draft_tokens - stats.accepted_tokens
+    assert accepted > 20 and rejected > 5  # drafts were kept and rolled back, not just plain decoding
+
+
+def test_speculative_sampling_with_slots_equals_the_contiguous_cache():
+    """Seeded speculative sampling reads the same logits from shuffled slots, so it draws the same tokens."""
+    plain, slotted = pair("random:llama-tiny", "cpu", pool=80)
+    drafts = pair("random:llama-tiny", "cpu", pool=80, dtype="q8_0")
+    prompt = repeating_prompt(17, seed=5)
+    want = list(sp.generate(plain, drafts[0], prompt, 30, draft_len=4, stop_at_eos=False, **SAMPLED))
+    slotted.slots.shuffle_free(np.random.default_rng(6))
+    drafts[1].slots.shuffle_free(np.random.default_rng(7))
+    assert list(sp.generate(slotted, drafts[1], prompt, 30, draft_len=4, stop_at_eos=False, **SAMPLED)) == want
+    assert sp.last_stats(slotted).accepted_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_pool_smaller_than_the_context_fails_clearly_when_exhausted(backend):
+    plain, slotted = pair("random:qwen3-tiny", backend, pool=24)
+    tokens = repeating_prompt(24, seed=8)
+    with pytest.raises(graphir.InputError, match=r"prompt of 10 tokens \+ max_new_tokens 15 needs 25 KV slots, the "
+                                                 r"pool has 24 \(load\(\.\.\., kv_slots=N\) to raise it\)"):
+        slotted.generate(tokens[:10], 15)
+    slotted.slots.shuffle_free(np.random.default_rng(9))
+    slotted.feed(tokens[:20])
+    before = (slotted.slots.slot_map.copy(), list(slotted.slots.free), copy_state(slotted._state))
+    with pytest.raises(graphir.InputError, match=r"KV slot pool exhausted: a sequence of 25 tokens needs 25 slots, "
+                                                 r"the pool has 24 \(20 held"):
+        slotted.feed(tokens[:5])
+    # nothing ran: the sequence, its slots and the cache are as they were, and it goes on to the pool's end
+    assert slotted.n_past == 20 and np.array_equal(slotted.slots.slot_map, before[0])
+    assert slotted.slots.free == before[1]
+    assert all(np.array_equal(slotted._state[k], v) for k, v in before[2].items())
+    assert slotted.chunks(4) == [1, 1, 1, 1]  # no room in the pool for a padded call
+    # (the contiguous cache reads them in one padded call: equal up to f32 rounding, not bitwise)
+    np.testing.assert_allclose(slotted.feed(tokens[20:24]), plain.logits(tokens)[20:24], rtol=1e-5, atol=1e-5)
+    with pytest.raises(graphir.InputError, match="KV slot pool exhausted: a sequence of 25 tokens"):
+        slotted._decode_sample(tokens[0], graphir.generate.Settings())
+    # generation to the pool's end (the last new token is not fed), its last token filling it; a reset frees it all
+    want = list(plain.generate(tokens[:10], 14, stop_at_eos=False))
+    assert list(slotted.generate(tokens[:10], 14, stop_at_eos=False)) == want
+    assert slotted.slots.held == 23 and len(slotted.slots.free) == 1
+    slotted.feed(want[-1:])
+    assert slotted.slots.held == 24 and slotted.slots.free == []
+    slotted.reset()
+    assert slotted.slots.held == 0 and sorted(slotted.slots.free) == list(range(24))
+
+
+def test_one_program_per_graph_serves_every_slot_pattern():
+    """Replay: the decode, prefill and verify Programs lowered by the first run serve every later slot pattern
+    (shuffled free lists, rollbacks reusing slots) with no new lowering, and give the same tokens."""
+    plain, slotted = pair("random:llama-tiny", "cpu", pool=E2E_CTX)
+    prompt = repeating_prompt(21, seed=10)
+    want = list(plain.generate(prompt, 32, stop_at_eos=False))
+    scripted = ScriptedDrafter(prompt, want, wrong=2)
+    run = lambda: (list(slotted.generate(prompt, 32, stop_at_eos=False)),  # noqa: E731
+                   list(sp.generate(slotted, scripted, prompt, 32, draft_len=7, stop_at_eos=False)))
+    assert run() == (want, want)
+    lowered, misses = len(slotted.programs), slotted.programs.misses
+    patterns = set()
+    for seed in range(6):
+        slotted.reset()
+        slotted.slots.shuffle_free(np.random.default_rng(seed))
+        assert run() == (want, want)
+        patterns.add(tuple(slotted.slots.slot_map[:slotted.n_past].tolist()))
+    assert len(patterns) == 6 and slotted.programs.misses == misses and len(slotted.programs) == lowered
+
+
+def test_kv_slots_bad_load_options_fail_clearly():
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(graphir.InputError, match=f"kv_slots must be an int >= 1, got {bad!r}"):
+            graphir.load("random:llama-tiny", backend="reference", kv_slots=bad)
+    with pytest.raises(graphir.InputError, match=r"kv_slots: random:gemma3-tiny \(gemma3\) has no KV slot pool"):
+        graphir.load("random:gemma3-tiny", backend="reference", kv_slots=16)
+    with pytest.raises(graphir.InputError, match="kv_slots: tensor-parallel models keep a contiguous KV cache"):
+        graphir.load("random:llama-tiny", backend="cpu", kv_slots=16, tp=2)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_generate_with_shuffled_slots_equals_the_contiguous_cache():
+    """The gpu decode step replays a captured graph: the slot map and slot rows it is fed must change what it
+    reads. Greedy plain and speculative generation with a shuffled pool equal the contiguous cache's."""
+    plain, slotted = pair("random:llama-tiny", "gpu", pool=E2E_CTX)
+    prompt = repeating_prompt(19, seed=12)
+    want = list(plain.generate(prompt, 40, stop_at_eos=False))
+    for seed in (1, 2):
+        slotted.reset()
+        slotted.slots.shuffle_free(np.random.default_rng(seed))
+        assert list(slotted.generate(prompt, 40, stop_at_eos=False)) == want
+        scripted = ScriptedDrafter(prompt, want, wrong=2)
+        assert list(sp.generate(slotted, scripted, prompt, 40, draft_len=5, stop_at_eos=False)) == want
+        check_pool(slotted)
