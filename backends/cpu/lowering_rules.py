@@ -18,6 +18,7 @@ from graphir.ir import Graph, Node
 from graphir.lowering import ParamRef, fold_params, val  # noqa: F401  (re-exported for program.py)
 from graphir.ops import OPS
 
+from . import attention as ATT
 from . import host_collective as HC
 from . import kernels as K
 from . import matmul as MM
@@ -90,7 +91,7 @@ def _unary2d(kernel: Callable, x: np.ndarray, out: np.ndarray, *args: Any) -> Ca
 
 def lower_node(n: Node, ins: list[Any], out: list[np.ndarray] | None) -> tuple[Any, Callable[[], None] | None]:
     rule = RULES.get(n.op)
-    if n.op not in ARRAY_RULES and _has_f16(ins, out):
+    if n.op not in ARRAY_RULES and n.op not in F16_CACHE_RULES and _has_f16(ins, out):
         rule = None  # numba has no float16 arithmetic: f16 activations take the numpy reference
     if rule is not None:
         result = rule(n, ins, out, n.params.as_dict())
@@ -243,14 +244,19 @@ def _flash_attn(n, ins, out, p):
     q, k, v, pos, kv_len = ins
     o = out[0]
     scale, window = np.float32(p["scale"]), p["window"]
-    kern = K.attention
     cap = k.shape[0]
-    _note(("kernel", kern, (q, k, v, pos, kv_len, scale, window, o)))
+    if ATT.supports(q, k, v):  # decode: each K/V row read once per KV head, keys split across threads
+        kern, args = ATT.bind_decode(q, k, v, pos, kv_len, scale, window, o)
+    elif k.dtype == v.dtype == q.dtype == np.float32:
+        kern, args = K.attention, (q, k, v, pos, kv_len, scale, window, o)
+    else:
+        return None  # f16 cache under prefill: numpy reference
+    _note(("kernel", kern, args))
 
     def step() -> None:
         if not 0 <= kv_len[0] <= cap:
             raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
-        kern(q, k, v, pos, kv_len, scale, window, o)
+        kern(*args)
     return o, step
 
 
@@ -288,6 +294,9 @@ def _cont(n, ins, out, p):
 # rules that only use numpy array operations, which handle every dtype
 ARRAY_RULES = ("add", "sub", "mul", "div", "view", "reshape", "permute", "transpose", "cont", "mul_mat",
                "get_rows", "all_reduce", "all_gather")
+
+# rules that read f16 KV caches themselves (as uint16 bits) and return None for other f16 inputs
+F16_CACHE_RULES = ("flash_attn",)
 
 RULES: dict[str, Callable] = {
     "mul_mat": _mul_mat,

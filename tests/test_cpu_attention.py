@@ -1,0 +1,143 @@
+"""The cpu backend's decode attention (backends/cpu/attention.py) against the op table's numpy reference:
+awkward key counts (one chunk, a few, many; a last chunk of one key), GQA group sizes 1, 3 and 4, f32
+and f16 caches, queries at the end of a full cache, sliding windows, several queries at once, and the
+f16 widening bit for bit against numpy on every half."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from graphir.backends.cpu import attention as ATT
+from graphir.backends.cpu import lowering_rules as LR
+from graphir.backends.cpu import precompile
+
+from graphir.ops.core import _flash_attn_ref
+
+SCALE = 0.125
+KEYS = [1, 7, 511, 1025, 4095]  # 4095: 16 chunks of 256, the last one key short; 1025: 9 chunks at most
+GROUPS = [(3, 3), (9, 3), (8, 2)]  # (q heads, KV heads): GQA groups 1, 3, 4
+
+
+def attend(q, k, v, pos, kv_len, window=0, scale=SCALE) -> np.ndarray:
+    """flash_attn through the cpu backend's lowering rule (the kernel a Program binds), run once."""
+    o = np.full((q.shape[0], q.shape[1], v.shape[2]), np.nan, np.float32)  # every element must be written
+    _, step = LR._flash_attn(None, [q, k, v, pos, kv_len], [o], {"scale": scale, "window": window})
+    step()
+    return o
+
+
+def case(rng, keys, hq, hk, dtype, n_q=1, d=64, spare=0):
+    """q [n_q, hq, d] at the last n_q positions of `keys` keys; caches of keys + spare rows. The rows past
+    kv_len hold large values, so reading one shows in the result."""
+    cap = keys + spare
+    q = rng.standard_normal((n_q, hq, d), dtype=np.float32)
+    k = (rng.standard_normal((cap, hk, d)) * 2).astype(dtype)
+    v = rng.standard_normal((cap, hk, d)).astype(dtype)
+    k[keys:], v[keys:] = 30.0, 1000.0
+    pos = np.arange(keys - n_q, keys, dtype=np.int32).clip(0)
+    return q, k, v, pos, np.array([keys], np.int32)
+
+
+def check(q, k, v, pos, kv_len, window=0) -> None:
+    ours = attend(q, k, v, pos, kv_len, window)
+    ref = _flash_attn_ref(q, k, v, pos, kv_len, SCALE, window)
+    err = float(np.abs(ours - ref).max())
+    assert err <= 2e-6 * max(1.0, float(np.abs(ref).max())), f"max |diff| {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("hq,hk", GROUPS)
+@pytest.mark.parametrize("keys", KEYS)
+def test_one_query_at_the_end_of_a_full_cache(rng, keys, hq, hk, dtype):
+    check(*case(rng, keys, hq, hk, dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("keys", [7, 1025])
+def test_keys_past_kv_len_are_not_read(rng, keys, dtype):
+    """A query whose position is past kv_len (padding rows of a bucket) still sees only kv_len keys."""
+    q, k, v, _, kv_len = case(rng, keys, 9, 3, dtype, spare=300)
+    check(q, k, v, np.array([keys + 299], np.int32), kv_len)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_q", [2, 5])
+def test_several_queries_see_different_key_counts(rng, n_q, dtype):
+    """Verify/speculative steps: a few queries at consecutive positions, each its own causal range."""
+    check(*case(rng, 1025, 8, 2, dtype, n_q=n_q, spare=3))
+
+
+@pytest.mark.parametrize("window", [1, 5, 300])
+def test_sliding_window(rng, window):
+    check(*case(rng, 1025, 9, 3, np.float32, n_q=3), window=window)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_other_head_dims(rng, d):
+    check(*case(rng, 511, 8, 2, np.float32, d=d))
+    check(*case(rng, 511, 8, 2, np.float16, d=d))
+
+
+def test_no_visible_key_gives_zero(rng):
+    q, k, v, _, _ = case(rng, 7, 9, 3, np.float32)
+    ours = attend(q, k, v, np.array([6], np.int32), np.array([0], np.int32))
+    assert not ours.any()
+
+
+def test_results_do_not_depend_on_thread_count(rng):
+    args = case(rng, 4095, 9, 3, np.float16)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = attend(*args)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        assert np.array_equal(one, attend(*args))
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_replayed_step_reads_kv_len_and_the_cache_each_call(rng):
+    """A bound step is replayed every token: kv_len, pos and the cache rows change under it."""
+    q, k, v, pos, kv_len = case(rng, 600, 9, 3, np.float32, spare=500)
+    k[600:], v[600:] = rng.standard_normal(k[600:].shape), rng.standard_normal(v[600:].shape)  # later tokens'
+    o = np.empty((1, 9, 64), np.float32)
+    _, step = LR._flash_attn(None, [q, k, v, pos, kv_len], [o], {"scale": SCALE, "window": 0})
+    for keys in (600, 601, 1100, 3):
+        k[keys - 1] = rng.standard_normal(k.shape[1:])
+        v[keys - 1] = rng.standard_normal(v.shape[1:])
+        pos[0], kv_len[0] = keys - 1, keys
+        step()
+        np.testing.assert_allclose(o, _flash_attn_ref(q, k, v, pos, kv_len, SCALE, 0), rtol=0, atol=2e-6)
+
+
+def test_decode_uses_the_decode_kernel_and_prefill_the_general_one(rng):
+    q, k, v, pos, kv_len = case(rng, 511, 9, 3, np.float32)
+    LR.RECORD = []
+    try:
+        attend(q, k, v, pos, kv_len)
+        attend(np.repeat(q, 16, axis=0), k, v, np.arange(495, 511, dtype=np.int32), kv_len)
+        used = [use[1] for use in LR.RECORD]
+    finally:
+        LR.RECORD = None
+    assert used == [ATT.KERNELS[64][0], LR.K.attention]
+
+
+def test_precompile_helper_finds_the_kernels_by_name():
+    jobs = precompile._Jobs()
+    for d, kernels in ATT.KERNELS.items():
+        for kernel in kernels:
+            name = jobs.kernel(kernel, ())
+            assert precompile._dispatcher(name, jobs.sigs)[0] is kernel, (d, name)
+
+
+def test_f16_widening_matches_numpy_on_every_half():
+    bits = np.arange(2 ** 16, dtype=np.uint16).reshape(-1, 1, 64)
+    wide = np.empty(bits.shape, np.uint32)
+    ATT._widen_f16(bits, 0, 0, bits.shape[0], wide)
+    ours = wide.view(np.float32)
+    ATT._rescale(ours, bits.shape[0])
+    expected = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan].view(np.uint32), expected[~nan].view(np.uint32))
