@@ -383,6 +383,53 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
         sp.PromptLookup(max_ngram=0)
 
 
+def test_adaptive_prompt_lookup_doubles_after_a_kept_draft_and_halves_after_a_rejection():
+    """The draft length starts at the cap asked for, moves through the bucket-filling lengths 1, 3, 7, 15 on
+    the verify outcomes, never past the cap, and starts over with a new sequence."""
+    context = list(range(40)) + list(range(3))  # the tail 0 1 2 matches the start: 37 tokens follow it
+    greedy = Settings()
+    lookup = sp.PromptLookup()
+    lengths = []
+    for drafted_ok in (False, False, True, False, False, False, True, True, True, True):
+        tokens = lookup.propose(context, 15, greedy).tokens
+        assert tokens == list(range(3, 3 + len(tokens)))
+        lengths.append(len(tokens))
+        lookup.observe(len(tokens), len(tokens) if drafted_ok else len(tokens) // 3)
+    assert lengths == [15, 7, 3, 7, 3, 1, 1, 3, 7, 15]
+    assert len(lookup.propose(context, 15, greedy).tokens) == 15  # capped: it stays at 15
+    assert len(lookup.propose(context, 4, greedy).tokens) == 4  # the loop's k (the context's end) still caps it
+    lookup.start()  # a new sequence with a cap of 5
+    capped = []
+    for kept_all in (False, False, False, True, True, True, False):
+        capped.append(len(lookup.propose(context, 5, greedy).tokens))
+        lookup.observe(capped[-1], capped[-1] if kept_all else 0)
+    assert capped == [5, 2, 1, 1, 3, 5, 5] and len(lookup.propose(context, 5, greedy).tokens) == 2
+    fixed = sp.PromptLookup(adaptive=False)
+    fixed.observe(7, 0)
+    assert len(fixed.propose(context, 7, greedy).tokens) == 7
+
+
+def test_the_loop_reports_each_verify_outcome_to_the_drafter():
+    target = load("random:llama-tiny", "reference")
+    prompt = prompt_of(14)
+    plain = list(target.generate(prompt, 30, stop_at_eos=False))
+
+    class Observed(ScriptedDrafter):
+        def start(self) -> None:
+            super().start()
+            self.outcomes = []
+
+        def observe(self, drafted: int, accepted: int) -> None:
+            self.outcomes.append((drafted, accepted))
+
+    drafter = Observed(prompt, plain, wrong=2)
+    assert list(sp.generate(target, drafter, prompt, 30, draft_len=5, stop_at_eos=False)) == plain
+    stats = sp.last_stats(target)
+    assert [a for _, a in drafter.outcomes] == stats.accepted_per_call
+    assert sum(d for d, _ in drafter.outcomes) == stats.draft_tokens
+    assert any(a < d for d, a in drafter.outcomes) and any(a == d > 0 for d, a in drafter.outcomes)
+
+
 # ---------------------------------------------------------------- recurrent models (Qwen3.5): per-token states
 RECURRENT = "random:qwen35-tiny"
 
