@@ -5,7 +5,8 @@
 
 Run it with numba's cache warm (after one `graphir run`): it times what a second `graphir run`
 does before its first token, in the order it does it, in this fresh interpreter: imports, load,
-graph builds and passes (the decode graph too: the model's state buffers are sized from it),
+graph builds and passes (the decode graph too: the model's state buffers are sized from it; passed
+graphs come from the disk cache that earlier runs filled, GRAPHIR_NO_GRAPH_CACHE=1 to run them),
 lowering, numba's one-time start-up (its typing and target contexts, paid at the first kernel it
 loads), and the first prefill call (binding: kernels loaded from the cache, weights repacked).
 """
@@ -42,15 +43,14 @@ def main() -> None:
     from graphir.backends.registry import get_backend
 
     import graphir
-    from graphir.passes import run_pipeline
     from graphir.run_inputs import new_state
 
     m = graphir.load(a.model, backend="cpu")
     mark("graphir.load")
-    run_pipeline(m.graph("decode"), m.passes)
+    m.programs.passed(m.graph("decode"), m.passes)  # as a Model does: from disk when an earlier run made it
     mark("decode graph + passes (state buffers)")
     b = m.chunks(a.tokens)[-1]
-    graph = run_pipeline(m.graph("prefill", b, last_only=True), m.passes)
+    graph = m.programs.passed(m.graph("prefill", b, last_only=True), m.passes)
     mark(f"prefill graph ({b} tokens) + passes")
     program = get_backend("cpu").lower(graph, m.weights)
     mark("lowering")

@@ -22,7 +22,7 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-from graphir import flags
+from graphir import flags, graph_cache
 from graphir.backends.registry import get_backend
 from graphir.ir import Graph
 from graphir.weights import Weights
@@ -90,14 +90,19 @@ class ProgramCache:
 
     def passed(self, graph: Graph, passes: str) -> Graph:
         """`graph` after the pipeline `passes`, run once per graph structure: a model asks for its
-        decode graph's States before the decode Program is lowered, and both read this result."""
+        decode graph's States before the decode Program is lowered, and both read this result. A new
+        process reads it from disk where an earlier one ran the same pipeline (graphir.graph_cache)."""
         if not passes:
             return graph
         key = (graph.signature(), passes)
         if key not in self._passed:
             from graphir.passes import run_pipeline
 
-            self._passed[key] = run_pipeline(graph, passes)
+            result = graph_cache.load(graph, passes)  # an earlier process's result, if any
+            if result is None:
+                result = run_pipeline(graph, passes)
+                graph_cache.store(graph, passes, result)
+            self._passed[key] = result
             while len(self._passed) > self.max_entries:
                 self._passed.pop(next(iter(self._passed)))
         return self._passed[key]

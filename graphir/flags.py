@@ -9,6 +9,7 @@
 | GRAPHIR_NO_CAPTURE=1    | gpu Programs never capture into CUDA graphs (every call launches kernels) |
 | GRAPHIR_REQUIRE_KERNEL_COMPILERS=1 | the kernel-compile tests fail, not skip, without NVRTC or hipcc (CI) |
 | GRAPHIR_NO_PRECOMPILE=1 | cpu backend, cold numba cache: no helper process compiles matmul kernels meanwhile |
+| GRAPHIR_NO_GRAPH_CACHE=1 | models run their pass pipelines every time instead of reading earlier results from disk |
 
 A flag is on when its variable is set to anything but "" or "0".
 """
@@ -25,6 +26,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_NO_CAPTURE": "gpu Programs launch every kernel from Python, never from a captured graph",
     "GRAPHIR_REQUIRE_KERNEL_COMPILERS": "kernel-compile tests fail without NVRTC or hipcc",
     "GRAPHIR_NO_PRECOMPILE": "cpu backend: this process compiles every kernel itself, with no helper process",
+    "GRAPHIR_NO_GRAPH_CACHE": "run pass pipelines every time; never read or write passed graphs on disk",
 }
 
 
