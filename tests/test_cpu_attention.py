@@ -16,7 +16,7 @@ from graphir.ops.core import _flash_attn_ref
 
 SCALE = 0.125
 KEYS = [1, 7, 511, 1025, 4095]  # 4095: 16 chunks of 256, the last one key short; 1025: 9 chunks at most
-GROUPS = [(3, 3), (9, 3), (8, 2)]  # (q heads, KV heads): GQA groups 1, 3, 4
+GROUPS = [(3, 3), (9, 3), (8, 2), (10, 2)]  # (q heads, KV heads): GQA groups 1, 3, 4, 5 (a block of 4, then 1)
 
 
 def attend(q, k, v, pos, kv_len, window=0, scale=SCALE) -> np.ndarray:
@@ -120,24 +120,22 @@ def test_decode_uses_the_decode_kernel_and_prefill_the_general_one(rng):
         used = [use[1] for use in LR.RECORD]
     finally:
         LR.RECORD = None
-    assert used == [ATT.KERNELS[64][0], LR.K.attention]
+    assert used == [ATT.KERNELS[64, 3, False], LR.K.attention]
 
 
 def test_precompile_helper_finds_the_kernels_by_name():
     jobs = precompile._Jobs()
-    for d, kernels in ATT.KERNELS.items():
-        for kernel in kernels:
-            name = jobs.kernel(kernel, ())
-            assert precompile._dispatcher(name, jobs.sigs)[0] is kernel, (d, name)
+    for key, kernel in ATT.KERNELS.items():
+        name = jobs.kernel(kernel, ())
+        assert precompile._dispatcher(name, jobs.sigs)[0] is kernel, (key, name)
 
 
 def test_f16_widening_matches_numpy_on_every_half():
-    bits = np.arange(2 ** 16, dtype=np.uint16).reshape(-1, 1, 64)
-    wide = np.empty(bits.shape, np.uint32)
-    ATT._widen_f16(bits, 0, 0, bits.shape[0], wide)
+    bits = np.arange(2 ** 16, dtype=np.uint16).reshape(1, -1, 64)  # one cache row of 1024 "heads"
+    wide = np.empty(bits.shape[1:], np.uint32)
     ours = wide.view(np.float32)
-    ATT._rescale(ours, bits.shape[0])
-    expected = bits.view(np.float16).astype(np.float32)
+    ATT._widen_f16(bits, 0, wide, ours)
+    expected = bits[0].view(np.float16).astype(np.float32)
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(ours), nan)
     assert np.array_equal(ours[~nan].view(np.uint32), expected[~nan].view(np.uint32))

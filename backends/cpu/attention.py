@@ -2,24 +2,26 @@
 
 A decode token reads every visible K and V row once per layer: at 4096 keys on SmolLM2
 (3 KV heads x 64) that is 6 MB a layer in f32, more than the layer's weights. So the kernel
-is built around reading each row once, as fast as memory delivers it:
+is built around reading each row once, in address order, as fast as memory delivers it:
 
-- one task per (query, KV head, chunk of keys): the group's q heads (3 on SmolLM2) are scored
-  against a K row while it is in L1, and the V row is added into all of their sums;
+- one task per (query, chunk of keys): a cache row [kv_heads, head_dim] is read once, whole and
+  in order, and scored against every q head (each KV head against its GQA group);
 - the keys are split into chunks so both threads stream, however few KV heads there are; each
   chunk leaves (max, sum of exp, V sum) per head and a serial merge rescales them into the output
   (the usual split-K / online-softmax combine);
-- within a chunk, scores go to a per-thread scratch row, then exp, then the V sum: two passes
-  over at most CHUNK keys, each a branch-free loop over head_dim that vectorizes;
+- within a chunk: scores into a per-thread scratch [q heads, CHUNK], then a vectorized exp, then
+  the V sum; every inner loop runs over head_dim, a compile-time constant (one kernel per head dim);
 - all scratch is bound once (DecodeScratch), so a replayed step allocates nothing.
 
-f16 caches are read as their uint16 bits (numba has no float16) and widened chunk by chunk into
-an L1/L2-sized f32 scratch, so the bytes read from memory are halved.
+f16 caches are read as their uint16 bits (numba has no float16) and widened row by row into an
+L1-sized f32 scratch, so the bytes read from memory are halved.
+
+Measured (SmolLM2-135M, 3968 keys, 1 thread, profile_decode.py): reading per (KV head, chunk) with
+the rows strided by the other heads reached ~5.5 GB/s; whole rows in order are faster (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numba
@@ -29,9 +31,10 @@ from numba import njit, prange
 JIT = dict(cache=True, fastmath=True, nogil=True)
 EXACT = dict(cache=True, nogil=True)  # bit manipulation of f16 (fast-math must not assume away inf/nan)
 
-CHUNK = 256  # keys per task at most: the group's scores (3 x 1 KB) and a K/V chunk (64 KB f32) stay in L2
-MIN_TASKS = 8  # split short contexts too, so that 2 threads get even shares of a few KV heads
+CHUNK = 256  # keys per task at most: the scores of a chunk (q heads x 1 KB) stay in L1/L2
+MIN_TASKS = 8  # split short contexts too, so that 2 threads get even shares
 DECODE_MAX_QUERIES = 8  # more queries (prefill) go to kernels.attention, which reuses nothing across queries
+HEAD_DIMS = (64, 128, 256)  # the head dims with a decode kernel (SmolLM2 / Llama, Qwen3, Qwen3.5 and Gemma 3)
 
 _F16_SCALE = np.float32(2.0 ** 112)  # f16 bits shifted into an f32's place are the value times 2^-112
 
@@ -39,33 +42,34 @@ _F16_SCALE = np.float32(2.0 ** 112)  # f16 bits shifted into an f32's place are 
 @dataclass(frozen=True)
 class DecodeScratch:
     """Per-binding buffers: partial results per chunk and per-thread scratch (never per call)."""
-    max_: np.ndarray  # [n_q, hq, splits] f32: running max of each chunk's scores
-    sum_: np.ndarray  # [n_q, hq, splits] f32: sum of exp(score - max)
+    max_: np.ndarray  # [n_q, hq, splits] f32: the max of each chunk's scores
+    sum_: np.ndarray  # [n_q, hq, splits] f32: sum of exp(score - max); 0 for a chunk without keys
     acc: np.ndarray  # [n_q, hq, splits, dv] f32: V rows weighted by exp(score - max)
-    scores: np.ndarray  # [threads, group, CHUNK] f32
-    k_bits: np.ndarray  # [threads, CHUNK, 1, d] u32 (f16 caches only; else [threads, 0, 1, d])
-    v_bits: np.ndarray  # [threads, CHUNK, 1, dv] u32 (same)
+    scores: np.ndarray  # [threads, hq, CHUNK] f32
+    pow2_bits: np.ndarray  # [threads, CHUNK] i32: the 2^n factors of exp, built as f32 bit patterns
+    k_row: np.ndarray  # [threads, hk, d] u32: one widened f16 K row (f16 caches only; else 0 rows)
+    v_row: np.ndarray  # [threads, hk, dv] u32: the same for V
 
 
 def max_splits(capacity: int) -> int:
-    """The most chunks one (query, KV head) is cut into for a cache of `capacity` rows."""
+    """The most chunks one query's keys are cut into for a cache of `capacity` rows."""
     return max(-(-capacity // CHUNK), MIN_TASKS)
 
 
 def make_scratch(n_q: int, hq: int, hk: int, d: int, dv: int, capacity: int, f16: bool) -> DecodeScratch:
-    """Buffers for decode_attention(_f16) over a cache of `capacity` rows (numba's pool: one scratch each)."""
-    splits, threads, rows = max_splits(capacity), numba.config.NUMBA_NUM_THREADS, CHUNK if f16 else 0
+    """Buffers for a decode kernel over a cache of `capacity` rows (numba's pool: one scratch each)."""
+    splits, threads, heads = max_splits(capacity), numba.config.NUMBA_NUM_THREADS, hk if f16 else 0
     return DecodeScratch(np.empty((n_q, hq, splits), np.float32), np.empty((n_q, hq, splits), np.float32),
-                         np.empty((n_q, hq, splits, dv), np.float32),
-                         np.empty((threads, hq // hk, CHUNK), np.float32),
-                         np.empty((threads, rows, 1, d), np.uint32), np.empty((threads, rows, 1, dv), np.uint32))
+                         np.empty((n_q, hq, splits, dv), np.float32), np.empty((threads, hq, CHUNK), np.float32),
+                         np.empty((threads, CHUNK), np.int32), np.empty((threads, heads, d), np.uint32),
+                         np.empty((threads, heads, dv), np.uint32))
 
 
 @njit(**JIT)
-def _splits(n_q, hk, length, capacity_splits):
-    """Chunks per (query, KV head): no chunk longer than CHUNK, at least MIN_TASKS tasks in all."""
+def _splits(n_q, length, capacity_splits):
+    """Chunks per query: none longer than CHUNK, at least MIN_TASKS tasks in all."""
     by_length = (length + CHUNK - 1) // CHUNK
-    by_tasks = (MIN_TASKS + n_q * hk - 1) // (n_q * hk)
+    by_tasks = (MIN_TASKS + n_q - 1) // n_q
     return max(1, min(capacity_splits, max(by_length, by_tasks)))
 
 
@@ -77,61 +81,156 @@ def _key_range(p, length, window):
     return start, max(start, stop)
 
 
-def _make_chunk(d: int, dv: int):
-    """_chunk for head dims d (q, k) and dv (v) fixed at compile time: with constant trip counts LLVM
-    keeps a row in vector registers (SmolLM2, 4096 keys, 1 thread: 12 ms a token against 22 with
-    the dims read from the arrays)."""
+@njit(**JIT)
+def _task(task, splits, pos, length, window):
+    """(query, chunk index, first key, end key) of a task; an empty chunk has j0 == j1."""
+    c = task % splits
+    t = task // splits
+    start, stop = _key_range(pos[t], length, window)
+    return t, c, start + (stop - start) * c // splits, start + (stop - start) * (c + 1) // splits
+
+
+@njit(**EXACT)
+def _widen_f16(src, j, bits, f):
+    """f = f16 row src[j] ([hk, d] uint16) as f32; bits and f are one scratch as u32 and f32.
+
+    Shifting sign, exponent and mantissa into place gives the value times 2^-112, exactly for normal
+    and subnormal halves (then rescaled); an all-ones exponent (inf / nan) is kept all ones."""
+    for kh in range(src.shape[1]):
+        for i in range(src.shape[2]):
+            h = np.uint32(src[j, kh, i])
+            b = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+            if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
+                b |= np.uint32(0x7F800000)
+            bits[kh, i] = b
+    for kh in range(src.shape[1]):
+        for i in range(src.shape[2]):
+            f[kh, i] *= _F16_SCALE
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that n * _LN2_HI is exact for |n| < 2^8
+_LN2_LO = np.float32(1.4286067653302226e-06)
+
+
+@njit(**JIT)
+def _exp_in_place(x, top, pow2_bits, pow2):
+    """x[j] = exp(x[j] - top) for x[j] <= top, returns the sum; pow2_bits / pow2: one scratch row as
+    int32 / f32. libm's expf is a call per element; this is exp = 2^n * e^r, |r| <= ln2 / 2, with a
+    degree-7 Taylor polynomial (error < 1e-8 relative) and 2^n built in the exponent bits, so
+    both loops vectorize (SmolLM2 at 4096 keys: ~2.8 ms of exp a token with expf, 1 thread)."""
+    n = x.shape[0]
+    for j in range(n):
+        z = max(x[j] - top, np.float32(-87.0))  # exp(-87) ~ 1.6e-38: 2^n stays a normal f32
+        k = np.floor(z * _LOG2E + np.float32(0.5))
+        r = z - k * _LN2_HI - k * _LN2_LO
+        x[j] = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(1 / 2) + r * (np.float32(1 / 6) + r * (
+            np.float32(1 / 24) + r * (np.float32(1 / 120) + r * (np.float32(1 / 720) + r * np.float32(1 / 5040)))))))
+        pow2_bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    total = np.float32(0.0)
+    for j in range(n):
+        e = x[j] * pow2[j]
+        x[j] = e
+        total += e
+    return total
+
+
+def _make_chunk(d: int, dv: int, block: int, f16: bool):
+    """_chunk for head dims d (q, k) and dv (v) fixed at compile time, scoring `block` (1..4) q heads of a
+    GQA group per pass over a K row, over an f32 cache or (f16) the uint16 bits of an f16 one.
+
+    Constant trip counts keep a row in vector registers, and a block's dot products share the K loads
+    (SmolLM2, 4096 keys, in cache, 1 thread: scores 5.7 ms a token one head at a time, 3.5 with the 3
+    heads of a group together; head dims read from the arrays took twice as long again)."""
 
     @njit(**JIT)
-    def _chunk(q, t, h0, k, v, kh, j0, j1, scale, s, c, max_, sum_, acc):
-        """Partial attention of q heads h0.. (one group) over key rows j0..j1 of k[:, kh], v[:, kh]."""
-        group, n = s.shape[0], j1 - j0
-        for g in range(group):
-            qr, sg = q[t, h0 + g], s[g]
-            for j in range(n):  # the chunk's K rows come from memory once, for the group's first head
-                kr = k[j0 + j, kh]
-                dot = np.float32(0.0)
+    def _scores(qt, kr, group, j, scale, s):
+        """s[h, j] = scale * q[h] . k[kv head of h] for every q head, `block` heads of a group at a time;
+        a last block that runs past its group repeats the group's last head (same value, written twice)."""
+        for kh in range(kr.shape[0]):
+            kv, last = kr[kh], kh * group + group - 1
+            for g0 in range(0, group, block):
+                h0 = kh * group + g0
+                h1, h2, h3 = min(h0 + 1, last), min(h0 + 2, last), min(h0 + 3, last)
+                q0, q1, q2, q3 = qt[h0], qt[h1], qt[h2], qt[h3]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
                 for i in range(d):
-                    dot += qr[i] * kr[i]
-                sg[j] = dot * scale
-        for g in range(group):
-            sg = s[g]
-            m = sg[0]  # not -inf: fast-math assumes no infinities
+                    x = kv[i]
+                    a0 += q0[i] * x
+                    if block > 1:  # block is a constant: LLVM drops the unused accumulators
+                        a1 += q1[i] * x
+                    if block > 2:
+                        a2 += q2[i] * x
+                    if block > 3:
+                        a3 += q3[i] * x
+                s[h0, j] = a0 * scale
+                if block > 1:
+                    s[h1, j] = a1 * scale
+                if block > 2:
+                    s[h2, j] = a2 * scale
+                if block > 3:
+                    s[h3, j] = a3 * scale
+
+    @njit(**JIT)
+    def _chunk(q, t, k, v, j0, j1, scale, s, pow2_bits, k_row, v_row, c, max_, sum_, acc):
+        """Partial attention of query t, all heads, over key rows j0..j1: (max, sum, acc)[t, :, c]."""
+        hq, hk, n = q.shape[1], k.shape[1], j1 - j0
+        group = hq // hk
+        kf, vf = k_row.view(np.float32), v_row.view(np.float32)
+        for j in range(n):  # each K row once, in address order, for every q head
+            if f16:
+                _widen_f16(k, j0 + j, k_row, kf)
+                _scores(q[t], kf, group, j, scale, s)
+            else:
+                _scores(q[t], k[j0 + j], group, j, scale, s)
+        for h in range(hq):
+            sh = s[h]
+            m = sh[0]  # not -inf: fast-math assumes no infinities
             for j in range(1, n):
-                m = max(m, sg[j])
-            total = np.float32(0.0)
-            for j in range(n):
-                e = np.float32(np.exp(sg[j] - m))
-                sg[j] = e
-                total += e
-            max_[t, h0 + g, c] = m
-            sum_[t, h0 + g, c] = total
-            a = acc[t, h0 + g, c]
+                m = max(m, sh[j])
+            max_[t, h, c] = m
+            sum_[t, h, c] = _exp_in_place(sh[:n], m, pow2_bits, pow2_bits.view(np.float32))
+            a = acc[t, h, c]
             for i in range(dv):
                 a[i] = 0.0
-            for j in range(n):  # likewise V: from memory for the first head, from L2 for the others
-                w, vr = sg[j], v[j0 + j, kh]
+        # each V row once, in address order, into every q head's sum; f32 rows 4 at a time
+        n4 = 0 if f16 else n - n % 4
+        for j in range(0, n4, 4):
+            _v_rows4(v[j0 + j], v[j0 + j + 1], v[j0 + j + 2], v[j0 + j + 3], group, j, s, acc[t], c)
+        for j in range(n4, n):
+            if f16:
+                _widen_f16(v, j0 + j, v_row, vf)
+                _v_row(vf, group, j, s, acc[t], c)
+            else:
+                _v_row(v[j0 + j], group, j, s, acc[t], c)
+
+    @njit(**JIT)
+    def _v_row(vr, group, j, s, acc, c):
+        """acc[h, c] += s[h, j] * v row j (its KV head's part) for every q head."""
+        for kh in range(vr.shape[0]):
+            vh = vr[kh]
+            for h in range(kh * group, kh * group + group):
+                w, a = s[h, j], acc[h, c]
                 for i in range(dv):
-                    a[i] += w * vr[i]
+                    a[i] += w * vh[i]
+
+    @njit(**JIT)
+    def _v_rows4(r0, r1, r2, r3, group, j, s, acc, c):
+        """_v_row for rows j..j+3 at once: a quarter of the loads and stores of the sums (in cache, SmolLM2
+        at 4096 keys, 1 thread: 4.8 ms a token against 6.9 a row at a time)."""
+        for kh in range(r0.shape[0]):
+            x0, x1, x2, x3 = r0[kh], r1[kh], r2[kh], r3[kh]
+            for h in range(kh * group, kh * group + group):
+                w0, w1, w2, w3, a = s[h, j], s[h, j + 1], s[h, j + 2], s[h, j + 3], acc[h, c]
+                for i in range(dv):
+                    a[i] += (w0 * x0[i] + w1 * x1[i]) + (w2 * x2[i] + w3 * x3[i])
     return _chunk
 
 
 @njit(**JIT)
-def _task(task, n_q, hk, splits, pos, length, window):
-    """(query, KV head, chunk index, first key, end key) of a task; an empty chunk has j0 == j1."""
-    c = task % splits
-    kh = (task // splits) % hk
-    t = task // (splits * hk)
-    start, stop = _key_range(pos[t], length, window)
-    j0 = start + (stop - start) * c // splits
-    j1 = start + (stop - start) * (c + 1) // splits
-    return t, kh, c, j0, j1
-
-
-@njit(**JIT)
-def _mark_empty(sum_, t, h0, group, c):
-    for g in range(group):
-        sum_[t, h0 + g, c] = 0.0  # a chunk with keys has a sum >= 1 (its max term is exp(0))
+def _mark_empty(sum_, t, c):
+    for h in range(sum_.shape[1]):
+        sum_[t, h, c] = 0.0  # a chunk with keys has a sum >= 1 (its max term is exp(0))
 
 
 @njit(**JIT)
@@ -162,81 +261,35 @@ def _merge(max_, sum_, acc, splits, out):
                 out[t, h, i] *= inv
 
 
-@njit(**EXACT)
-def _widen_f16(src, kh, j0, j1, bits):
-    """bits[r, 0] = the f32 bit pattern of f16 row src[j0 + r, kh], times 2^-112 (the caller rescales).
+def _make_kernel(d: int, block: int, f16: bool):
+    """The decode kernel for head_dim d, GQA blocks of `block` heads, over an f32 cache or (f16) the uint16
+    bits of an f16 one, named decode_attention[_f16]_d<d>_g<block>: a module global, so precompile.py's
+    helper process finds it by name (numba caches each apart: the closure's constants are in its key)."""
+    _chunk = _make_chunk(d, d, block, f16)
 
-    Shifting sign, exponent and mantissa into place is exact for normal and subnormal halves; an
-    all-ones exponent (inf / nan) is kept all ones."""
-    for r in range(j1 - j0):
-        for i in range(src.shape[2]):
-            h = np.uint32(src[j0 + r, kh, i])
-            b = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
-            if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
-                b |= np.uint32(0x7F800000)
-            bits[r, 0, i] = b
-
-
-@njit(**EXACT)
-def _rescale(f, rows):
-    for r in range(rows):
-        for i in range(f.shape[2]):
-            f[r, 0, i] *= _F16_SCALE
-
-
-def _make_kernels(d: int) -> tuple:
-    """(f32-cache kernel, f16-cache kernel) for head_dim d, named decode_attention[_f16]_d<d> (module
-    globals, so precompile.py's helper process finds them by name; numba caches each apart)."""
-    _chunk = _make_chunk(d, d)
-
-    def decode_attention(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, out):
-        """flash_attn for a few queries over an f32 cache k, v [capacity, hk, d]; see the module doc."""
-        n_q, hq, _ = q.shape
-        hk = k.shape[1]
-        group = hq // hk
+    def decode_attention(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, pow2_bits, k_row, v_row, out):
+        """flash_attn for a few queries over a cache k, v [capacity, hk, d]; see the module doc."""
         length = kv_len[0]
-        splits = _splits(n_q, hk, length, max_.shape[2])
-        for task in prange(n_q * hk * splits):
-            t, kh, c, j0, j1 = _task(task, n_q, hk, splits, pos, length, window)
+        splits = _splits(q.shape[0], length, max_.shape[2])
+        for task in prange(q.shape[0] * splits):
+            t, c, j0, j1 = _task(task, splits, pos, length, window)
             if j1 <= j0:
-                _mark_empty(sum_, t, kh * group, group, c)
+                _mark_empty(sum_, t, c)
             else:
                 me = numba.get_thread_id()
-                _chunk(q, t, kh * group, k, v, kh, j0, j1, scale, scores[me], c, max_, sum_, acc)
+                _chunk(q, t, k, v, j0, j1, scale, scores[me], pow2_bits[me], k_row[me], v_row[me], c, max_, sum_,
+                       acc)
         _merge(max_, sum_, acc, splits, out)
 
-    def decode_attention_f16(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, k_bits, v_bits, out):
-        """decode_attention over an f16 cache given as its uint16 bits: k, v [capacity, hk, d] u16."""
-        n_q, hq, _ = q.shape
-        hk = k.shape[1]
-        group = hq // hk
-        length = kv_len[0]
-        splits = _splits(n_q, hk, length, max_.shape[2])
-        for task in prange(n_q * hk * splits):
-            t, kh, c, j0, j1 = _task(task, n_q, hk, splits, pos, length, window)
-            if j1 <= j0:
-                _mark_empty(sum_, t, kh * group, group, c)
-                continue
-            me = numba.get_thread_id()
-            kf, vf = k_bits[me].view(np.float32), v_bits[me].view(np.float32)
-            _widen_f16(k, kh, j0, j1, k_bits[me])
-            _widen_f16(v, kh, j0, j1, v_bits[me])
-            _rescale(kf, j1 - j0)
-            _rescale(vf, j1 - j0)
-            _chunk(q, t, kh * group, kf, vf, 0, 0, j1 - j0, scale, scores[me], c, max_, sum_, acc)
-        _merge(max_, sum_, acc, splits, out)
-
-    made = []
-    for f in (decode_attention, decode_attention_f16):
-        f.__name__ = f.__qualname__ = f"{f.__name__}_d{d}"
-        made.append(njit(parallel=True, **JIT)(f))
-    return tuple(made)
+    name = f"decode_attention{'_f16' if f16 else ''}_d{d}_g{block}"
+    decode_attention.__name__ = decode_attention.__qualname__ = name
+    return njit(parallel=True, **JIT)(decode_attention)
 
 
-HEAD_DIMS = (64, 128, 256)  # the head dims with a decode kernel (SmolLM2 / Llama, Qwen3, Qwen3.5 and Gemma 3)
-KERNELS = {d: _make_kernels(d) for d in HEAD_DIMS}
-for _d, (_f32, _f16) in KERNELS.items():
-    globals()[_f32.py_func.__name__], globals()[_f16.py_func.__name__] = _f32, _f16
+BLOCKS = (1, 2, 3, 4)  # q heads scored together: min(group, 4); numba compiles only the ones used
+KERNELS = {(d, b, f16): _make_kernel(d, b, f16) for d in HEAD_DIMS for b in BLOCKS for f16 in (False, True)}
+for _kernel in KERNELS.values():
+    globals()[_kernel.py_func.__name__] = _kernel
 
 
 def bind_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, kv_len: np.ndarray,
@@ -244,18 +297,16 @@ def bind_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, kv
     """(kernel, args) of decode attention for these bound arrays: f32 or f16 caches, scratch made once."""
     f16 = k.dtype == np.float16
     sc = make_scratch(q.shape[0], q.shape[1], k.shape[1], k.shape[2], v.shape[2], k.shape[0], f16)
-    common = (pos, kv_len, scale, window, sc.max_, sc.sum_, sc.acc, sc.scores)
-    f32_kernel, f16_kernel = KERNELS[k.shape[2]]
-    if f16:
-        return f16_kernel, (q, k.view(np.uint16), v.view(np.uint16), *common, sc.k_bits, sc.v_bits, out)
-    return f32_kernel, (q, k, v, *common, out)
+    kv = (k.view(np.uint16), v.view(np.uint16)) if f16 else (k, v)
+    kernel = KERNELS[k.shape[2], min(q.shape[1] // k.shape[1], BLOCKS[-1]), f16]
+    return kernel, (q, *kv, pos, kv_len, scale, window, sc.max_, sc.sum_, sc.acc, sc.scores, sc.pow2_bits, sc.k_row,
+                    sc.v_row, out)
 
 
 def supports(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
     """Whether decode attention takes these arrays: few f32 queries, f32 or f16 caches alike, C-contiguous,
     a head dim in HEAD_DIMS (q, k and v alike)."""
-    arrays = (q, k, v)
     return (q.shape[0] <= DECODE_MAX_QUERIES and q.dtype == np.float32 and k.dtype == v.dtype
             and k.shape[2] == v.shape[2] and k.shape[2] in HEAD_DIMS
-            and k.dtype in (np.float32, np.float16) and all(a.flags.c_contiguous for a in arrays)
-            and math.prod(q.shape) > 0)
+            and k.dtype in (np.float32, np.float16) and all(a.flags.c_contiguous for a in (q, k, v))
+            and q.size > 0)
