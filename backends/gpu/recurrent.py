@@ -30,13 +30,13 @@ GDN_BLOCK = 64  # recurrent.cu GDN_BLOCK
 GDN_TILE = 16  # state columns per block (GDN_BLOCK / GDN_SPLIT)
 GDN_SPLIT = 4  # threads per state column
 GDN_ROWS = (2, 4, 8, 16, 32, 64)  # gated_delta_net_r{ROWS}: dk <= ROWS * GDN_SPLIT
-# Few tokens (decode, verify: n <= INPLACE_MAX_TOKENS), dv % 4 == 0, 16-byte aligned state/v/o:
+# Few tokens (decode, verify: n <= FEW_TOKENS), dv % 4 == 0, 16-byte aligned state/v/o:
 # gated_delta_net(_raw)_step_d{DK}, 256 threads per 16 columns of a head, float4 state (recurrent.cu)
 GDS_THREADS, GDS_COLS, GDS_DK = 256, 16, (64, 128)
 
 
 NULL = np.uint64(0)  # a null pointer kernel argument
-INPLACE_MAX_TOKENS = 16  # the token-loop kernels, which may write the state in place, up to this many tokens
+FEW_TOKENS = 16  # decode and verify calls: the token-loop kernels (not delta_chunked), which may write in place
 _STATE_INPUT = {"ssm_conv": 1, "ssm_conv_silu": 1, "gated_delta_net": 5, "gated_delta_net_raw": 7}
 
 
@@ -47,7 +47,7 @@ def inplace_state(node: Any) -> int | None:
     if j is None:
         return None
     n = node.src[0].shape[0]
-    limit = CONV_TOKENS if node.op.startswith("ssm_conv") else INPLACE_MAX_TOKENS
+    limit = CONV_TOKENS if node.op.startswith("ssm_conv") else FEW_TOKENS
     return j if n <= limit else None
 
 
@@ -137,7 +137,7 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
             f32(p["scale"]), a_st, a_sh, d_st, d_sh, i32(l2_eps is not None), f32(l2_eps or 0.0),
             steps if steps is not None else NULL)
     aligned = all(a.data.ptr % 16 == 0 for a in (state, new_state, v, o, *(() if steps is None else (steps,))))
-    if n <= INPLACE_MAX_TOKENS and dk <= GDS_DK[-1] and dv % 4 == 0 and aligned:
+    if n <= FEW_TOKENS and dk <= GDS_DK[-1] and dv % 4 == 0 and aligned:
         name = f"gated_delta_net{'_raw' if raw else ''}_step_d{next(d for d in GDS_DK if dk <= d)}"
         return [Launch(SOURCE, name, (cdiv(dv, GDS_COLS), hv), GDS_THREADS, args)]
     return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
