@@ -1,6 +1,6 @@
 """Decode tok/s on the cpu backend at 128, 1k and 4k keys, next to what the bytes allow.
 
-    python benchmarks/bench_cpu_long_context.py [MODEL ...] [--contexts 128,1024,3968] [--tokens 32]
+    python benchmarks/bench_cpu_long_context.py [MODEL ...] [--contexts 128,1024,3968] [--tokens 32] [--threads N]
 
 For each context L: a prompt of L tokens (prefill), then --tokens greedy one-token decode steps, timed
 one by one; the best of --repeats runs is kept (the machine is shared). The prediction assumes
@@ -35,13 +35,13 @@ def _read_rows(rows, parts, out):
                 out[p, i] += rows[r, i]
 
 
-def read_bandwidth(threads: int, repeats: int = 7) -> float:
-    """Bytes per second one streaming read of 256 MB reaches with `threads` threads (best of repeats)."""
+def read_bandwidth(n_threads: int, repeats: int = 7) -> float:
+    """Bytes per second one streaming read of 256 MB reaches with n_threads threads (best of repeats)."""
     rows = np.random.default_rng(0).standard_normal((2 ** 20, 64), dtype=np.float32)
-    out = np.empty((threads, 64), np.float32)
-    numba.set_num_threads(threads)
-    _read_rows(rows, threads, out)
-    best = min(_timed(lambda: _read_rows(rows, threads, out)) for _ in range(repeats))
+    out = np.empty((n_threads, 64), np.float32)
+    numba.set_num_threads(n_threads)
+    _read_rows(rows, n_threads, out)
+    best = min(_timed(lambda: _read_rows(rows, n_threads, out)) for _ in range(repeats))
     return rows.nbytes / best
 
 
@@ -92,7 +92,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1024,3968", help="prompt lengths, the first is the baseline")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--repeats", type=int, default=2, help="runs per context; the best is kept")
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: auto, as a run decides)")
     args = ap.parse_args()
+    threads.set_threads(args.threads)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     bandwidths = {t: read_bandwidth(t) for t in (1, numba.config.NUMBA_NUM_THREADS)}
     print("streaming read: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidths.items()))

@@ -5,6 +5,10 @@ f16 widening bit for bit against numpy on every half."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -139,3 +143,25 @@ def test_f16_widening_matches_numpy_on_every_half():
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(ours), nan)
     assert np.array_equal(ours[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+_CACHE_PROBE = r"""
+import numpy as np
+from graphir.backends.cpu import attention as ATT
+q = np.ones((1, 9, 64), np.float32)
+k = np.ones((100, 3, 64), np.float32)
+kernel, args = ATT.bind_decode(q, k, k, np.array([99], np.int32), np.array([100], np.int32), np.float32(0.1), 0,
+                               np.empty((1, 9, 64), np.float32))
+kernel(*args)
+print(sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values()))
+"""
+
+
+def test_a_second_process_loads_the_kernel_from_numbas_cache(tmp_path):
+    """The kernels are closures: their cache entries must not depend on anything that differs between
+    processes (a captured dispatcher did, so every process compiled them again, ~3 s)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    hits, misses = (int(x) for x in runs[1].stdout.split())
+    assert (hits, misses) == (1, 0), runs[1].stdout + runs[1].stderr

@@ -10,7 +10,8 @@ is built around reading each row once, in address order, as fast as memory deliv
   chunk leaves (max, sum of exp, V sum) per head and a serial merge rescales them into the output
   (the usual split-K / online-softmax combine);
 - within a chunk: scores into a per-thread scratch [q heads, CHUNK], then a vectorized exp, then
-  the V sum; every inner loop runs over head_dim, a compile-time constant (one kernel per head dim);
+  the V sum; every inner loop runs over head_dim, a compile-time constant (one kernel per head dim
+  and GQA block);
 - all scratch is bound once (DecodeScratch), so a replayed step allocates nothing.
 
 f16 caches are read as their uint16 bits (numba has no float16) and widened row by row into an
@@ -135,98 +136,6 @@ def _exp_in_place(x, top, pow2_bits, pow2):
     return total
 
 
-def _make_chunk(d: int, dv: int, block: int, f16: bool):
-    """_chunk for head dims d (q, k) and dv (v) fixed at compile time, scoring `block` (1..4) q heads of a
-    GQA group per pass over a K row, over an f32 cache or (f16) the uint16 bits of an f16 one.
-
-    Constant trip counts keep a row in vector registers, and a block's dot products share the K loads
-    (SmolLM2, 4096 keys, in cache, 1 thread: scores 5.7 ms a token one head at a time, 3.5 with the 3
-    heads of a group together; head dims read from the arrays took twice as long again)."""
-
-    @njit(**JIT)
-    def _scores(qt, kr, group, j, scale, s):
-        """s[h, j] = scale * q[h] . k[kv head of h] for every q head, `block` heads of a group at a time;
-        a last block that runs past its group repeats the group's last head (same value, written twice)."""
-        for kh in range(kr.shape[0]):
-            kv, last = kr[kh], kh * group + group - 1
-            for g0 in range(0, group, block):
-                h0 = kh * group + g0
-                h1, h2, h3 = min(h0 + 1, last), min(h0 + 2, last), min(h0 + 3, last)
-                q0, q1, q2, q3 = qt[h0], qt[h1], qt[h2], qt[h3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for i in range(d):
-                    x = kv[i]
-                    a0 += q0[i] * x
-                    if block > 1:  # block is a constant: LLVM drops the unused accumulators
-                        a1 += q1[i] * x
-                    if block > 2:
-                        a2 += q2[i] * x
-                    if block > 3:
-                        a3 += q3[i] * x
-                s[h0, j] = a0 * scale
-                if block > 1:
-                    s[h1, j] = a1 * scale
-                if block > 2:
-                    s[h2, j] = a2 * scale
-                if block > 3:
-                    s[h3, j] = a3 * scale
-
-    @njit(**JIT)
-    def _chunk(q, t, k, v, j0, j1, scale, s, pow2_bits, k_row, v_row, c, max_, sum_, acc):
-        """Partial attention of query t, all heads, over key rows j0..j1: (max, sum, acc)[t, :, c]."""
-        hq, hk, n = q.shape[1], k.shape[1], j1 - j0
-        group = hq // hk
-        kf, vf = k_row.view(np.float32), v_row.view(np.float32)
-        for j in range(n):  # each K row once, in address order, for every q head
-            if f16:
-                _widen_f16(k, j0 + j, k_row, kf)
-                _scores(q[t], kf, group, j, scale, s)
-            else:
-                _scores(q[t], k[j0 + j], group, j, scale, s)
-        for h in range(hq):
-            sh = s[h]
-            m = sh[0]  # not -inf: fast-math assumes no infinities
-            for j in range(1, n):
-                m = max(m, sh[j])
-            max_[t, h, c] = m
-            sum_[t, h, c] = _exp_in_place(sh[:n], m, pow2_bits, pow2_bits.view(np.float32))
-            a = acc[t, h, c]
-            for i in range(dv):
-                a[i] = 0.0
-        # each V row once, in address order, into every q head's sum; f32 rows 4 at a time
-        n4 = 0 if f16 else n - n % 4
-        for j in range(0, n4, 4):
-            _v_rows4(v[j0 + j], v[j0 + j + 1], v[j0 + j + 2], v[j0 + j + 3], group, j, s, acc[t], c)
-        for j in range(n4, n):
-            if f16:
-                _widen_f16(v, j0 + j, v_row, vf)
-                _v_row(vf, group, j, s, acc[t], c)
-            else:
-                _v_row(v[j0 + j], group, j, s, acc[t], c)
-
-    @njit(**JIT)
-    def _v_row(vr, group, j, s, acc, c):
-        """acc[h, c] += s[h, j] * v row j (its KV head's part) for every q head."""
-        for kh in range(vr.shape[0]):
-            vh = vr[kh]
-            for h in range(kh * group, kh * group + group):
-                w, a = s[h, j], acc[h, c]
-                for i in range(dv):
-                    a[i] += w * vh[i]
-
-    @njit(**JIT)
-    def _v_rows4(r0, r1, r2, r3, group, j, s, acc, c):
-        """_v_row for rows j..j+3 at once: a quarter of the loads and stores of the sums (in cache, SmolLM2
-        at 4096 keys, 1 thread: 4.8 ms a token against 6.9 a row at a time)."""
-        for kh in range(r0.shape[0]):
-            x0, x1, x2, x3 = r0[kh], r1[kh], r2[kh], r3[kh]
-            for h in range(kh * group, kh * group + group):
-                w0, w1, w2, w3, a = s[h, j], s[h, j + 1], s[h, j + 2], s[h, j + 3], acc[h, c]
-                for i in range(dv):
-                    a[i] += (w0 * x0[i] + w1 * x1[i]) + (w2 * x2[i] + w3 * x3[i])
-    return _chunk
-
-
 @njit(**JIT)
 def _mark_empty(sum_, t, c):
     for h in range(sum_.shape[1]):
@@ -262,23 +171,93 @@ def _merge(max_, sum_, acc, splits, out):
 
 
 def _make_kernel(d: int, block: int, f16: bool):
-    """The decode kernel for head_dim d, GQA blocks of `block` heads, over an f32 cache or (f16) the uint16
-    bits of an f16 one, named decode_attention[_f16]_d<d>_g<block>: a module global, so precompile.py's
-    helper process finds it by name (numba caches each apart: the closure's constants are in its key)."""
-    _chunk = _make_chunk(d, d, block, f16)
+    """The decode kernel for head_dim d, scoring `block` (1..4) q heads of a GQA group per pass over a K
+    row, over an f32 cache or (f16) the uint16 bits of an f16 one; named decode_attention[_f16]_d<d>_g<block>,
+    a module global, so precompile.py's helper process finds it by name.
+
+    d, block and f16 are compile-time constants: constant trip counts keep a row in vector registers and
+    a block's dot products share the K loads (SmolLM2, 4096 keys, in cache, 1 thread: scores 5.7 ms a
+    token one head at a time, 3.5 with a group's 3 heads together; head dims read from the arrays took
+    twice as long again). It is one function on purpose: numba keys a closure's cache entry on its cell
+    contents, which must be plain constants (a captured dispatcher pickles differently in every
+    process, so every process would compile again); its helpers are module globals."""
 
     def decode_attention(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, pow2_bits, k_row, v_row, out):
         """flash_attn for a few queries over a cache k, v [capacity, hk, d]; see the module doc."""
+        hq, hk = q.shape[1], k.shape[1]
+        group = hq // hk
         length = kv_len[0]
         splits = _splits(q.shape[0], length, max_.shape[2])
         for task in prange(q.shape[0] * splits):
             t, c, j0, j1 = _task(task, splits, pos, length, window)
             if j1 <= j0:
                 _mark_empty(sum_, t, c)
-            else:
-                me = numba.get_thread_id()
-                _chunk(q, t, k, v, j0, j1, scale, scores[me], pow2_bits[me], k_row[me], v_row[me], c, max_, sum_,
-                       acc)
+                continue
+            me = numba.get_thread_id()
+            s, kb, vb = scores[me], k_row[me], v_row[me]
+            kf, vf = kb.view(np.float32), vb.view(np.float32)
+            n, qt, at = j1 - j0, q[t], acc[t]
+            for j in range(n):  # each K row once, in address order, for every q head
+                if f16:
+                    _widen_f16(k, j0 + j, kb, kf)
+                    kr = kf
+                else:
+                    kr = k[j0 + j]
+                for kh in range(hk):
+                    kv, last = kr[kh], kh * group + group - 1
+                    for g0 in range(0, group, block):  # past the group's end: its last head again
+                        h0 = kh * group + g0
+                        h1, h2, h3 = min(h0 + 1, last), min(h0 + 2, last), min(h0 + 3, last)
+                        q0, q1, q2, q3 = qt[h0], qt[h1], qt[h2], qt[h3]
+                        a0 = a1 = a2 = a3 = np.float32(0.0)
+                        for i in range(d):
+                            x = kv[i]
+                            a0 += q0[i] * x
+                            if block > 1:  # a constant: LLVM drops the unused accumulators
+                                a1 += q1[i] * x
+                            if block > 2:
+                                a2 += q2[i] * x
+                            if block > 3:
+                                a3 += q3[i] * x
+                        s[h0, j] = a0 * scale
+                        if block > 1:
+                            s[h1, j] = a1 * scale
+                        if block > 2:
+                            s[h2, j] = a2 * scale
+                        if block > 3:
+                            s[h3, j] = a3 * scale
+            for h in range(hq):
+                sh = s[h]
+                m = sh[0]  # not -inf: fast-math assumes no infinities
+                for j in range(1, n):
+                    m = max(m, sh[j])
+                max_[t, h, c] = m
+                sum_[t, h, c] = _exp_in_place(sh[:n], m, pow2_bits[me], pow2_bits[me].view(np.float32))
+                for i in range(d):
+                    at[h, c, i] = 0.0
+            # each V row once, in address order, into every q head's sum; f32 rows 4 at a time, a quarter
+            # of the loads and stores of the sums (in cache, 1 thread: 4.8 ms a token against 6.9)
+            n4 = 0 if f16 else n - n % 4
+            for j in range(0, n4, 4):
+                r0, r1, r2, r3 = v[j0 + j], v[j0 + j + 1], v[j0 + j + 2], v[j0 + j + 3]
+                for kh in range(hk):
+                    x0, x1, x2, x3 = r0[kh], r1[kh], r2[kh], r3[kh]
+                    for h in range(kh * group, kh * group + group):
+                        w0, w1, w2, w3, a = s[h, j], s[h, j + 1], s[h, j + 2], s[h, j + 3], at[h, c]
+                        for i in range(d):
+                            a[i] += (w0 * x0[i] + w1 * x1[i]) + (w2 * x2[i] + w3 * x3[i])
+            for j in range(n4, n):
+                if f16:
+                    _widen_f16(v, j0 + j, vb, vf)
+                    vr = vf
+                else:
+                    vr = v[j0 + j]
+                for kh in range(hk):
+                    vh = vr[kh]
+                    for h in range(kh * group, kh * group + group):
+                        w, a = s[h, j], at[h, c]
+                        for i in range(d):
+                            a[i] += w * vh[i]
         _merge(max_, sum_, acc, splits, out)
 
     name = f"decode_attention{'_f16' if f16 else ''}_d{d}_g{block}"
