@@ -77,7 +77,7 @@ def test_sliding_window(rng, window):
     check(*case(rng, 1025, 9, 3, np.float32, n_q=3), window=window)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [16, 32, 128, 256])
 def test_other_head_dims(rng, d):
     check(*case(rng, 511, 8, 2, np.float32, d=d))
     check(*case(rng, 511, 8, 2, np.float16, d=d))

@@ -35,7 +35,7 @@ EXACT = dict(cache=True, nogil=True)  # bit manipulation of f16 (fast-math must 
 CHUNK = 256  # keys per task at most: the scores of a chunk (q heads x 1 KB) stay in L1/L2
 MIN_TASKS = 8  # split short contexts too, so that 2 threads get even shares
 DECODE_MAX_QUERIES = 8  # more queries (prefill) go to kernels.attention, which reuses nothing across queries
-HEAD_DIMS = (64, 128, 256)  # the head dims with a decode kernel (SmolLM2 / Llama, Qwen3, Qwen3.5 and Gemma 3)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # with a decode kernel: the random tiny presets, SmolLM2, Qwen3, Qwen3.5 / Gemma 3
 
 _F16_SCALE = np.float32(2.0 ** 112)  # f16 bits shifted into an f32's place are the value times 2^-112
 
