@@ -15,10 +15,11 @@ is built around reading each row once, in address order, as fast as memory deliv
 - all scratch is bound once (DecodeScratch), so a replayed step allocates nothing.
 
 f16 caches are read as their uint16 bits (numba has no float16) and widened row by row into an
-L1-sized f32 scratch, so the bytes read from memory are halved.
+L1-sized f32 scratch: half the bytes, but the widening still costs more time than that saves.
 
-Measured (SmolLM2-135M, 3968 keys, 1 thread, profile_decode.py): reading per (KV head, chunk) with
-the rows strided by the other heads reached ~5.5 GB/s; whole rows in order are faster (BENCHMARKS.md).
+Measured (SmolLM2-135M, 3968 keys, profile_decode.py, 1 thread): flash_attn 46 ms a token with
+kernels.attention (a task per q head), 24 ms with this; tasks per (KV head, chunk), reading a third
+of each row, got ~5.5 GB/s. Decode at 4k on 2 threads: 2.5x. Details in BENCHMARKS.md.
 """
 
 from __future__ import annotations
