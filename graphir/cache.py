@@ -98,10 +98,10 @@ class ProgramCache:
         if key not in self._passed:
             from graphir.passes import run_pipeline
 
-            result = graph_cache.load(graph, passes)  # an earlier process's result, if any
+            result = graph_cache.load(key[0], passes)  # an earlier process's result, if any
             if result is None:
                 result = run_pipeline(graph, passes)
-                graph_cache.store(graph, passes, result)
+                graph_cache.store(key[0], passes, result)
             self._passed[key] = result
             while len(self._passed) > self.max_entries:
                 self._passed.pop(next(iter(self._passed)))

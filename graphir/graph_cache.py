@@ -44,8 +44,8 @@ def cache_dir() -> Path:
     return Path(base) / "passed"
 
 
-def _entry(graph: Graph, passes: str) -> Path | None:
-    """The file for (graph, passes), or None where the pipeline may not be cached."""
+def _entry(signature: str, passes: str) -> Path | None:
+    """The file for (a graph of this signature, passes), or None where the pipeline may not be cached."""
     from graphir.passes import PASSES, parse_pipeline
 
     if flags.enabled("GRAPHIR_NO_GRAPH_CACHE"):
@@ -53,13 +53,13 @@ def _entry(graph: Graph, passes: str) -> Path | None:
     steps = parse_pipeline(passes)
     if any(not PASSES[name].impl.__module__.startswith("graphir.passes") for name, _ in steps):
         return None
-    key = json.dumps([graph.signature(), steps, code_hash()], sort_keys=True, default=str)
+    key = json.dumps([signature, steps, code_hash()], sort_keys=True, default=str)
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def load(graph: Graph, passes: str) -> Graph | None:
-    """The cached result of `passes` on `graph`, or None."""
-    path = _entry(graph, passes)
+def load(signature: str, passes: str) -> Graph | None:
+    """The cached result of `passes` on a graph of this signature (Graph.signature()), or None."""
+    path = _entry(signature, passes)
     if path is None or not path.is_file():
         return None
     try:
@@ -68,9 +68,10 @@ def load(graph: Graph, passes: str) -> Graph | None:
         return None  # a corrupt or foreign entry: run the pipeline instead
 
 
-def store(graph: Graph, passes: str, result: Graph) -> None:
-    """Keep `result` (passes run on graph) for later processes; silently skipped where the disk refuses."""
-    path = _entry(graph, passes)
+def store(signature: str, passes: str, result: Graph) -> None:
+    """Keep `result` (passes run on a graph of this signature) for later processes; silently skipped where
+    the disk refuses."""
+    path = _entry(signature, passes)
     if path is None:
         return
     try:
