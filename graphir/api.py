@@ -123,7 +123,7 @@ class Model:
             return inputs
         self.slots.release(self.n_past)
         self.slots.hold(self.n_past + len(inputs["kv_idx"]))
-        return kv_slots.slot_inputs(inputs, self.slots.slot_map, self.slots.n_slots)
+        return kv_slots.mapped_inputs(inputs, self.slots.slot_map)
 
     def reset(self) -> None:
         """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
