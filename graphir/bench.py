@@ -148,6 +148,18 @@ def peak_rss_bytes() -> int:
     return int(kb if sys.platform == "darwin" else kb * 1024)  # bytes on macOS, KiB on Linux
 
 
+def checked_lengths(ctx: int, prefill_tokens: int, prompt_tokens: int, decode_tokens: int,
+                    long_prefill_tokens: int | None, on_gpu: bool) -> int:
+    """A ValueError where the runs do not fit the context; the long prefill's length (its default: 4096
+    on the gpu, none elsewhere; 0 where it does not fit)."""
+    if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
+        raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
+                         f"exceeds the model's context of {ctx}")
+    if long_prefill_tokens is None:
+        long_prefill_tokens = 4096 if on_gpu else 0
+    return long_prefill_tokens if 0 < long_prefill_tokens <= ctx else 0
+
+
 def decode_weight_bytes(model: Model) -> int:
     """Weight bytes one decode token reads: all weights, an untied embedding table only as one row."""
     w = model.weights
@@ -312,12 +324,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     model = load(spec, backend=backend, passes=passes)
     load_s = time.perf_counter() - t0
     ctx = model.config.ctx
-    if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
-        raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
-                         f"exceeds the model's context of {ctx}")
-    if long_prefill_tokens is None:
-        long_prefill_tokens = 4096 if on_gpu else 0
-    long_prefill_tokens = long_prefill_tokens if 0 < long_prefill_tokens <= ctx else 0
+    long_prefill_tokens = checked_lengths(ctx, prefill_tokens, prompt_tokens, decode_tokens,
+                                          long_prefill_tokens, on_gpu)
     ids = token_ids(model, max(prefill_tokens, prompt_tokens, long_prefill_tokens))
     prompt, prefill = ids[:prompt_tokens], ids[:prefill_tokens]
 

@@ -37,13 +37,8 @@ def bench_tp(spec: str, backend: str, passes: str, prefill_tokens: int, prompt_t
     model = load(spec, backend=backend, passes=passes, tp=tp)
     load_s = time.perf_counter() - t0
     try:
-        ctx = model.config.ctx
-        if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
-            raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
-                             f"exceeds the model's context of {ctx}")
-        if long_prefill_tokens is None:
-            long_prefill_tokens = 4096 if on_gpu else 0
-        long_prefill_tokens = long_prefill_tokens if 0 < long_prefill_tokens <= ctx else 0
+        long_prefill_tokens = B.checked_lengths(model.config.ctx, prefill_tokens, prompt_tokens, decode_tokens,
+                                                long_prefill_tokens, on_gpu)
         r = model.call(measure_rank, prefill_tokens, prompt_tokens, decode_tokens, repeats, long_prefill_tokens)
         source = model.source
     finally:
