@@ -3,7 +3,8 @@ device), the Program call alone, and the captured CUDA graph alone.
 
     python benchmarks/profile_gpu_decode.py [MODEL] [--prompt 128] [--tokens 200]
 
-(graph alone) is what the GPU needs per token, Input copy and error-flag read included; (Program
+(graph alone) is what the GPU needs per token, Input copy and error-flag read included (on sm_90+
+also captured once more without programmatic dependent launch, backends/gpu/pdl.py); (Program
 call) adds writing the pinned Inputs, the id's copy back and the wait; (decode step) adds the
 model's Python around it. The gaps are
 host time per token, which the replay issue brings down.
@@ -12,6 +13,7 @@ host time per token, which the replay issue brings down.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--kernels", type=int, default=12, help="show the N kernels with the most device time")
     args = ap.parse_args()
+    from graphir.backends.gpu import pdl
     from graphir.backends.gpu.device import stream
 
     from graphir.generate import Settings
@@ -57,11 +60,21 @@ def main() -> None:
         s.synchronize()
 
     graph_us = per_call_us(graph_only, args.tokens)
+    rows = [("Model decode step (whole step)", feed_us), ("Program call", call_us),
+            ("captured graph alone (launch+sync)", graph_us)]
+    if pdl.enabled():  # the same step captured again with each kernel waiting for the last to end
+        os.environ["GRAPHIR_NO_PDL"] = "1"
+        with s:
+            program._capture()
+        rows.append(("  the same graph without PDL", per_call_us(graph_only, args.tokens)))
+        del os.environ["GRAPHIR_NO_PDL"]
+        with s:
+            program._capture()
     steps = len(program._steps)
-    print(f"model {args.model}: decode step = {steps} kernels, captured; context {n}")
+    print(f"model {args.model}: decode step = {steps} kernels, captured (programmatic dependent launch: "
+          f"{'on' if pdl.enabled() else 'off'}); context {n}")
     print(f"{'what':<34} {'us/token':>9}")
-    for what, us in (("Model decode step (whole step)", feed_us), ("Program call", call_us),
-                     ("captured graph alone (launch+sync)", graph_us)):
+    for what, us in rows:
         print(f"{what:<34} {us:9.1f}")
     print(f"graph time per kernel: {graph_us / steps:.2f} us; host time per token: {feed_us - graph_us:.1f} us")
 

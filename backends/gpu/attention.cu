@@ -486,6 +486,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
              const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
              int min_chunk) {
+    PDL_ENTRY();
     constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
     __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
@@ -641,6 +642,7 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
     extern "C" __global__ void __launch_bounds__(ATTN_PREFILL_THREADS) attn_prefill_##KVNAME##SUFFIX(            \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* out, int n_q,       \
         int hq, int hk, int d, int dv, int cap, float scale2, int window, int n_gch, int* errflag, int code) {    \
+        PDL_ENTRY();                                                                                              \
         attn_prefill<KVT, GB, NVP, (DK) / (4 * (NVP)), VEC>(q, k, v, pos, kv_len, out, n_q, hq, hk, d, dv, cap,   \
                                                              scale2, window, n_gch, errflag, code);               \
     }
@@ -674,6 +676,7 @@ ATTN_DEFINE_KV(f16, u16)
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code) {                                            \
+        PDL_ENTRY();                                                                                              \
         attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,   \
                                                              hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
                                                              n_gch, errflag, code);                               \
@@ -683,6 +686,7 @@ ATTN_DEFINE_KV(f16, u16)
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code) {                                            \
+        PDL_ENTRY();                                                                                              \
         attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq, hk,   \
                                                          d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
                                                          errflag, code);                                          \

@@ -376,6 +376,7 @@ DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q
 #define ATTN_KV_DEFINE(KVNAME, KVT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATTN_KV_CONVERT_THREADS) attn_kv_bf16_##KVNAME(                     \
         const KVT* k, const KVT* v, u16* dst, const int* kv_len, int cap, int hk, int d, int dv, int dk) {           \
+        PDL_ENTRY();                                                                                                 \
         kv_to_bf16<KVT>(k, v, dst, kv_len, cap, hk, d, dv, dk);                                                      \
     }
 ATTN_KV_DEFINE(f32, float)
@@ -388,6 +389,7 @@ ATTN_KV_DEFINE(f16, u16)
 #define ATTN_TC_PASS q, kvb, pos, kv_len, out, n_q, hq, hk, d, dv, cap, scale2, window, errflag, code
 #define ATTN_TC_DEFINE(DK)                                                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS) {            \
+        PDL_ENTRY();                                                                                                 \
         __shared__ alignas(16) u16 sk[TileKeys<DK>::value * (DK + 8)];                                               \
         __shared__ alignas(16) u16 sv[TileKeys<DK>::value * (DK + 8)];                                               \
         attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);                                               \
@@ -398,6 +400,7 @@ ATTN_TC_DEFINE(128)
 // 256 (Qwen3.5, Gemma 3): Q in shared memory; K tile, V tile, then Q rows of each warp, all dynamic
 // (launched with (2 * ATTN_TC_BN_D256 + 16 * ATTN_TC_WARPS) * 264 * 2 bytes).
 extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d256(ATTN_TC_ARGS) {
+    PDL_ENTRY();
     constexpr int LDS = 256 + 8;
     extern __shared__ __align__(16) u16 attn_tc_smem[];
     constexpr int BN = TileKeys<256>::value;

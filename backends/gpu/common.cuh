@@ -107,6 +107,41 @@ DEVICE float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// Inside a captured decode graph each kernel is launched with programmatic stream serialization
+// (sm_90+, CUDA; backends/gpu/pdl.py): it may start while the kernel before it still runs. Every
+// kernel therefore begins with PDL_ENTRY(), or with PDL_TRIGGER(), work that reads nothing an
+// earlier kernel writes (a GEMV prefetching its weights into L2), then PDL_WAIT(). PDL_WAIT returns
+// once the kernel before has finished and its writes are visible; nothing may be read from or
+// written to activations, State or the error flag before it. PDL_TRIGGER lets the next kernel be
+// scheduled as soon as every block of this one has started. Both are no-ops without the launch
+// attribute, on older GPUs and on HIP. tests/test_gpu_pdl_entry.py checks every kernel has them.
+#if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#ifndef GRAPHIR_TEST_SKIP_PDL_WAIT  // tests/test_gpu_pdl.py plants the bug of a kernel that does not wait
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_WAIT() ((void)0)
+#endif
+#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#else
+#define PDL_TRIGGER() ((void)0)
+#define PDL_WAIT() ((void)0)
+#define PREFETCH_L2(p) ((void)(p))
+#endif
+#define PDL_ENTRY() \
+    do {            \
+        PDL_TRIGGER(); \
+        PDL_WAIT();    \
+    } while (0)
+
+// Asks L2 for bytes [p, p + n) of memory no kernel writes (weights), one request per 128-byte line,
+// spread over the block: what a GEMV does between PDL_TRIGGER and PDL_WAIT.
+DEVICE void prefetch_l2_block(const void* p, long long n) {
+    const char* c = (const char*)p;
+    for (long long o = (long long)threadIdx.x * 128; o < n; o += (long long)blockDim.x * 128) PREFETCH_L2(c + o);
+}
+
 // ---------------------------------------------------------------- run-time error flag
 // Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of
 // range. They record the first violation instead: flag[0] = code (the step's number + 1, set by

@@ -14,6 +14,7 @@ DEVICE int to_i32(float v) { return (int)v; }  // C truncation toward zero, as n
     extern "C" __global__ void name(const S* __restrict__ src, D* __restrict__ dst, long long n, long long offset, \
                                     int d1, int d2, int d3, int d4, int d5, long long s0, long long s1,          \
                                     long long s2, long long s3, long long s4, long long s5) {                    \
+        PDL_ENTRY();                                                                                             \
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                              \
              i += (long long)gridDim.x * blockDim.x) {                                                           \
             long long r = i;                                                                                     \
@@ -50,6 +51,7 @@ DEFINE_COPY(copy_i32_f16, int, u16, load_i32, f32_to_f16)
 #define DEFINE_CONCAT(name, T)                                                                                   \
     extern "C" __global__ void name(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,         \
                                     long long n, int na, int nb, int inner) {                                    \
+        PDL_ENTRY();                                                                                             \
         const int nab = na + nb;                                                                                 \
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                              \
              i += (long long)gridDim.x * blockDim.x) {                                                           \
@@ -68,6 +70,7 @@ DEFINE_CONCAT(concat_b2, u16)
 #define DEFINE_SET_ROWS(name, D, STORE)                                                                          \
     extern "C" __global__ void name(D* dst, const float* __restrict__ src, const int* __restrict__ rows,         \
                                     int n_tok, long long row, int cap, int* errflag, int code) {                 \
+        PDL_ENTRY();                                                                                             \
         const long long n = n_tok * row;                                                                         \
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                              \
              i += (long long)gridDim.x * blockDim.x) {                                                           \

@@ -367,6 +367,7 @@ DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__
         const float* __restrict__ beta, const float* __restrict__ a_neg,                                \
         const float* __restrict__ dt_bias, float* __restrict__ rec, int n, int hk, int hv, int dk,      \
         float scale, int a_st, int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                    \
+        PDL_ENTRY();                                                                                    \
         gdc_prep_body<DK, false>(q, k, g, beta, a_neg, dt_bias, rec, n, hk, hv, dk, scale, a_st, a_sh,  \
                                  d_st, d_sh, l2, l2_eps);                                               \
     }                                                                                                   \
@@ -375,6 +376,7 @@ DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__
         const float* __restrict__ b, const float* __restrict__ a_neg,                                   \
         const float* __restrict__ dt_bias, float* __restrict__ rec, int n, int hk, int hv, int dk,      \
         float scale, int a_st, int a_sh, int d_st, int d_sh, int l2, float l2_eps) {                    \
+        PDL_ENTRY();                                                                                    \
         gdc_prep_body<DK, true>(q, k, alpha, b, a_neg, dt_bias, rec, n, hk, hv, dk, scale, a_st, a_sh,  \
                                 d_st, d_sh, l2, l2_eps);                                                \
     }                                                                                                   \
@@ -382,6 +384,7 @@ DEVICE void gdc_scan_body(const float* __restrict__ q, const float* __restrict__
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
         const float* __restrict__ rec, const float* state, float* __restrict__ o, float* new_state,     \
         int n, int hk, int hv, int dk, int dv) {                                                        \
+        PDL_ENTRY();                                                                                    \
         gdc_scan_body<DK>(q, k, v, rec, state, o, new_state, n, hk, hv, dk, dv);                        \
     }
 

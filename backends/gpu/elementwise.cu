@@ -11,6 +11,7 @@
     extern "C" __global__ void binary_##name(const float* __restrict__ a, const float* __restrict__ b, \
                                              float* __restrict__ y, long long n, int d1, int d2, int d3, \
                                              int s0, int s1, int s2, int s3) {                        \
+        PDL_ENTRY();                                                                                  \
         GRID_STRIDE(i, n) {                                                                           \
             long long r = i;                                                                          \
             const int i3 = (int)(r % d3); r /= d3;                                                    \
@@ -41,6 +42,7 @@ DEVICE float softplus_f(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)
 
 #define DEFINE_UNARY(name, expr)                                                                          \
     extern "C" __global__ void unary_##name(const float* __restrict__ in, float* __restrict__ y, long long n) { \
+        PDL_ENTRY();                                                                                            \
         GRID_STRIDE(i, n) {                                                                               \
             const float x = in[i];                                                                        \
             y[i] = (expr);                                                                                \
@@ -56,11 +58,13 @@ DEFINE_UNARY(softplus, softplus_f(x))
 
 extern "C" __global__ void scale_f32(const float* __restrict__ in, float* __restrict__ y, long long n, float s,
                                      float b) {
+    PDL_ENTRY();
     GRID_STRIDE(i, n) y[i] = in[i] * s + b;
 }
 
 extern "C" __global__ void swiglu_split_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             float* __restrict__ y, long long n) {
+    PDL_ENTRY();
     GRID_STRIDE(i, n) {
         const float x = a[i];
         y[i] = x / (1.0f + expf(-x)) * b[i];

@@ -54,6 +54,7 @@ DEVICE void get_rows_float_impl(const u8* __restrict__ table, long long row_byte
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ table, long long row_bytes,         \
                                                const int* __restrict__ ids, float* __restrict__ out,     \
                                                int rows, int dim, int* errflag, int code) {              \
+        PDL_ENTRY();                                                                                     \
         impl<F>(table, row_bytes, ids, out, rows, dim, errflag, code);                                   \
     }
 #define DEFINE_GET_ROWS_Q(name, F) DEFINE_GET_ROWS(name, F, get_rows_impl)

@@ -16,7 +16,7 @@ import numpy as np
 from graphir.lowering import ParamRef
 from graphir.weights import Weights
 
-from . import kernels
+from . import kernels, pdl
 from .device import cupy
 
 
@@ -54,6 +54,11 @@ class Launch:
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)
+
+    def launch_overlapped(self, stream_ptr: int) -> None:
+        """The same launch with programmatic stream serialization (pdl.py): it may start before the
+        kernel ahead of it on the stream has finished, and waits for it at PDL_WAIT."""
+        pdl.launch(self.kernel, self.grid, self.block, self.args, self.shared, stream_ptr, self.name)
 
 
 class HostLibraryCall:

@@ -32,6 +32,19 @@ DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 s
 
 DEVICE F4 ldx(const float* p) { return *(const F4*)p; }
 
+// Every GEMV starts here (see PDL_ENTRY in common.cuh): let the next kernel be scheduled, ask L2
+// for this block's weight rows (rows are contiguous, row_bytes apart; weights are never written
+// by a kernel, so this may run before the kernel ahead has finished), then wait for x. In a
+// captured decode step the block is resident while the small kernel before it (a norm, the
+// attention combine) still runs, so those microseconds stream weights instead of idling HBM.
+DEVICE void gemv_entry(const u8* W, long long row_bytes, int n_out, int rows_per_block) {
+    PDL_TRIGGER();
+    const long long r0 = (long long)blockIdx.x * rows_per_block;
+    const long long r1 = r0 + rows_per_block < n_out ? r0 + rows_per_block : n_out;
+    if (r0 < r1) prefetch_l2_block(W + r0 * row_bytes, (r1 - r0) * row_bytes);
+    PDL_WAIT();
+}
+
 // acc += x . v over two runs of 4 (a: run 0, c: run 1). FINAL: v are the weights; otherwise
 // integer codes whose run scales sl, sh multiply each run's dot once.
 template <bool FINAL>
@@ -149,11 +162,13 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv_##name(                               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
+        gemv_entry(W, row_bytes, n_out, GEMV_THREADS / 32 * GEMV_NR);                                     \
         gemv_impl<F, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                                \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv1_##name(                              \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
+        gemv_entry(W, row_bytes, n_out, GEMV_THREADS / 32 * GEMV_NR);                                     \
         gemv_impl<F, 1>(W, row_bytes, X, Y, n_out, n_in, 1);                                              \
     }
 FOR_EACH_QUANT(DEFINE_GEMV)
@@ -276,6 +291,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
+        gemv_entry(W, row_bytes, n_out, (T) / (G) * (NR));                                                 \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
 #define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
@@ -506,6 +522,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
+        gemv_entry(W, row_bytes, n_out, GEMV3_THREADS / 32 * (NR));                                       \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
@@ -553,11 +570,13 @@ DEVICE void dequant_float_impl(const u8* __restrict__ W, long long row_bytes, fl
 #define DEFINE_DEQUANT(name, F)                                                                                 \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ W, long long row_bytes, float* __restrict__ out, \
                                               int rows, int n_in) {                                             \
+        PDL_ENTRY();                                                                                            \
         dequant_impl<F>(W, row_bytes, out, rows, n_in);                                                         \
     }
 #define DEFINE_DEQUANT_FLOAT(name, F)                                                                           \
     extern "C" __global__ void dequant_##name(const u8* __restrict__ W, long long row_bytes, float* __restrict__ out, \
                                               int rows, int n_in) {                                             \
+        PDL_ENTRY();                                                                                            \
         dequant_float_impl<F>(W, row_bytes, out, rows, n_in);                                                   \
     }
 FOR_EACH_QUANT(DEFINE_DEQUANT)
@@ -575,6 +594,7 @@ extern "C" __global__ void matmul_batched_f32(const void* __restrict__ W, const 
                                               float* __restrict__ Y, int B0, int B1, int n, int n_out, int n_in,
                                               long long sw0, long long sw1, long long sx0, long long sx1,
                                               int w_f16, int x_f16) {
+    PDL_ENTRY();
     const long long total = (long long)B0 * B1 * n * n_out;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -593,6 +613,7 @@ extern "C" __global__ void matmul_batched_f32(const void* __restrict__ W, const 
 
 // y = x rounded to bf16 (ties to even): the activations of a tensor-core GEMM with bf16 weights
 extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, u16* __restrict__ y, long long n) {
+    PDL_ENTRY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = f32_to_bf16(x[i]);
 }

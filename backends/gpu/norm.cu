@@ -4,6 +4,7 @@
 // y = x / sqrt(mean(x^2) + eps) [* w]
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ y, int ncols, float eps, int has_w) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long row = blockIdx.x;
     const float* xr = x + row * ncols;
@@ -19,6 +20,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 extern "C" __global__ void add_rms_norm_mul_f32(const float* __restrict__ a, const float* __restrict__ b,
                                                 const float* __restrict__ w, float* __restrict__ y_norm,
                                                 float* __restrict__ y_sum, int ncols, float eps) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     float ss = 0.0f;
@@ -36,6 +38,7 @@ extern "C" __global__ void add_rms_norm_mul_f32(const float* __restrict__ a, con
 extern "C" __global__ void rms_norm_mul_gate_f32(const float* __restrict__ x, const float* __restrict__ w,
                                                  const float* __restrict__ z, float* __restrict__ y, int ncols,
                                                  float eps) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     float ss = 0.0f;
@@ -50,6 +53,7 @@ extern "C" __global__ void rms_norm_mul_gate_f32(const float* __restrict__ x, co
 
 // y = x / sqrt(sum(x^2) + eps)
 extern "C" __global__ void l2_norm_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float eps) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     float ss = 0.0f;
@@ -61,6 +65,7 @@ extern "C" __global__ void l2_norm_f32(const float* __restrict__ x, float* __res
 
 // y = (x - mean) / sqrt(var + eps), the variance of the centred values (two passes: exact for large means)
 extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float eps) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     float s = 0.0f;

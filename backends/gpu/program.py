@@ -38,8 +38,9 @@ from graphir.run_inputs import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 
+from . import pdl
 from .device import cupy, stream
-from .launch import GpuParam, Lowering, dev
+from .launch import GpuParam, Launch, Lowering, dev
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node
 from .recurrent import inplace_state
@@ -210,20 +211,27 @@ class GpuProgram:
         s = stream()
         s.begin_capture()
         try:
-            self._run_steps(s)
+            self._run_steps(s, overlap=pdl.enabled())
         finally:
             graph = s.end_capture()
         self._graph_exec = graph
 
-    def _run_steps(self, s: Any) -> None:
+    def _run_steps(self, s: Any, overlap: bool = False) -> None:
         """Inputs in, flag cleared, the launches, flag out: everything a call does between writing the
-        pinned Inputs and reading the pinned outputs, and exactly what a capture records."""
+        pinned Inputs and reading the pinned outputs, and exactly what a capture records. `overlap`:
+        a kernel that follows another kernel is launched programmatically dependent on it (pdl.py)."""
         rt = cupy().cuda.runtime
         rt.memcpyAsync(self._input_dev.data.ptr, self._input_host_bytes.ctypes.data, self._input_bytes, H2D, s.ptr)
         flag = self.lw.errflag
         rt.memsetAsync(flag.data.ptr, 0, flag.nbytes, s.ptr)
+        after_kernel = False
         for step in self._steps:
-            step()
+            is_kernel = isinstance(step, Launch)
+            if overlap and is_kernel and after_kernel:
+                step.launch_overlapped(s.ptr)
+            else:
+                step()
+            after_kernel = is_kernel
         rt.memcpyAsync(self._flag_host.ctypes.data, flag.data.ptr, flag.nbytes, D2H, s.ptr)
 
     # ---------------------------------------------------------------- running

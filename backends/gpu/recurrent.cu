@@ -74,11 +74,13 @@ DEVICE void ssm_conv_body(const float* __restrict__ x, const float* state,
     extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_k##KMAX(                          \
         const float* __restrict__ x, const float* state, const float* __restrict__ w,                   \
         float* __restrict__ y, float* new_state, int n, int channels, int k) {                          \
+        PDL_ENTRY();                                                                                    \
         ssm_conv_body<KMAX, false>(x, state, w, y, new_state, n, channels, k);                          \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(CONV_BLOCK) ssm_conv_silu_k##KMAX(                     \
         const float* __restrict__ x, const float* state, const float* __restrict__ w,                   \
         float* __restrict__ y, float* new_state, int n, int channels, int k) {                          \
+        PDL_ENTRY();                                                                                    \
         ssm_conv_body<KMAX, true>(x, state, w, y, new_state, n, channels, k);                           \
     }
 
@@ -282,6 +284,7 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
         int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {             \
+        PDL_ENTRY();                                                                                 \
         gdn_body<ROWS, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
                               scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                        \
     }                                                                                                   \
@@ -291,6 +294,7 @@ DEVICE void gdn_body(const float* __restrict__ q, const float* __restrict__ k, c
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
         int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {             \
+        PDL_ENTRY();                                                                                 \
         gdn_body<ROWS, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv, \
                              scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                         \
     }
@@ -458,6 +462,7 @@ DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, c
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
         int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        PDL_ENTRY();                                                                                    \
         gds_body<DK, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
                             scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                          \
     }                                                                                                   \
@@ -467,6 +472,7 @@ DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, c
         const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
         float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
         int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        PDL_ENTRY();                                                                                    \
         gds_body<DK, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
                            scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                           \
     }

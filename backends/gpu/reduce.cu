@@ -3,6 +3,7 @@
 
 // y[row] = mul * sum(x[row, :])  (sum_rows: mul = 1, mean: mul = 1/ncols)
 extern "C" __global__ void sum_rows_f32(const float* __restrict__ x, float* __restrict__ y, int ncols, float mul) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     float s = 0.0f;
@@ -44,6 +45,7 @@ DEVICE void block_best(float& v, int& i, float* sv, int* si) {
 }
 
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int* __restrict__ y, int ncols) {
+    PDL_ENTRY();
     __shared__ float sv[MAX_THREADS / WARP_SIZE];
     __shared__ int si[MAX_THREADS / WARP_SIZE];
     const float* xr = x + (long long)blockIdx.x * ncols;
@@ -58,6 +60,7 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, int* __restri
 // k rounds of a block-wide best over the elements that come after the previous winner in the
 // order; O(k * ncols) reads with no scratch, fine for the k of sampling (tens).
 extern "C" __global__ void top_k_f32(const float* __restrict__ x, int* __restrict__ y, int ncols, int k) {
+    PDL_ENTRY();
     __shared__ float sv[MAX_THREADS / WARP_SIZE];
     __shared__ int si[MAX_THREADS / WARP_SIZE];
     const float* xr = x + (long long)blockIdx.x * ncols;
@@ -83,6 +86,7 @@ extern "C" __global__ void top_k_f32(const float* __restrict__ x, int* __restric
 extern "C" __global__ void softmax_f32(const float* __restrict__ x, const float* __restrict__ mask,
                                        float* __restrict__ y, int ncols, float scale, int has_mask, int d1, int d2,
                                        int m0, int m1, int m2, int m3) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long row = blockIdx.x;
     const int i2 = (int)(row % d2), i1 = (int)((row / d2) % d1);

@@ -32,6 +32,7 @@ DEVICE int pair_index(int j, int n_dims, int neox) {
 extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos, const double* __restrict__ inv_freq,
                                     float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox,
                                     double freq_scale) {
+    PDL_ENTRY();
     const int half = n_dims / 2;
     const int per_head = half + (head_dim - n_dims);  // one thread per pair, one per pass-through element
     const long long n = (long long)n_tok * n_heads * per_head;
@@ -63,6 +64,7 @@ extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __
                                                  const int* __restrict__ pos, const double* __restrict__ inv_freq,
                                                  float* y, int n_heads, int head_dim, int n_dims, int neox,
                                                  double freq_scale, float eps) {
+    PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     extern __shared__ float normed[];  // head_dim floats
     const long long th = blockIdx.x;  // t * n_heads + h
@@ -85,6 +87,7 @@ extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __
                                     const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok,  \
                                     int n_heads, int head_dim, int n_dims, int neox, double freq_scale, int cap,   \
                                     int* errflag, int code) {                                                      \
+        PDL_ENTRY();                                                                                               \
         const long long row_elems = (long long)n_heads * head_dim;                                                 \
         const long long n = n_tok * row_elems;                                                                     \
         for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < n;                                \

@@ -61,6 +61,7 @@ DEVICE void better(float& bv, int& bi, float ov, int oi) {
 #define ARGMAX_CHUNK 4096
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) row_argmax_part_f32(
     const float* __restrict__ logits, float* __restrict__ part_v, int* __restrict__ part_i, int ncols) {
+    PDL_ENTRY();
     __shared__ float sv[ARGMAX_THREADS / WARP_SIZE];
     __shared__ int si[ARGMAX_THREADS / WARP_SIZE];
     const float* x = logits + (long long)blockIdx.y * ncols;
@@ -85,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) row_argmax_part_f32
 extern "C" __global__ void sample_f32(const float* __restrict__ logits, const float* __restrict__ settings,
                                       int* __restrict__ out, int ncols, const float* __restrict__ part_v,
                                       const int* __restrict__ part_i, int n_part) {
+    PDL_ENTRY();
     __shared__ float sv[MAX_THREADS / WARP_SIZE];
     __shared__ int si[MAX_THREADS / WARP_SIZE];
     __shared__ unsigned int count_hist[256];
