@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--kernels", type=int, default=12, help="show the N kernels with the most device time")
+    ap.add_argument("--defines", default="", help="kernel variants to time too, e.g. 'PREFETCH_MODE=0;PREFETCH_MODE=1' "
+                    "(';' between variants, ',' between the -D options of one)")
+    ap.add_argument("--define-files", default="matmul.cu", help="the kernel sources --defines applies to")
     args = ap.parse_args()
     from graphir.backends.gpu import pdl
     from graphir.backends.gpu.device import stream
@@ -63,13 +66,16 @@ def main() -> None:
     rows = [("Model decode step (whole step)", feed_us), ("Program call", call_us),
             ("captured graph alone (launch+sync)", graph_us)]
     if pdl.enabled():  # the same step captured again with each kernel waiting for the last to end
-        os.environ["GRAPHIR_NO_PDL"] = "1"
-        with s:
-            program._capture()
-        rows.append(("  the same graph without PDL", per_call_us(graph_only, args.tokens)))
-        del os.environ["GRAPHIR_NO_PDL"]
-        with s:
-            program._capture()
+        rows.append(("  the same graph without PDL", recaptured_us(program, model._state, graph_only, args.tokens)))
+    files = tuple(args.define_files.split(","))
+    for variant in filter(None, args.defines.split(";")):
+        defines = tuple(variant.split(","))
+        rows.append((f"  kernels with -D{' -D'.join(defines)}",
+                     recaptured_us(program, model._state, graph_only, args.tokens, defines, True, files)))
+        if pdl.enabled():
+            rows.append(("    and without PDL",
+                         recaptured_us(program, model._state, graph_only, args.tokens, defines, False, files)))
+    recaptured_us(program, model._state, graph_only, 1, pdl_on=True)  # back to the shipped kernels
     steps = len(program._steps)
     print(f"model {args.model}: decode step = {steps} kernels, captured (programmatic dependent launch: "
           f"{'on' if pdl.enabled() else 'off'}); context {n}")
@@ -80,6 +86,29 @@ def main() -> None:
 
     if args.kernels:
         kernel_table(program, args.kernels)
+
+
+def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] = (), pdl_on: bool = False,
+                  files: tuple[str, ...] = ()) -> float:
+    """The decode graph's time after binding it again with the kernel sources `files` compiled with
+    `defines` added, and capturing it with or without programmatic dependent launch."""
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu.device import stream
+
+    shipped = dict(kernels.SOURCES)
+    kernels.SOURCES.update({k: v + defines for k, v in shipped.items() if k in files})
+    kernels.module.cache_clear()
+    os.environ["GRAPHIR_NO_PDL"] = "0" if pdl_on else "1"
+    try:
+        with stream():
+            program._bind(state)
+            program._run_steps(stream())  # loads every kernel before the capture
+            program._capture()
+        return per_call_us(graph_only, n)
+    finally:
+        del os.environ["GRAPHIR_NO_PDL"]
+        kernels.SOURCES.update(shipped)
+        kernels.module.cache_clear()
 
 
 def kernel_table(program, top: int) -> None:

@@ -124,10 +124,12 @@ DEVICE float block_max(float v, float* scratch) {
 #define PDL_WAIT() ((void)0)
 #endif
 #define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
+#define PREFETCH_L2_BULK(p, n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory")
 #else
 #define PDL_TRIGGER() ((void)0)
 #define PDL_WAIT() ((void)0)
 #define PREFETCH_L2(p) ((void)(p))
+#define PREFETCH_L2_BULK(p, n) ((void)(p), (void)(n))
 #endif
 #define PDL_ENTRY() \
     do {            \
@@ -135,11 +137,21 @@ DEVICE float block_max(float v, float* scratch) {
         PDL_WAIT();    \
     } while (0)
 
-// Asks L2 for bytes [p, p + n) of memory no kernel writes (weights), one request per 128-byte line,
-// spread over the block: what a GEMV does between PDL_TRIGGER and PDL_WAIT.
+// Asks L2 for bytes [p, p + n) of memory no kernel writes (weights): what a GEMV does between
+// PDL_TRIGGER and PDL_WAIT. PREFETCH_MODE 2 (default): one bulk request per 32 KiB from thread 0,
+// served by the copy engine (sm_90; needs 16-byte alignment, else nothing is prefetched); 1: one
+// request per 128-byte line spread over the block (these occupy the load pipeline the GEMV's own
+// loads need); 0: none. Measured by benchmarks/profile_gpu_decode.py --defines.
+#ifndef PREFETCH_MODE
+#define PREFETCH_MODE 2
+#endif
 DEVICE void prefetch_l2_block(const void* p, long long n) {
     const char* c = (const char*)p;
-    for (long long o = (long long)threadIdx.x * 128; o < n; o += (long long)blockDim.x * 128) PREFETCH_L2(c + o);
+    if (PREFETCH_MODE == 1) {
+        for (long long o = (long long)threadIdx.x * 128; o < n; o += (long long)blockDim.x * 128) PREFETCH_L2(c + o);
+    } else if (PREFETCH_MODE == 2 && threadIdx.x == 0 && ((((unsigned long long)c) | (unsigned long long)n) & 15) == 0) {
+        for (long long o = 0; o < n; o += 32768) PREFETCH_L2_BULK(c + o, (unsigned)(n - o < 32768 ? n - o : 32768));
+    }
 }
 
 // ---------------------------------------------------------------- run-time error flag
