@@ -71,6 +71,7 @@ class Model:
         self._dtypes = {name: w.dtype for name, w in weights.items()}
         self._graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._state: dict[str, np.ndarray] | None = None
+        self._state_graphs: set[str] = set()  # signatures of the graphs whose State buffers _state holds
         # a KV slot pool (kv_slots=N): the slots of the sequence's positions, fed as the slot map every call
         pool = getattr(config, "kv_slots", 0)
         self.slots = kv_slots.SlotPool(pool, config.ctx) if pool else None
@@ -139,26 +140,39 @@ class Model:
             raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
         self._check_slots(self.n_past + len(ids))
-        self._ensure_state()
         out, start = [], 0
-        for b in self.chunks(len(ids)):
+        for b in self.chunks(len(ids), last_only):
             m = min(b, len(ids) - start)  # real tokens in this call; the other b - m pad it (last call only)
             rows = np.arange(self.n_past, self.n_past + b, dtype=np.int32)
             pos = np.concatenate([rows[m:], rows[:m]])  # padding first, at the free rows past the real ones
             tokens = np.concatenate([np.full(b - m, ids[start], np.int32), ids[start:start + m]])
             inputs = {"tokens": tokens, "pos": pos, "kv_idx": pos, "kv_len": np.array([self.n_past + m], np.int32)}
+            self._ensure_state(self._graph(b, last_only))
             logits = self._program(b, last_only)(self._slot_inputs(inputs), self._state)["logits"]
             out.append(logits if last_only else logits[b - m:])
             start, self.n_past = start + m, self.n_past + m
         return out[-1] if last_only else np.concatenate(out, axis=0)
 
-    def chunks(self, n: int) -> list[int]:
+    def chunks(self, n: int, last_only: bool = False) -> list[int]:
         """The bucket sizes of the calls that read n tokens from position n_past: the plan of least
         modelled time (a call costs its bucket size plus self.call_cost tokens), where only the last call may
         be padded (its bucket past the tokens left, within the context) and a one-token call (the decode
-        graph) only reads a last single token. Models that cannot be padded take exact chunks."""
+        graph) only reads a last single token. Models that cannot be padded take exact chunks.
+        Whether a model can be padded is read, when a plan first depends on it, from the graph its padded
+        plan would run last (`last_only` as the calls will be made): a graph it runs anyway, where the
+        decode graph would be one more to build before a prompt's first token."""
+        if self._padding_ok is False:
+            return self._plan(n, 0)
+        padded = self._plan(n, self.kv_capacity - self.n_past)
+        if self._padding_ok is None and padded != self._plan(n, 0):
+            self._padding_ok = _writes_rows_only(self._graph(padded[-1], last_only))
+            if not self._padding_ok:
+                return self._plan(n, 0)
+        return padded
+
+    def _plan(self, n: int, pad_room: int) -> list[int]:
+        """chunks() for a last call that may be padded up to `pad_room` rows past position n_past (0: never)."""
         buckets = sorted(set(self.prefill_buckets) - {1})
-        pad_room = self.kv_capacity - self.n_past if self._pads_safely() else 0
         best = [(0.0, 0)]  # best[k]: (modelled cost, first call's bucket) of the plan for the last k tokens
         for k in range(1, n + 1):
             plans = [(1 + self.call_cost, 1)] if k == 1 else []
@@ -180,7 +194,7 @@ class Model:
         """Whether a padding token leaves the model's state as it found it: every State write is a row
         write (KV caches at kv_idx), none a whole-buffer assign (conv and recurrent states)."""
         if self._padding_ok is None:
-            self._padding_ok = all(n.op != "assign" for n in self.graph("decode").nodes())
+            self._padding_ok = _writes_rows_only(self._graph(1))
         return self._padding_ok
 
     def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 256, temperature: float = 0.0,
@@ -243,7 +257,7 @@ class Model:
             raise InputError(f"1 token after {n} exceeds the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
         self._check_slots(n + 1)
-        self._ensure_state()
+        self._ensure_state(self._graph(1, False, sampler=True))
         feeds = self._step_feeds
         feeds["tokens"][0] = token
         feeds["pos"][0] = feeds["kv_idx"][0] = n
@@ -254,13 +268,22 @@ class Model:
         self._add_stats("decode", 1, t0)
         return int(out[0])
 
-    def _ensure_state(self) -> None:
-        """State buffers for the graphs this model runs: after its passes, which may rename or split
-        them (shard-tp gives each rank its own)."""
-        if self._state is None:
-            graph = self.programs.passed(self._graph(1), self.passes)  # lowering reuses this result
+    def _ensure_state(self, graph: Graph | None = None) -> None:
+        """State buffers for `graph` (one of this model's graphs, about to run; default: the decode graph), made
+        when a graph first needs them: after the model's passes, which may rename or split them (shard-tp gives
+        each rank its own). The graph's passed form is the one its Program is lowered from, so a prompt's first
+        token waits for no other graph (the decode graph's passes only come with the first decode step)."""
+        graph = graph if graph is not None else self._graph(1)
+        if self._state is not None and graph.signature() in self._state_graphs:
+            return
+        passed = self.programs.passed(graph, self.passes)
+        state = {} if self._state is None else self._state
+        missing = [n for n in passed.states if n.name not in state]
+        if missing:
             backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
-            self._state = backend_state(graph)
+            state.update(backend_state(Graph({n.name: n for n in missing})))
+        self._state = state
+        self._state_graphs.add(graph.signature())
 
     # ---- checks and stats ----
 
@@ -403,6 +426,13 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
     raise LoadError(f"{spec}: no such file or directory, and not a named model ({', '.join(NAMED_MODELS)}) "
                     f"or 'random:<preset>' "
                     f"(presets: {', '.join(presets.PRESETS)})")
+
+
+def _writes_rows_only(graph: Graph) -> bool:
+    """Whether every State write of `graph` is a row write (KV caches at kv_idx), none a whole-buffer assign
+    (conv and recurrent states): then a padding token leaves the State as it found it. Every phase graph of
+    a model writes the same States the same way, so any of them answers for the model."""
+    return all(n.op != "assign" for n in graph.nodes())
 
 
 def _ids(v: Any) -> set[int]:

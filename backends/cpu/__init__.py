@@ -15,11 +15,13 @@ if __name__ != "graphir.backends.cpu":
         sys.modules[f"{__name__}.{_sub.name}"] = importlib.import_module(f"graphir.backends.cpu.{_sub.name}")
     sys.modules[__name__] = importlib.import_module("graphir.backends.cpu")
 else:
-    # compile_note registers the first-run note before any kernel compiles
-    from . import compile_note, kernels, matmul
+    # compile_note registers the first-run note before any kernel compiles; cache_load makes loading them
+    # from numba's cache skip numba's compiler start-up
+    from . import cache_load, compile_note, kernels, matmul
     from .program import CpuProgram, lower
     from .threads import get_threads, set_threads
 
     compile_note.note_if_cold([kernels, matmul])  # before a command prints anything of its own
+    cache_load.install()
 
     __all__ = ["lower", "CpuProgram", "set_threads", "get_threads"]

@@ -1,0 +1,84 @@
+"""Kernels loaded from numba's cache without numba's compiler start-up (backends/cpu/cache_load.py).
+
+Each probe is a fresh process on its own NUMBA_CACHE_DIR: the first compiles (numba's full start-up),
+the second loads from the cache. The kernel is the parallel attention kernel, which allocates inside
+(the NRT) and runs on numba's thread pool (the parallel runtime), compared with a numpy formula.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_ATTENTION = r"""
+import json, sys
+import numpy as np
+from graphir.backends.cpu import kernels as K
+from numba.core import base
+refreshes = []
+_refresh = base.BaseContext.refresh
+base.BaseContext.refresh = lambda self: (refreshes.append(1), _refresh(self))[1]  # numba's full start-up
+rng = np.random.default_rng(5)
+n, hq, hk, d, cap, kv = 3, 6, 2, 24, 11, 7
+q = rng.standard_normal((n, hq, d)).astype(np.float32)
+k = rng.standard_normal((cap, hk, d)).astype(np.float32)
+v = rng.standard_normal((cap, hk, d)).astype(np.float32)
+pos = np.array([4, 5, 6], np.int32)
+out = np.full((n, hq, d), np.nan, np.float32)
+K.attention(q, k, v, pos, np.array([kv], np.int32), np.float32(0.2), 0, out)
+ref = np.empty_like(out)
+for t in range(n):
+    for h in range(hq):
+        keys = slice(0, min(kv, pos[t] + 1))
+        s = 0.2 * (k[keys, h // (hq // hk)] @ q[t, h])
+        p = np.exp(s - s.max())
+        ref[t, h] = (p / p.sum()) @ v[keys, h // (hq // hk)]
+print(json.dumps({"close": bool(np.allclose(out, ref, rtol=1e-5, atol=1e-6)),
+                  "compiled": sum(K.attention.stats.cache_misses.values()),
+                  "refreshed": bool(refreshes), "registries": "numba.np.linalg" in sys.modules}))
+"""
+
+# a function of another package: numba loads it as it always did
+_FOREIGN = r"""
+import json, sys
+import numpy as np
+import numba
+import graphir.backends.cpu  # noqa: F401  (installs the short path for its own kernels)
+from numba.core import base
+refreshes = []
+_refresh = base.BaseContext.refresh
+base.BaseContext.refresh = lambda self: (refreshes.append(1), _refresh(self))[1]  # numba's full start-up
+
+@numba.njit(cache=True)
+def total(x):
+    return x.sum()
+
+ok = total(np.arange(7.0)) == 21.0
+print(json.dumps({"close": bool(ok), "compiled": sum(total.stats.cache_misses.values()),
+                  "refreshed": bool(refreshes)}))
+"""
+
+
+def _run(script: str, cache_dir: str, cwd: str | None = None) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "GRAPHIR_NO_PRECOMPILE": "1"}
+    out = subprocess.run([sys.executable, "-c", script] if cwd is None else [sys.executable, script], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_cached_kernel_loads_without_numba_registries(tmp_path):
+    cold = _run(_ATTENTION, str(tmp_path))
+    assert cold["close"] and cold["compiled"] == 1 and cold["refreshed"]  # compiling needs numba's start-up
+    warm = _run(_ATTENTION, str(tmp_path))
+    assert warm == {"close": True, "compiled": 0, "refreshed": False, "registries": False}
+
+
+def test_other_packages_functions_load_as_numba_loads_them(tmp_path):
+    script = tmp_path / "foreign.py"
+    script.write_text(_FOREIGN)
+    cache = str(tmp_path / "cache")
+    assert _run(str(script), cache, cwd=str(tmp_path))["compiled"] == 1
+    assert _run(str(script), cache, cwd=str(tmp_path)) == {"close": True, "compiled": 0, "refreshed": True}
