@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--kernels", type=int, default=12, help="show the N kernels with the most device time")
-    ap.add_argument("--defines", default="", help="kernel variants to time too, e.g. 'PREFETCH_MODE=0;PREFETCH_MODE=1' "
+    ap.add_argument("--defines", default="", help="kernel variants to time too, e.g. 'GEMV_NR=2;GEMV_NR=4' "
                     "(';' between variants, ',' between the -D options of one)")
     ap.add_argument("--define-files", default="matmul.cu", help="the kernel sources --defines applies to")
     args = ap.parse_args()

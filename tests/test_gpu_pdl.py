@@ -19,7 +19,7 @@ from graphir.backends.gpu import kernels, pdl
 
 import graphir
 
-ENTRY = re.compile(r"\{\s*(\\\s*)?(PDL_ENTRY\(\);|gemv_entry\()")
+ENTRY = re.compile(r"\{\s*(\\\s*)?PDL_ENTRY\(\);")
 
 
 def _kernel_bodies(text: str) -> list[tuple[str, str]]:
@@ -38,15 +38,7 @@ def test_every_kernel_waits_before_it_reads(name):
     bodies = _kernel_bodies(text)
     assert bodies, f"{name}: no kernels found"
     for kernel, body in bodies:
-        assert ENTRY.match(body), f"{name}: kernel {kernel} does not begin with PDL_ENTRY() or gemv_entry(...)"
-
-
-def test_gemv_entry_prefetches_weights_between_trigger_and_wait():
-    text = (kernels.KERNEL_DIR / "matmul.cu").read_text()
-    body = text[text.index("DEVICE void gemv_entry"):]
-    body = body[:body.index("\n}\n")]
-    steps = [body.index(s) for s in ("PDL_TRIGGER();", "prefetch_l2_block(W", "PDL_WAIT();")]
-    assert steps == sorted(steps), "gemv_entry must trigger, prefetch weights, then wait, in that order"
+        assert ENTRY.match(body), f"{name}: kernel {kernel} does not begin with PDL_ENTRY()"
 
 
 def test_kernel_arguments_pack_as_their_c_types():
@@ -63,6 +55,7 @@ def test_kernel_arguments_pack_as_their_c_types():
 
 def _decode_pair(spec: str, ctx: int):
     from graphir.backends.registry import get_backend
+
     from graphir.passes import run_pipeline
 
     model = graphir.load(spec, backend="gpu", passes="default", ctx=ctx)
@@ -116,7 +109,8 @@ def test_captured_decode_with_pdl_equals_launched_decode(spec, monkeypatch):
 def test_kernels_without_their_wait_are_caught(monkeypatch):
     """The planted bug: every kernel compiled with PDL_WAIT removed. The captured step then reads
     what the kernel ahead has not written yet, and the comparison must see it."""
-    monkeypatch.setattr(kernels, "SOURCES", {k: v + ("GRAPHIR_TEST_SKIP_PDL_WAIT",) for k, v in kernels.SOURCES.items()})
+    planted = {k: v + ("GRAPHIR_TEST_SKIP_PDL_WAIT",) for k, v in kernels.SOURCES.items()}
+    monkeypatch.setattr(kernels, "SOURCES", planted)
     kernels.module.cache_clear()
     try:
         assert _first_difference("random:qwen3-tiny", 48, monkeypatch) is not None

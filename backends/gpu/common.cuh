@@ -110,12 +110,14 @@ DEVICE float block_max(float v, float* scratch) {
 // ---------------------------------------------------------------- programmatic dependent launch
 // Inside a captured decode graph each kernel is launched with programmatic stream serialization
 // (sm_90+, CUDA; backends/gpu/pdl.py): it may start while the kernel before it still runs. Every
-// kernel therefore begins with PDL_ENTRY(), or with PDL_TRIGGER(), work that reads nothing an
-// earlier kernel writes (a GEMV prefetching its weights into L2), then PDL_WAIT(). PDL_WAIT returns
+// kernel therefore begins with PDL_ENTRY(): PDL_TRIGGER() then PDL_WAIT(). PDL_WAIT returns
 // once the kernel before has finished and its writes are visible; nothing may be read from or
 // written to activations, State or the error flag before it. PDL_TRIGGER lets the next kernel be
 // scheduled as soon as every block of this one has started. Both are no-ops without the launch
-// attribute, on older GPUs and on HIP. tests/test_gpu_pdl_entry.py checks every kernel has them.
+// attribute, on older GPUs and on HIP. tests/test_gpu_pdl.py checks every kernel has them.
+// A GEMV prefetching its weight rows into L2 between trigger and wait was measured (H200,
+// 2026-12-01, benchmarks/profile_gpu_decode.py --defines) and made Qwen3-8B decode slower
+// (4930 -> 5566 us per captured step with bulk requests, 5614 with per-line ones), so none does.
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #ifndef GRAPHIR_TEST_SKIP_PDL_WAIT  // tests/test_gpu_pdl.py plants the bug of a kernel that does not wait
@@ -123,36 +125,15 @@ DEVICE float block_max(float v, float* scratch) {
 #else
 #define PDL_WAIT() ((void)0)
 #endif
-#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
-#define PREFETCH_L2_BULK(p, n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory")
 #else
 #define PDL_TRIGGER() ((void)0)
 #define PDL_WAIT() ((void)0)
-#define PREFETCH_L2(p) ((void)(p))
-#define PREFETCH_L2_BULK(p, n) ((void)(p), (void)(n))
 #endif
 #define PDL_ENTRY() \
     do {            \
         PDL_TRIGGER(); \
         PDL_WAIT();    \
     } while (0)
-
-// Asks L2 for bytes [p, p + n) of memory no kernel writes (weights): what a GEMV does between
-// PDL_TRIGGER and PDL_WAIT. PREFETCH_MODE 2 (default): one bulk request per 32 KiB from thread 0,
-// served by the copy engine (sm_90; needs 16-byte alignment, else nothing is prefetched); 1: one
-// request per 128-byte line spread over the block (these occupy the load pipeline the GEMV's own
-// loads need); 0: none. Measured by benchmarks/profile_gpu_decode.py --defines.
-#ifndef PREFETCH_MODE
-#define PREFETCH_MODE 2
-#endif
-DEVICE void prefetch_l2_block(const void* p, long long n) {
-    const char* c = (const char*)p;
-    if (PREFETCH_MODE == 1) {
-        for (long long o = (long long)threadIdx.x * 128; o < n; o += (long long)blockDim.x * 128) PREFETCH_L2(c + o);
-    } else if (PREFETCH_MODE == 2 && threadIdx.x == 0 && ((((unsigned long long)c) | (unsigned long long)n) & 15) == 0) {
-        for (long long o = 0; o < n; o += 32768) PREFETCH_L2_BULK(c + o, (unsigned)(n - o < 32768 ? n - o : 32768));
-    }
-}
 
 // ---------------------------------------------------------------- run-time error flag
 // Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of

@@ -32,19 +32,6 @@ DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 s
 
 DEVICE F4 ldx(const float* p) { return *(const F4*)p; }
 
-// Every GEMV starts here (see PDL_ENTRY in common.cuh): let the next kernel be scheduled, ask L2
-// for this block's weight rows (rows are contiguous, row_bytes apart; weights are never written
-// by a kernel, so this may run before the kernel ahead has finished), then wait for x. In a
-// captured decode step the block is resident while the small kernel before it (a norm, the
-// attention combine) still runs, so those microseconds stream weights instead of idling HBM.
-DEVICE void gemv_entry(const u8* W, long long row_bytes, int n_out, int rows_per_block) {
-    PDL_TRIGGER();
-    const long long r0 = (long long)blockIdx.x * rows_per_block;
-    const long long r1 = r0 + rows_per_block < n_out ? r0 + rows_per_block : n_out;
-    if (r0 < r1) prefetch_l2_block(W + r0 * row_bytes, (r1 - r0) * row_bytes);
-    PDL_WAIT();
-}
-
 // acc += x . v over two runs of 4 (a: run 0, c: run 1). FINAL: v are the weights; otherwise
 // integer codes whose run scales sl, sh multiply each run's dot once.
 template <bool FINAL>
@@ -162,13 +149,13 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv_##name(                               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        gemv_entry(W, row_bytes, n_out, GEMV_THREADS / 32 * GEMV_NR);                                     \
+        PDL_ENTRY();                                                                                      \
         gemv_impl<F, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                                \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv1_##name(                              \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        gemv_entry(W, row_bytes, n_out, GEMV_THREADS / 32 * GEMV_NR);                                     \
+        PDL_ENTRY();                                                                                      \
         gemv_impl<F, 1>(W, row_bytes, X, Y, n_out, n_in, 1);                                              \
     }
 FOR_EACH_QUANT(DEFINE_GEMV)
@@ -291,7 +278,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        gemv_entry(W, row_bytes, n_out, (T) / (G) * (NR));                                                 \
+        PDL_ENTRY();                                                                                       \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
 #define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
@@ -522,7 +509,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        gemv_entry(W, row_bytes, n_out, GEMV3_THREADS / 32 * (NR));                                       \
+        PDL_ENTRY();                                                                                      \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)

@@ -4,15 +4,15 @@ In a replayed CUDA graph each kernel still waits for the one before it to finish
 scheduled and its first loads to return: ~1-3 us per boundary on an H200, ~430 boundaries in a
 Qwen3-8B decode step. Launched with programmatic stream serialization (sm_90+), a kernel is
 scheduled as soon as every block of the one before has executed PDL_TRIGGER, and holds at PDL_WAIT
-until that one has finished (common.cuh). What runs before the wait overlaps the kernel ahead: for
-a GEMV, prefetching its own weight rows into L2.
+until that one has finished (common.cuh): block scheduling and launch latency overlap the kernel
+ahead. Measured on an H200 (BENCHMARKS.md): ~230 us per Qwen3-8B step, ~200 us per Qwen3-0.6B step.
 
 CuPy's RawKernel launches without launch attributes, so these launches go through the driver's
 cuLaunchKernelEx by ctypes, with the same CUfunction, grid, block, shared memory and arguments.
 They are used only while capturing a Program (the launch cost is paid once; replays are free),
 only for a kernel whose step directly follows another kernel's (after a copy or a library call the
 ordinary full dependency stays), and only where every kernel begins with PDL_ENTRY or
-PDL_TRIGGER/PDL_WAIT, which tests/test_gpu_pdl_entry.py checks for every source.
+PDL_TRIGGER/PDL_WAIT, which tests/test_gpu_pdl.py checks for every source.
 GRAPHIR_NO_PDL=1 turns it off (the A/B the benchmarks print).
 """
 
