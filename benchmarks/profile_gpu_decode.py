@@ -2,6 +2,7 @@
 device), the Program call alone, and the captured CUDA graph alone.
 
     python benchmarks/profile_gpu_decode.py [MODEL] [--prompt 128] [--tokens 200]
+    python benchmarks/profile_gpu_decode.py smollm2-135m --dtype f32 --verify 8   # a speculative verify call
 
 (graph alone) is what the GPU needs per token, Input copy and error-flag read included (on sm_90+
 also captured once more without programmatic dependent launch, backends/gpu/pdl.py); (Program
@@ -38,13 +39,19 @@ def main() -> None:
     ap.add_argument("--defines", default="", help="kernel variants to time too, e.g. 'GEMV_NR=2;GEMV_NR=4' "
                     "(';' between variants, ',' between the -D options of one)")
     ap.add_argument("--define-files", default="matmul.cu", help="the kernel sources --defines applies to")
+    ap.add_argument("--dtype", default=None, help="convert the weights on load (graphir.load's dtype=)")
+    ap.add_argument("--verify", type=int, default=0, help="profile the greedy verify call of this many tokens "
+                    "(graphir/speculative.py) instead of the decode step")
     args = ap.parse_args()
+    if args.verify:
+        profile_verify(args)
+        return
     from graphir.backends.gpu import pdl
     from graphir.backends.gpu.device import stream
 
     from graphir.generate import Settings
 
-    model = graphir.load(args.model, backend="gpu", passes="default")
+    model = graphir.load(args.model, backend="gpu", passes="default", dtype=args.dtype)
     settings = Settings()  # greedy: the step returns the argmax id
     model.feed(np.arange(args.prompt) % 200 + 1, last_only=True)
     model._decode_sample(1, settings)
@@ -88,6 +95,39 @@ def main() -> None:
         kernel_table(program, args.kernels)
 
 
+def profile_verify(args) -> None:
+    """A b-token greedy verify call at position --prompt: the whole call, the Program call, its captured
+    graph alone (when every step can be captured), and the kernel table."""
+    from graphir.backends.gpu.device import stream
+
+    from graphir import speculative as sp
+
+    model = graphir.load(args.model, backend="gpu", passes="default", dtype=args.dtype)
+    model.feed(np.arange(args.prompt) % 200 + 1, last_only=True)
+    tokens = list(range(3, 3 + args.verify))
+    for _ in range(3):  # the Program is captured on its second call
+        sp.verify(model, tokens, greedy=True)
+    b = sp.verify_bucket(len(tokens), model.kv_capacity - model.n_past)
+    program = sp.verify_program(model, b, greedy=True)
+    steps = program._steps
+    others = sorted({getattr(s, "name", type(s).__name__) for s in steps if not getattr(s, "capturable", False)})
+    print(f"model {args.model} ({args.dtype or 'as stored'}): verify call of {len(tokens)} tokens (bucket {b}) = "
+          f"{len(steps)} steps, captured: {program.captured}; steps that cannot be captured: {others or 'none'}")
+    rows = [("verify() whole call", per_call_us(lambda: sp.verify(model, tokens, greedy=True), args.tokens))]
+    if program.captured:
+        s = stream()
+
+        def graph_only() -> None:
+            program._graph_exec.launch(s)
+            s.synchronize()
+
+        rows.append(("captured graph alone (launch+sync)", per_call_us(graph_only, args.tokens)))
+    for what, us in rows:
+        print(f"{what:<34} {us:9.1f} us")
+    if args.kernels:
+        kernel_table(program, args.kernels)
+
+
 def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] = (), pdl_on: bool = False,
                   files: tuple[str, ...] = ()) -> float:
     """The decode graph's time after binding it again with the kernel sources `files` compiled with
@@ -124,6 +164,15 @@ def kernel_table(program, top: int) -> None:
     with s:
         for step in program._steps:
             step()  # loaded and warm
+            if not getattr(step, "capturable", False):  # a library call: timed between events, launch cost in
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record(s)
+                step()
+                stop.record(s)
+                stop.synchronize()
+                per.setdefault(getattr(step, "name", type(step).__name__), []).append(
+                    cp.cuda.get_elapsed_time(start, stop) * 1e3)
+                continue
             s.begin_capture()
             for _ in range(reps):
                 step()
