@@ -5,9 +5,12 @@
 
 Each run is a new `graphir` process (the CLI entry point beside this interpreter). The clock starts
 just before the process is spawned and stops when stdout shows the first byte after the echoed
-prompt, which is the first generated token's text. The first run gets an empty NUMBA_CACHE_DIR
-(what the first run after an install meets); the warm runs reuse it. Also reported: when the
-compile note reached stderr, and the whole process's wall time.
+prompt, which is the first generated token's text. The first run gets an empty NUMBA_CACHE_DIR and
+GRAPHIR_CACHE_DIR (passed graphs, stacked and repacked weights), as the first run after an install
+meets them; the warm runs reuse them. PYTHONDONTWRITEBYTECODE is unset, so warm runs find graphir's
+bytecode beside its sources as after `pip install` (which compiles it); an environment that sets it
+would otherwise compile graphir's sources in every run (~0.1 s). Also reported: when the compile
+note reached stderr, and the whole process's wall time.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", type=int, default=3, help="warm-cache runs after the cold one")
     ap.add_argument("--cache-dir", default=None, help="NUMBA_CACHE_DIR to use (default: a fresh temporary one)")
+    ap.add_argument("--keep-bytecode-env", action="store_true",
+                    help="leave PYTHONDONTWRITEBYTECODE as the environment has it")
     ap.add_argument("--installed-cache", action="store_true",
                     help="leave NUMBA_CACHE_DIR unset: numba's own place (__pycache__ beside the installed sources), "
                          "as after `pip install .`; every run is labelled warm, so empty that place first")
@@ -77,7 +82,14 @@ def main() -> None:
         env["NUMBA_CACHE_DIR"] = tmp
     else:
         env.pop("NUMBA_CACHE_DIR", None)
-    print(f"command: {' '.join(cmd)}   NUMBA_CACHE_DIR={tmp or '(unset)'}")
+    own = tempfile.mkdtemp(prefix="graphir-cache-")  # fresh runs: graphir's own cache starts empty too
+    if fresh:
+        env["GRAPHIR_CACHE_DIR"] = own
+    if not a.keep_bytecode_env:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    print(f"command: {' '.join(cmd)}   NUMBA_CACHE_DIR={tmp or '(unset)'}   "
+          f"GRAPHIR_CACHE_DIR={env.get('GRAPHIR_CACHE_DIR', '(unset)')}   "
+          f"PYTHONDONTWRITEBYTECODE={env.get('PYTHONDONTWRITEBYTECODE', '(unset)')}")
     try:
         for i in range(1 + a.warm):
             r = one_run(cmd, prompt, env)
@@ -87,6 +99,7 @@ def main() -> None:
     finally:
         if fresh:
             shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 if __name__ == "__main__":

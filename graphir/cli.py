@@ -29,7 +29,6 @@ import numpy as np
 
 from graphir import __version__
 from graphir.backends.registry import AUTO, BACKENDS
-from graphir.diff import diff_html
 from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
 from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
@@ -209,6 +208,8 @@ def dump_cmd(spec: str, phase: str, fmt: str | None, output: str | None, layers:
     if pipeline:
         after = run_pipeline(graph, pipeline)
         if diff:
+            from graphir.diff import diff_html  # html and the side-by-side view: not on `run`'s path
+
             _emit((diff_html if fmt == "html" else diff_graphs)(graph, after, layers), output)
             return
         graph = after

@@ -39,9 +39,13 @@ def code_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def base_dir() -> Path:
+    """Where graphir keeps what later processes reuse: $GRAPHIR_CACHE_DIR, else ~/.cache/graphir."""
+    return Path(os.environ.get("GRAPHIR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphir"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("GRAPHIR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphir")
-    return Path(base) / "passed"
+    return base_dir() / "passed"
 
 
 def _entry(signature: str, passes: str) -> Path | None:

@@ -1,7 +1,8 @@
 """Lowering a graph to a CPU Program: a flat list of bound kernel calls over one arena.
 
 lower():  verify -> fold Param-only subgraphs (stacked weights) -> plan the arena by
-liveness -> bind every node to a kernel with its input and output arrays fixed.
+liveness -> bind every node to a kernel with its input and output arrays fixed. Stacked and
+repacked weights are kept on disk for later processes (weight_cache.py).
 A call then copies the Inputs in, runs the bound steps and copies the outputs out;
 nothing is allocated or looked up per step, which is what makes replay cheap.
 """
@@ -24,7 +25,7 @@ from graphir.verify import verify
 from graphir.weights import Weights
 
 from . import lowering_rules as rules
-from . import precompile, threads
+from . import precompile, threads, weight_cache
 
 
 class CpuProgram:
@@ -32,6 +33,7 @@ class CpuProgram:
         t0 = time.perf_counter()
         self.graph = verify(graph)
         self.weights = weights if weights is not None else Weights()
+        weight_cache.attach(self.weights)  # stacked and repacked weights: read back from disk where kept
         self.order = graph.nodes()
         self.ids = graph.ids()
         self.folded = rules.fold_params(graph, self.weights)

@@ -1,0 +1,141 @@
+"""Stacked and repacked weights kept on disk (backends/cpu/weight_cache.py): read back only for the same file
+bytes and the same deriving code, and a model run from them computes exactly what a fresh one does."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from _model_helpers import write_gguf
+from graphir.backends.cpu import gemv_repacked, weight_cache
+from graphir.models.presets import PRESETS, random_weights
+
+import graphir
+from graphir.quant import dequantize, quantize
+from graphir.weights import Weight, Weights
+
+ROWS, N_IN = 64, 128
+CONCAT = ("concat0", ("param", "a"), ("param", "b"))
+SOA = ("gemv_soa", "q8_0", "param", "a")  # as gemv_repacked.prepare builds it for a Param's own weight
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHIR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_cache, "MIN_BYTES", 0)  # these tensors are small
+    return tmp_path / "cache"
+
+
+def write_file(path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    blocks = [quantize(rng.standard_normal((ROWS, N_IN)).astype(np.float32), "q8_0") for _ in range(2)]
+    path.write_bytes(b"".join(b.tobytes() for b in blocks))
+
+
+def mapped(path) -> Weights:
+    """Weights a and b: q8_0 [ROWS, N_IN] views of the file, as a GGUF load maps them."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    half = mm.size // 2
+    return Weights({n: Weight("q8_0", (ROWS, N_IN), mm[i * half:(i + 1) * half].reshape(ROWS, -1))
+                    for i, n in enumerate("ab")}, source=str(path))
+
+
+def derive(w: Weights) -> dict:
+    """What lowering puts into weights.derived for CONCAT and SOA, computed afresh."""
+    return {CONCAT: np.concatenate([w["a"].data, w["b"].data]), SOA: gemv_repacked.repack(w["a"].data, "q8_0")}
+
+
+def same(x, y) -> bool:
+    xs, ys = (x, y) if isinstance(x, tuple) else ((x,), (y,))
+    return all((a is None and b is None) or (a is not None and b is not None and a.shape == b.shape
+                                              and a.tobytes() == b.tobytes()) for a, b in zip(xs, ys))
+
+
+def stored(path) -> Weights:
+    w = mapped(path)
+    weight_cache.attach(w)
+    for k, v in derive(w).items():
+        w.derived[k] = v
+    return w
+
+
+def from_disk(w: Weights, key) -> bool:
+    """Whether `key` is in w.derived only once looked up on disk."""
+    weight_cache.attach(w)
+    return not dict.__contains__(w.derived, key) and key in w.derived
+
+
+def test_a_later_process_reads_what_an_earlier_one_derived(tmp_path):
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    w = mapped(tmp_path / "m.bin")  # another Weights of the same file, as a new process loads it
+    fresh = derive(w)
+    for key in (CONCAT, SOA):
+        assert from_disk(w, key)
+        assert same(w.derived[key], fresh[key])
+    d, c, qs = w.derived[SOA]
+    assert c is None and isinstance(qs.base, np.memmap) and qs.flags.writeable  # mapped, as numba's signature wants
+
+
+def test_a_rewritten_file_is_never_served_stale(tmp_path):
+    path = tmp_path / "m.bin"
+    write_file(path, 0)
+    stored(path)
+    st = os.stat(path)
+    write_file(path, 1)  # same size, other bytes, the old mtime put back
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    w = mapped(path)
+    assert CONCAT not in w.derived and not from_disk(w, SOA)
+    stored(path)  # the new identity's entries replace the old ones
+    w = mapped(path)
+    assert from_disk(w, CONCAT) and same(w.derived[CONCAT], derive(w)[CONCAT])
+    assert len(list(weight_cache.cache_root().glob("*/*"))) == 1
+
+
+def test_bytes_changed_under_an_unchanged_identity_are_caught(tmp_path, monkeypatch):
+    path = tmp_path / "m.bin"
+    monkeypatch.setattr(weight_cache, "identity", lambda p: [str(p), 0])  # an identity that cannot see the change
+    write_file(path, 0)
+    stored(path)
+    write_file(path, 1)
+    assert not from_disk(mapped(path), CONCAT)
+
+
+def test_changed_deriving_code_misses(tmp_path, monkeypatch):
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    monkeypatch.setattr(weight_cache, "code_hash", lambda: "edited")
+    assert not from_disk(mapped(tmp_path / "m.bin"), SOA)
+
+
+def test_a_corrupt_entry_is_derived_again(tmp_path):
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    for f in weight_cache.cache_root().rglob("*.npy"):
+        f.write_bytes(f.read_bytes()[:200])
+    assert not from_disk(mapped(tmp_path / "m.bin"), CONCAT)
+
+
+def test_weights_not_mapped_from_a_file_are_not_kept(tmp_path):
+    w = mapped_in_memory = Weights({n: Weight("q8_0", (ROWS, N_IN), np.zeros((ROWS, 136), np.uint8)) for n in "ab"})
+    weight_cache.attach(mapped_in_memory)
+    w.derived[CONCAT] = np.zeros((2 * ROWS, 136), np.uint8)
+    assert not weight_cache.cache_root().exists()
+
+
+def test_a_model_run_from_kept_weights_matches_a_fresh_one(tmp_path):
+    config, _ = PRESETS["llama-tiny"]
+    arrays = {n: dequantize(w.data, w.dtype, w.shape) for n, w in random_weights(config).items()}
+    path = str(write_gguf(tmp_path / "tiny.gguf", config, arrays))
+    ids = [3, 1, 4, 1, 5]
+
+    def run() -> tuple[graphir.api.Model, np.ndarray]:
+        m = graphir.load(path, backend="cpu")
+        return m, np.concatenate([m.logits(ids), m.feed([9])])
+
+    first, expected = run()
+    assert not any(isinstance(getattr(v, "base", None), np.memmap) for v in first.weights.derived.values())
+    second, got = run()  # a new load: its stacked weights come from disk
+    kept = [v for v in second.weights.derived.values() if isinstance(getattr(v, "base", None), np.memmap)]
+    assert kept and np.array_equal(got, expected)
