@@ -34,9 +34,9 @@ def _ops(graph: Graph) -> list[str]:
 
 
 # ---------------------------------------------------------------- the pass
-@pytest.mark.parametrize("n_q,want", [(1, "flash_attn"), (4, "flash_attn"), (5, "flash_attn_bf16"),
-                                      (7, "flash_attn_bf16"), (512, "flash_attn_bf16")])
-def test_pass_rewrites_only_more_than_four_queries(n_q, want):
+@pytest.mark.parametrize("n_q,want", [(1, "flash_attn"), (16, "flash_attn"), (17, "flash_attn_bf16"),
+                                      (31, "flash_attn_bf16"), (512, "flash_attn_bf16")])
+def test_pass_rewrites_only_more_than_sixteen_queries(n_q, want):
     graph = _attention(n_q, window=3)
     out = run_pipeline(graph, "attn-bf16")
     assert _ops(out) == [want]
@@ -47,16 +47,17 @@ def test_pass_rewrites_only_more_than_four_queries(n_q, want):
 
 def test_pass_option_and_rejection_reason():
     assert _ops(run_pipeline(_attention(7), "attn-bf16{max_decode_queries=8}")) == ["flash_attn"]
+    assert _ops(run_pipeline(_attention(7), "attn-bf16{max_decode_queries=4}")) == ["flash_attn_bf16"]
     report = coverage(_attention(3), "attn-bf16")
     (site, why), = report["attn-bf16"].rejected
-    assert site == "flash_attn 'attn'" and "3 queries <= max_decode_queries=4" in why
+    assert site == "flash_attn 'attn'" and "3 queries <= max_decode_queries=16" in why
 
 
 @pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny"])
 def test_pass_on_model_graphs(spec):
     """After the default pipeline: every layer's prefill attention becomes flash_attn_bf16, decode stays f32."""
     model = graphir.load(spec, backend="reference", passes="")
-    prefill = run_pipeline(model.graph("prefill", 7), "default,attn-bf16")
+    prefill = run_pipeline(model.graph("prefill", 17), "default,attn-bf16")
     decode = run_pipeline(model.graph("decode"), "default,attn-bf16")
     n_layers = model.config.n_layers
     assert _ops(prefill) == ["flash_attn_bf16"] * n_layers

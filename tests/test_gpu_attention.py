@@ -15,6 +15,7 @@ import functools
 import numpy as np
 import pytest
 from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, attention_graph, host
+from graphir.backends.gpu import attention
 from graphir.backends.registry import get_backend
 
 from graphir.errors import BackendError
@@ -88,14 +89,17 @@ def test_decode_replay_many_kv_len(runner, kvdtype):
 
 
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
-def test_decode_several_queries(runner, kvdtype):
-    """n_q = 3 stays on the decode path: a query per grid z, positions repeated and out of order."""
-    rng = np.random.default_rng(3)
-    case = Case(3, 12, 4, 16, 16, 700, kvdtype, 0)
+@pytest.mark.parametrize("n_q", [3, 9, 16])
+def test_decode_several_queries(runner, kvdtype, n_q):
+    """Up to DECODE_MAX_QUERIES (a speculative verify call) stay on the decode path: a query per grid z,
+    positions repeated, out of order and past kv_len."""
+    assert n_q <= attention.DECODE_MAX_QUERIES
+    rng = np.random.default_rng(3 + n_q)
+    case = Case(n_q, 12, 4, 16, 16, 700, kvdtype, 0)
     run = runner(case)
     for kv_len in [0, 1, 20, 700]:
         q, k, v = case.data(rng, kv_len)
-        pos = np.array([kv_len - 1, 0, kv_len - 1], np.int32)
+        pos = _positions(rng, n_q, kv_len)
         close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
@@ -177,14 +181,15 @@ def test_decode_unaligned_kv_falls_back(kvdtype, offset):
 
 
 # ---------------------------------------------------------------- prefill
-@pytest.mark.parametrize("n_q", [7, 129, 513])
+@pytest.mark.parametrize("n_q", [17, 129, 513])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 def test_prefill(runner, n_q, group, kvdtype):
-    d = {7: 8, 129: 64, 513: 128}[n_q]
+    assert n_q > attention.DECODE_MAX_QUERIES
+    d = {17: 8, 129: 64, 513: 128}[n_q]
     window = {1: 0, 3: 3, 4: 5}[group]
     rng = np.random.default_rng(n_q + group)
-    cap = {7: 37, 129: 1025, 513: 600}[n_q]
+    cap = {17: 37, 129: 1025, 513: 600}[n_q]
     case = Case(n_q, 2 * group, 2, d, d, cap, kvdtype, window)
     run = runner(case)
     for kv_len in sorted({0, 1, 20, cap}):

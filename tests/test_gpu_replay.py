@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _gpu_helpers import gpu_only
+from graphir.backends.gpu import matmul
 from graphir.backends.registry import get_backend
 
 import graphir
@@ -75,7 +76,7 @@ def test_reused_prefill_bucket_equals_a_fresh_program(spec, bucket, monkeypatch)
         monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
         assert np.array_equal(got, want), f"{spec} bucket {bucket}: logits differ for the chunk at {start}"
     assert reused.captured == reused.capturable
-    assert reused.capturable == (bucket <= 8)  # matmul.GEMV_MAX_TOKENS: more rows go to cuBLAS
+    assert reused.capturable == (bucket <= matmul.GEMV_MAX_TOKENS)  # more rows go to cuBLAS
     for name in s_reused:
         assert np.array_equal(s_reused[name].get(), s_fresh[name].get()), f"{spec} bucket {bucket}: state {name}"
 

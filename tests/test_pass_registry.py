@@ -206,13 +206,15 @@ def case_ffn(wtype: str) -> Graph:
 
 
 def case_attention(wtype: str) -> Graph:
-    """Causal attention over a KV cache: a prefill of N queries (attn-bf16 rewrites it) and a decode-sized
-    one of 2 queries (kept in f32)."""
+    """Causal attention over a KV cache: a prefill of 19 queries (more than attn-bf16's max_decode_queries:
+    it rewrites it) and a decode-sized one of 2 queries (kept in f32)."""
     outs = {}
-    for i, n_q in enumerate((N, 2)):
-        q = g.reshape(g.mul_mat(_w(f"blk.{i}.attn_q.weight", 32, wtype), _x()), shape=(N, 4, 8))  # [5, 4 heads, 8]
+    n = 19
+    x = g.input("x", (n, D))
+    for i, n_q in enumerate((n, 2)):
+        q = g.reshape(g.mul_mat(_w(f"blk.{i}.attn_q.weight", 32, wtype), x), shape=(n, 4, 8))  # [19, 4 heads, 8]
         q = g.rows(q, 0, n_q)
-        k, v = g.state(f"blk.{i}.k_cache", (16, 2, 8)), g.state(f"blk.{i}.v_cache", (16, 2, 8))
+        k, v = g.state(f"blk.{i}.k_cache", (32, 2, 8)), g.state(f"blk.{i}.v_cache", (32, 2, 8))
         outs[f"o{i}"] = g.flash_attn(q, k, v, g.input(f"pos{i}", (n_q,), "i32"), g.input(f"len{i}", (1,), "i32"),
                                      scale=0.35, name=f"blk.{i}.attn")
     return Graph(outs, meta={"case": "attention"})

@@ -39,7 +39,12 @@ from . import kernels
 from .launch import Launch, Lowering, cdiv, f32, i32
 
 FILE = "attention.cu"
-DECODE_MAX_QUERIES = 4  # above this, prefill (K/V tiles shared by many queries) reads less
+# Up to this many queries (a speculative verify call: graphir/speculative.py VERIFY_BUCKETS) take the
+# split-K decode kernel: the prefill kernel's grid is (queries / QT) x kv heads, 8 blocks for 8 queries of
+# Qwen3-0.6B, each walking the whole context alone (61 us a layer at 136 keys, H200, 2026-12-01,
+# profile_gpu_decode.py --verify 8). The decode grid reads K/V once per query, but its blocks of one split
+# run in the same wave, so the repeats mostly hit L2.
+DECODE_MAX_QUERIES = 16
 DECODE_THREADS = 128  # ATTN_DECODE_THREADS
 PREFILL_THREADS = 128  # ATTN_PREFILL_THREADS
 COMBINE_THREADS = 256  # ATTN_COMBINE_THREADS

@@ -25,7 +25,7 @@ from graphir.passes.rewrite import Rewriter, rewrite
                             "(bf16 q, k, v and weights, f32 softmax): tensor-core prefill attention")
 @dataclass(frozen=True)
 class AttnBf16:
-    max_decode_queries: int = 4
+    max_decode_queries: int = 16  # backends/gpu/attention.py DECODE_MAX_QUERIES
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "flash_attn":
