@@ -7,8 +7,9 @@ llama.cpp use for prefill. It is opt-in (`--passes default,gemm-bf16`): the defa
 every product in f32, and `graphir check --passes default,gemm-bf16` shows what the rounding costs.
 
 Only matmuls of a 2-D weight (a Param, or Params stacked by stack-projections) with at least
-`min_rows` rows of x change: decode steps (a few rows) are bandwidth-bound, read the weight once
-either way, and stay exact.
+`min_rows` rows of x change: decode steps and speculative verify calls (up to 16 rows: the gpu
+backend's GEMV_MAX_TOKENS, whose GEMV is captured where cuBLAS cannot be) are bandwidth-bound, read
+the weight once either way, and stay exact.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from graphir.passes.rewrite import Rewriter, rewrite
                             "(bf16 operands, f32 accumulation): tensor-core prefill")
 @dataclass(frozen=True)
 class GemmBf16:
-    min_rows: int = 16
+    min_rows: int = 17
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "mul_mat":
