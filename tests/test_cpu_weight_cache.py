@@ -107,6 +107,8 @@ def test_changed_deriving_code_misses(tmp_path, monkeypatch):
     stored(tmp_path / "m.bin")
     monkeypatch.setattr(weight_cache, "code_hash", lambda: "edited")
     assert not from_disk(mapped(tmp_path / "m.bin"), SOA)
+    stored(tmp_path / "m.bin")  # the edited code's entries replace the old code's
+    assert len(list(weight_cache.cache_root().glob("*/*"))) == 1
 
 
 def test_a_corrupt_entry_is_derived_again(tmp_path):

@@ -14,8 +14,8 @@ derives (this module, gemv_repacked.py, matmul.py, graphir/lowering.py). It also
 the first and last 4 KiB of every source range, checked against the live mapping when read, and the
 shapes and dtypes of its arrays. Only weights that are memory-mapped file data take part (GGUF and
 safetensors loads); converted, random or in-memory weights never do, nor entries under MIN_BYTES.
-Writing a file's entries removes those of its earlier identities. Unwritable or unreadable entries
-are skipped: the array is derived as if there were none.
+Writing a file's entries removes those of its earlier identities and earlier deriving code. Unwritable
+or unreadable entries are skipped: the array is derived as if there were none.
 """
 
 from __future__ import annotations
@@ -142,8 +142,10 @@ class DerivedCache(dict):
         if ident is None:
             return None
         text = json.dumps([ident, spec, code_hash()])
-        stem = cache_root() / hashlib.sha256(ident[0].encode()).hexdigest()[:16] / \
-            hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16] / hashlib.sha256(text.encode()).hexdigest()[:32]
+        # one folder per (file, identity and code): writing into a new one removes the file's older ones
+        version = hashlib.sha256(json.dumps([ident, code_hash()]).encode()).hexdigest()[:16]
+        stem = cache_root() / hashlib.sha256(ident[0].encode()).hexdigest()[:16] / version / \
+            hashlib.sha256(text.encode()).hexdigest()[:32]
         return stem, {"key": text, "digests": [_digest(a) for _, a in sources]}
 
     def _identity(self, path: str) -> list[Any] | None:
@@ -180,7 +182,7 @@ def _arrays(value: Any) -> list[np.ndarray | None] | None:
 def _store(stem: Path, manifest: dict, items: list[np.ndarray | None], is_tuple: bool) -> None:
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
-        for old in stem.parent.parent.iterdir():  # the file's earlier identities: stale for good
+        for old in stem.parent.parent.iterdir():  # the file's earlier identities or code: stale
             if old != stem.parent:
                 shutil.rmtree(old, ignore_errors=True)
         tmp = f".{os.getpid()}.tmp"
