@@ -17,8 +17,7 @@ warm-up (a cold GPU runs at low clocks); without graph capture they run from a P
 The first rows of every result are checked against numpy.
 
 --variants times every m == 1 kernel (gemv1_<fmt>, each gemv1v2_<fmt>_<cfg> of matmul.py
-GEMV1_CONFIGS and, for q8_0 / q4_0 / q4_k, each gemv1v3_<fmt>_<cfg> of GEMV1_V3), or with --tokens M
-every M-token kernel (gemv_<fmt> and each gemvm_<fmt>_<cfg> of GEMVM_CONFIGS), on the same
+GEMV1_CONFIGS and, for q8_0 / q4_0 / q4_k, each gemv1v3_<fmt>_<cfg> of GEMV1_V3) on the same
 device buffers, checks every output row against the weight dequantized on the device
 (dequant_<fmt>) times x, and ends with a table of % of copy bandwidth per variant, the best marked,
 next to the current GEMV1_KERNEL choice.
@@ -103,17 +102,11 @@ def bench_one(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict:
             "how": how, "prep_s": prep_s}
 
 
-def variant_names(m: int) -> list[str]:
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, GEMVM_CONFIGS
-
-    return ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3] if m == 1 else ["gemv", *GEMVM_CONFIGS]
-
-
-def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int, m: int = 1) -> dict[str, float]:
-    """us per call of every variant for m tokens on one weight (rotated copies); each result checked."""
+def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dict[str, float]:
+    """us per call of every m == 1 variant on one weight (rotated copies); each result checked."""
     from graphir.backends.gpu import kernels
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import _row_bytes, gemv_kernel
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, _row_bytes, gemv_kernel
 
     n_out, n_in = shape
     raw = make_raw(rng, fmt, shape)
@@ -121,28 +114,27 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int, m: int
     dev = cp.asarray(raw.view(np.uint8).reshape(n_out, rb))
     copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
     ws = [dev] + [dev.copy() for _ in range(copies - 1)]
-    x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
     # reference: the weight dequantized on the device (dequant_<fmt>, bit-exact to graphir.quant)
     wf = cp.empty((n_out, n_in), np.float32)
     kernels.get("matmul.cu", f"dequant_{fmt}")((min(cdiv(n_out * n_in // 8, 256), 1 << 20),), (256,),
                                                 (dev, np.int64(rb), wf, i32(n_out), i32(n_in)))
-    want = (x @ wf.T).astype(np.float64)
-    bound = (cp.abs(x) @ cp.abs(wf).T).astype(np.float64) * 1e-5 + 1e-6
+    want = (wf @ x[0]).astype(np.float64)
+    bound = (cp.abs(wf) @ cp.abs(x[0])).astype(np.float64) * 1e-5 + 1e-6
     del wf
-    ys = [cp.zeros((m, n_out), np.float32) for _ in range(copies)]
+    ys = [cp.zeros((1, n_out), np.float32) for _ in range(copies)]
     out = {}
-    plain = variant_names(m)[0]
-    for var in variant_names(m):
-        name, threads, rows = gemv_kernel(fmt, n_in, m, dev.data.ptr, var)
-        if var != plain and name == gemv_kernel(fmt, n_in, m, dev.data.ptr, plain)[0]:
-            continue  # this shape falls back to the plain kernel
+    for var in ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3]:
+        name, threads, rows = gemv_kernel(fmt, n_in, 1, dev.data.ptr, var)
+        if var != "gemv1" and not name.startswith("gemv1v"):
+            continue  # this shape falls back to gemv1
         steps = [Launch("matmul.cu", name, cdiv(n_out, rows), threads,
-                        (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(m))) for w, y in zip(ws, ys)]
+                        (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(1))) for w, y in zip(ws, ys)]
         for y in ys:
             y.fill(np.nan)
         secs, _ = time_steps(steps, max(3, iters // copies))
         for y in ys:
-            err = cp.abs(y.astype(np.float64) - want)
+            err = cp.abs(y[0].astype(np.float64) - want)
             if not bool((err <= bound).all()):
                 print(f"  {name} {shape}: WRONG (max error {float(err.max()):.3g}, "
                       f"{int((err > bound).sum())} rows out of bound)", flush=True)
@@ -155,29 +147,27 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int, m: int
 
 
 def main_variants(cp, rng, args, bw: float) -> None:
-    from graphir.backends.gpu.matmul import GEMV1_KERNEL, GEMVM_KERNEL, _row_bytes
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, GEMV1_V3, _row_bytes
 
     shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
     fmts = args.formats.split(",")
     iters = args.iters or 100
-    m = args.tokens
-    variants = variant_names(m)
+    variants = ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3]
     rows = []
     for fmt in fmts:
         for shape in shapes:
             t0 = time.perf_counter()
-            us = bench_variants(cp, rng, fmt, shape, iters, m)
-            moved = shape[0] * _row_bytes(fmt, shape[1]) + 4 * m * (shape[0] + shape[1])
+            us = bench_variants(cp, rng, fmt, shape, iters)
+            moved = shape[0] * _row_bytes(fmt, shape[1]) + 4 * (shape[0] + shape[1])
             pct = {v: 100 * moved / (t * 1e-6) / bw for v, t in us.items()}
             rows.append((fmt, shape, us, pct))
             print(f"  {fmt} {shape[0]}x{shape[1]}: " + ", ".join(f"{v} {t:.2f}us" for v, t in us.items())
                   + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    print(f"\n% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = {m}; * = best, [ ] = current "
-          f"{'GEMV1_KERNEL' if m == 1 else 'GEMVM_KERNEL'}")
+    print(f"\n% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = 1; * = best, [ ] = current GEMV1_KERNEL")
     print(f"{'format':7} {'shape':>13} " + " ".join(f"{v:>9}" for v in variants))
     for fmt, shape, _us, pct in rows:
         best = max((v for v in pct if pct[v] == pct[v]), key=lambda v: pct[v], default=None)
-        cur = GEMV1_KERNEL.get(fmt, "gemv1") if m == 1 else GEMVM_KERNEL
+        cur = GEMV1_KERNEL.get(fmt, "gemv1")
         cells = []
         for v in variants:
             if v not in pct:
@@ -195,8 +185,6 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--variants", action="store_true", help="time every m == 1 kernel variant, checked")
     ap.add_argument("--shapes", default=None, help="with --variants: e.g. 4096x4096,12288x4096")
-    ap.add_argument("--tokens", type=int, default=1, help="with --variants: tokens per call (m > 1: the "
-                    "gemvm_<fmt>_<cfg> kernels of a speculative verify call)")
     args = ap.parse_args()
     from graphir.backends.gpu.device import available, cupy
 

@@ -2,6 +2,7 @@
 //
 //   gemv_<fmt>   decode (m <= GEMV_MAX_TOKENS tokens): weights read straight from their blocks,
 //                dequantized in registers, each weight row read once for all m tokens.
+//   gemv16_<fmt> the same for up to 2 * GEMV_MAX_TOKENS tokens (a 16-token speculative verify call).
 //   gemv1_<fmt>  the same for m == 1 (the decode step), with no per-token guards.
 //   dequant_<fmt> prefill: the whole matrix as f32 into a scratch buffer, then cuBLAS (host side).
 //   matmul_batched_f32  every other case (activation weights, batch axes): a plain dot per output.
@@ -21,7 +22,7 @@
 #define GEMV_NR 2  // rows per 32-lane group
 #endif
 #ifndef GEMV_MAX_TOKENS
-#define GEMV_MAX_TOKENS 16  // matmul.py GEMV_MAX_TOKENS: the largest speculative verify call
+#define GEMV_MAX_TOKENS 8  // gemv_<fmt>: up to 8 tokens; gemv16_<fmt>: 9..16 (matmul.py GEMV_MAX_TOKENS)
 #endif
 
 DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 stay inside it)
@@ -123,8 +124,7 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
 #pragma unroll
                     for (int t = 0; t < M; ++t) {
                         if (t < m) {
-                            const float* xt = xb + (long long)t * n_in;
-                            const F4 a = ldx(xt + o0), c = ldx(xt + o1);
+                            const F4 a = ldx(xb + (long long)t * n_in + o0), c = ldx(xb + (long long)t * n_in + o1);
 #pragma unroll
                             for (int r = 0; r < GEMV_NR; ++r) dot8<F::FINAL>(a, c, v[r], sl[r], sh[r], acc[r][t]);
                         }
@@ -153,6 +153,12 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         PDL_ENTRY();                                                                                      \
         gemv_impl<F, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                                \
     }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv16_##name(                             \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
+        int n_out, int n_in, int m) {                                                                     \
+        PDL_ENTRY();                                                                                      \
+        gemv_impl<F, 2 * GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                            \
+    }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv1_##name(                              \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
@@ -179,12 +185,12 @@ DEVICE float dot4(const F4& a, const float* v) {
     return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
 }
 
-template <class F, int T, int G, int NR, int UN, int M = 1>
+template <class F, int T, int G, int NR, int UN>
 DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                         float* __restrict__ Y, int n_out, int n_in, int m = 1) {
+                         float* __restrict__ Y, int n_out, int n_in) {
     static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
     __shared__ float tab_smem[16];
-    __shared__ float part[G > 32 ? T / 32 * NR * M : 1];
+    __shared__ float part[G > 32 ? T / 32 * NR : 1];
     const float* tab = init_table<F>(tab_smem);
     const int lane = threadIdx.x % G;
     const int row0 = (blockIdx.x * (T / G) + threadIdx.x / G) * NR;
@@ -195,11 +201,9 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         const int row = row0 + r < n_out ? row0 + r : n_out - 1;
         wr[r] = W + (long long)row * row_bytes;
     }
-    float acc[NR][M];
+    float acc[NR];
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
-#pragma unroll
-        for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
+    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int units = (n_in / F::QK) * F::UPB;
     for (int u0 = lane; u0 < units; u0 += G * UN) {
         typename F::U q[UN][NR];
@@ -223,90 +227,51 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
             for (int w = 0; w < F::WPU; ++w) {
                 int o0, o1;
                 F::offs(j, w, o0, o1);
-                if constexpr (M == 1) {  // one token: decode each row as it is used (fewer live registers)
-                    const F4 a = ldx(xb + o0), c = ldx(xb + o1);
-                    if constexpr (F::AFFINE) {
-                        const float sa = (a.a + a.b) + (a.c + a.d), sc = (c.a + c.b) + (c.c + c.d);
-#pragma unroll
-                        for (int r = 0; r < NR; ++r) {
-                            float v[8], s0, f0, s1, f1;
-                            F::affine(q[i][r], j, w, v, s0, f0, s1, f1);
-                            const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
-                            acc[r][0] = fmaf(s1, d1, fmaf(f1, sc, fmaf(s0, d0, fmaf(f0, sa, acc[r][0]))));
-                        }
-                    } else {
-#pragma unroll
-                        for (int r = 0; r < NR; ++r) {
-                            float v[8], sl = 1.0f, sh = 1.0f;
-                            F::decode(q[i][r], j, w, v, sl, sh, tab);
-                            const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
-                            acc[r][0] = F::FINAL ? acc[r][0] + (d0 + d1) : fmaf(sh, d1, fmaf(sl, d0, acc[r][0]));
-                        }
-                    }
-                } else {  // m <= M tokens: decode the NR rows once, then each token's x serves all of them
-                    float v[NR][8], s0[NR], f0[NR], s1[NR], f1[NR];
+                const F4 a = ldx(xb + o0), c = ldx(xb + o1);
+                if constexpr (F::AFFINE) {
+                    const float sa = (a.a + a.b) + (a.c + a.d), sc = (c.a + c.b) + (c.c + c.d);
 #pragma unroll
                     for (int r = 0; r < NR; ++r) {
-                        if constexpr (F::AFFINE) {
-                            F::affine(q[i][r], j, w, v[r], s0[r], f0[r], s1[r], f1[r]);
-                        } else {
-                            s0[r] = s1[r] = 1.0f;
-                            F::decode(q[i][r], j, w, v[r], s0[r], s1[r], tab);
-                        }
+                        float v[8], s0, f0, s1, f1;
+                        F::affine(q[i][r], j, w, v, s0, f0, s1, f1);
+                        const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
+                        acc[r] = fmaf(s1, d1, fmaf(f1, sc, fmaf(s0, d0, fmaf(f0, sa, acc[r]))));
                     }
+                } else {
 #pragma unroll
-                    for (int t = 0; t < M; ++t) {
-                        if (t < m) {
-                            const float* xt = xb + (long long)t * n_in;
-                            const F4 a = ldx(xt + o0), c = ldx(xt + o1);
-                            const float sa = (a.a + a.b) + (a.c + a.d), sc = (c.a + c.b) + (c.c + c.d);
-#pragma unroll
-                            for (int r = 0; r < NR; ++r) {
-                                const float d0 = dot4(a, v[r]), d1 = dot4(c, v[r] + 4);
-                                float& s = acc[r][t];
-                                if constexpr (F::AFFINE)
-                                    s = fmaf(s1[r], d1, fmaf(f1[r], sc, fmaf(s0[r], d0, fmaf(f0[r], sa, s))));
-                                else
-                                    s = F::FINAL ? s + (d0 + d1) : fmaf(s1[r], d1, fmaf(s0[r], d0, s));
-                            }
-                        }
+                    for (int r = 0; r < NR; ++r) {
+                        float v[8], sl = 1.0f, sh = 1.0f;
+                        F::decode(q[i][r], j, w, v, sl, sh, tab);
+                        const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
+                        acc[r] = F::FINAL ? acc[r] + (d0 + d1) : fmaf(sh, d1, fmaf(sl, d0, acc[r]));
                     }
                 }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
-#pragma unroll
-        for (int t = 0; t < M; ++t) acc[r][t] = t < m ? sum32(acc[r][t]) : 0.0f;
+    for (int r = 0; r < NR; ++r) acc[r] = sum32(acc[r]);
     if constexpr (G > 32) {
         const int warp = threadIdx.x / 32, sub = lane / 32;  // 32-lane part of the block, of its group
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-            for (int r = 0; r < NR; ++r)
-#pragma unroll
-                for (int t = 0; t < M; ++t) part[(warp * NR + r) * M + t] = acc[r][t];
+            for (int r = 0; r < NR; ++r) part[warp * NR + r] = acc[r];
         }
         __syncthreads();
         if (sub == 0 && (threadIdx.x & 31) == 0) {
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
+                float s = 0.0f;
 #pragma unroll
-                for (int t = 0; t < M; ++t) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int k = 0; k < G / 32; ++k) s += part[((warp + k) * NR + r) * M + t];
-                    if (t < m && row0 + r < n_out) Y[(long long)t * n_out + row0 + r] = s;
-                }
+                for (int k = 0; k < G / 32; ++k) s += part[(warp + k) * NR + r];
+                if (row0 + r < n_out) Y[row0 + r] = s;
             }
         }
     } else {
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
             for (int r = 0; r < NR; ++r)
-#pragma unroll
-                for (int t = 0; t < M; ++t)
-                    if (t < m && row0 + r < n_out) Y[(long long)t * n_out + row0 + r] = acc[r][t];
+                if (row0 + r < n_out) Y[row0 + r] = acc[r];
         }
     }
 }
@@ -325,23 +290,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 #define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
 FOR_EACH_WIDE(DEFINE_GEMV1V2)
-
-// gemvm_<fmt>_<cfg>: the same kernel for 2..GEMV_MAX_TOKENS tokens (a speculative verify call), each
-// row group's NR rows decoded once per piece and dotted with every token's x: the x loads per weight
-// byte grow with the tokens and shrink with NR (matmul.py GEMVM_CONFIGS mirrors these).
-#define FOR_EACH_GEMVM_CFG(M, name, F) \
-    M(name, F, g128r2, 128, 128, 2, 2) \
-    M(name, F, g128r4, 128, 128, 4, 2) \
-    M(name, F, g32r4, 128, 32, 4, 2)
-#define DEFINE_GEMVM_CFG(name, F, cfg, T, G, NR, UN)                                                       \
-    extern "C" __global__ void __launch_bounds__(T) gemvm_##name##_##cfg(                                  \
-        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
-        int n_out, int n_in, int m) {                                                                      \
-        PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, T, G, NR, UN, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                \
-    }
-#define DEFINE_GEMVM(name, F) FOR_EACH_GEMVM_CFG(DEFINE_GEMVM_CFG, name, F)
-FOR_EACH_WIDE(DEFINE_GEMVM)
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 3
 // gemv1v3_<fmt>_<cfg> (q8_0, q4_0, q4_k; cfg r2 / r4 = rows per 32-lane group): the decode GEMV

@@ -2,8 +2,8 @@
 
 mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
-    `gemvm_<fmt>_<cfg>` (GEMVM_KERNEL; `gemv_<fmt>` where its loads do not fit) reads the weight's
-    blocks once for all m tokens and dequantizes in registers. Capturable. At m == 1 the kernel is
+    `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call) reads the weight's blocks once
+    for all m tokens and dequantizes in registers. Capturable. At m == 1 the kernel is
     the variant GEMV1_KERNEL names for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry;
     `gemv1v3_<fmt>_<cfg>` for q8_0 / q4_0 / q4_k, staged through shared memory; "gemv1" keeps
     `gemv1_<fmt>`).
@@ -32,7 +32,9 @@ from .launch import GpuParam, HostLibraryCall, Launch, Lowering, cdiv, i32
 from .layout import copy_launch
 
 SUPPORTED = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
-GEMV_MAX_TOKENS = 16  # matmul.cu GEMV_MAX_TOKENS: more tokens take the prefill path; 16 holds every verify bucket
+GEMV_SMALL_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: gemv_<fmt> up to this many tokens, gemv16_<fmt> up to twice
+# More tokens take the prefill path (dequant + cuBLAS, not capturable); 16 holds every speculative verify bucket.
+GEMV_MAX_TOKENS = 2 * GEMV_SMALL_TOKENS
 GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
 GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
 SCRATCH_KEY = ("gpu", "dequant_scratch")
@@ -51,11 +53,6 @@ V3_FORMATS = ("q8_0", "q4_0", "q4_k")
 GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "v3r2",
                 "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "v3r2", "q5_k": "g32r2",
                 "q6_k": "g32r2", "iq4_xs": "g32r2"}
-# 2..GEMV_MAX_TOKENS tokens (a speculative verify call): gemvm_<fmt>_<cfg> (matmul.cu FOR_EACH_GEMVM_CFG),
-# the gemv1v2 kernel dotting each decoded weight piece with every token's x; cfg -> (threads, rows per
-# block). "gemv" keeps gemv_<fmt>. Picked from `bench_gpu_gemv.py --variants --tokens 8`.
-GEMVM_CONFIGS = {"g128r2": (128, 2), "g128r4": (128, 4), "g32r4": (128, 16)}
-GEMVM_KERNEL = "g128r2"
 # Formats whose gemv1v2 traits read 16-byte windows / headers (quant.cuh Fq*w): they need rows of
 # whole 16-byte pieces in a 16-byte aligned weight.
 _WIDE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k")
@@ -111,16 +108,11 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
 
 def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None) -> tuple[str, int, int]:
     """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of a weight at
-    device address `w_ptr`. `variant` (m == 1: a GEMV1_CONFIGS or GEMV1_V3
-    key, or "gemv1"; m > 1: a GEMVM_CONFIGS key, or "gemv") overrides GEMV1_KERNEL / GEMVM_KERNEL; cases
-    a variant cannot take (float rows not whole 8-value pieces; unaligned rows for the wide-load
-    formats) fall back to gemv1_<fmt> / gemv_<fmt>."""
+    device address `w_ptr`. `variant` (a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1") overrides GEMV1_KERNEL;
+    cases a variant cannot take (float rows not whole 8-value pieces; unaligned rows for the
+    wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
-        cfg = variant or GEMVM_KERNEL
-        if cfg not in GEMVM_CONFIGS or not _v2_fits(fmt, n_in, w_ptr):
-            return f"gemv_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
-        threads, rows = GEMVM_CONFIGS[cfg]
-        return f"gemvm_{fmt}_{cfg}", threads, rows
+        return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or GEMV1_KERNEL.get(fmt, "gemv1")
     ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
     if not ok or not _v2_fits(fmt, n_in, w_ptr):
