@@ -636,3 +636,22 @@ def test_gpu_recurrent_greedy_speculative_equals_plain_greedy():
         if i is not None:
             top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
             assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
+
+
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
+def test_every_verify_bucket_stays_on_the_capturable_gpu_kernels(spec):
+    """On the gpu a verify call is captured only if it lowers to the project's own kernels: every bucket's
+    tokens fit the GEMV (more go to cuBLAS, never captured) and the split-K decode attention, and the opt-in
+    tensor-core passes (`default,gemm-bf16,attn-bf16`, which route to cuBLAS and the bf16 prefill kernel)
+    leave it alone, while one token past the largest bucket is theirs."""
+    from graphir.backends.gpu import attention, matmul
+
+    top = max(sp.VERIFY_BUCKETS)
+    assert top <= matmul.GEMV_MAX_TOKENS and top <= attention.DECODE_MAX_QUERIES
+    model = graphir.load(spec, backend="reference", passes="")
+    bf16_ops, passes = {"mul_mat_bf16", "flash_attn_bf16"}, "default,gemm-bf16,attn-bf16"
+    for b in sp.VERIFY_BUCKETS:
+        ops = {n.op for n in run_pipeline(sp.verify_graph(model, b, greedy=True), passes).nodes()}
+        assert not ops & bf16_ops, f"{spec}: the {b}-token verify graph has {sorted(ops & bf16_ops)}"
+    past = {n.op for n in run_pipeline(model.graph("prefill", top + 1), passes).nodes()}
+    assert bf16_ops <= past, f"{spec}: a {top + 1}-token prefill kept f32 ({sorted(past & bf16_ops)})"
