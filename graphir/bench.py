@@ -298,9 +298,11 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
           new_process: bool = False, compare_hf: bool = False,
-          hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4, tp: int = 1) -> dict[str, Any]:
+          hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4, tp: int = 1,
+          dtype: str | None = None) -> dict[str, Any]:
     """Measure `spec` on `backend` after `passes`; a flat dict (see the module docstring for each key).
-    `tp` > 1: tensor parallel over that many processes, measured inside them (graphir/bench_tp.py)."""
+    `tp` > 1: tensor parallel over that many processes, measured inside them (graphir/bench_tp.py).
+    `dtype`: the weights converted on load (graphir.load's dtype=), e.g. q4_0 by the project's quantizer."""
     global _first_run_done
     for name, v in (("prefill_tokens", prefill_tokens), ("prompt_tokens", prompt_tokens),
                     ("decode_tokens", decode_tokens), ("repeats", repeats)):
@@ -312,6 +314,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     from graphir.backends.registry import resolve_backend
 
     backend = resolve_backend(backend)
+    if dtype is not None and (tp != 1 or new_process or compare_hf):
+        raise ValueError("--dtype does not run with --tp, --new-process or --compare yet")
     if tp != 1:
         if new_process or compare_hf or draft:
             raise ValueError("--new-process, --compare and --draft do not run with --tp yet")
@@ -321,7 +325,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
                         long_prefill_tokens, tp)
     on_gpu = backend == "gpu"
     t0 = time.perf_counter()
-    model = load(spec, backend=backend, passes=passes)
+    model = load(spec, backend=backend, passes=passes, dtype=dtype)
     load_s = time.perf_counter() - t0
     ctx = model.config.ctx
     long_prefill_tokens = checked_lengths(ctx, prefill_tokens, prompt_tokens, decode_tokens,

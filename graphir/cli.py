@@ -567,11 +567,14 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
                    "one fewer per core other programs keep busy]")
+@click.option("--dtype", default=None,
+              help="convert the weights on load, e.g. q4_0 (the project's quantizer) or bf16  [default: as stored]")
 @_draft_options
 @_tp_option
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,
               long_prefill: int | None, new_process: bool, no_llama_cpp: bool, compare: str | None,
-              json_path: str | None, threads: int | None, draft: str | None, draft_len: int | None, tp: int) -> None:
+              json_path: str | None, threads: int | None, dtype: str | None, draft: str | None,
+              draft_len: int | None, tp: int) -> None:
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
@@ -597,7 +600,8 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
         result = bench(model, backend=backend, passes=pipeline, prefill_tokens=prefill, prompt_tokens=prompt,
                        decode_tokens=decode, repeats=repeats, llama_cpp=not no_llama_cpp,
                        long_prefill_tokens=long_prefill, new_process=new_process, compare_hf=compare is not None,
-                       hf_compiled=compare == "hf", draft=draft, draft_len=draft_len or DEFAULT_DRAFT_LEN, tp=tp)
+                       hf_compiled=compare == "hf", draft=draft, draft_len=draft_len or DEFAULT_DRAFT_LEN, tp=tp,
+                       dtype=dtype)
     except ValueError as e:
         raise CliError(str(e)) from None
     command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
@@ -608,6 +612,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
                          + (["--no-llama-cpp"] if no_llama_cpp else [])
                          + (["--compare", compare] if compare else [])
                          + (["--threads", str(threads)] if threads is not None else [])
+                         + (["--dtype", dtype] if dtype else [])
                          + (["--tp", str(tp)] if tp > 1 else [])
                          + (["--draft", draft, "--draft-len", str(draft_len or DEFAULT_DRAFT_LEN)] if draft else []))
     result["command"] = command

@@ -98,3 +98,18 @@ def test_cli_prints_the_table_and_writes_json(tmp_path: Path, monkeypatch: pytes
 def test_cli_bench_reports_bad_sizes_as_an_error() -> None:
     r = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--prefill", "4096"])
     assert r.exit_code == 1 and "error:" in r.stderr and "context" in r.stderr
+
+
+def test_bench_dtype_converts_the_weights_it_measures() -> None:
+    """--dtype q8_0: the model measured is the quantized one (34 bytes a block of 32 weights, against 128 in
+    f32), and the command line it reports says so; a name that is no weight type is a one-line error."""
+    f32 = bench("random:llama-tiny", repeats=1, bandwidth_mb=16, llama_cpp=False, **TINY)
+    q8 = bench("random:llama-tiny", repeats=1, bandwidth_mb=16, llama_cpp=False, dtype="q8_0", **TINY)
+    _check_numbers(q8)
+    assert q8["weight_bytes"] < 0.5 * f32["weight_bytes"]
+    r = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--dtype", "q8_0", "--prefill", "16", "--prompt", "8",
+                                  "--decode", "4", "--repeats", "1", "--no-llama-cpp"])
+    assert r.exit_code == 0, r.output
+    assert "--dtype q8_0" in r.stdout
+    bad = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--dtype", "q9_9", "--no-llama-cpp"])
+    assert bad.exit_code == 1 and "error:" in bad.stderr and "q9_9" in bad.stderr
