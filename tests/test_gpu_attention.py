@@ -89,13 +89,14 @@ def test_decode_replay_many_kv_len(runner, kvdtype):
 
 
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
-@pytest.mark.parametrize("n_q", [3, 9, 16])
-def test_decode_several_queries(runner, kvdtype, n_q):
+@pytest.mark.parametrize("n_q,window", [(3, 0), (9, 0), (16, 0), (7, 5), (16, 40)])
+def test_decode_several_queries(runner, kvdtype, n_q, window):
     """Up to DECODE_MAX_QUERIES (a speculative verify call) stay on the decode path: a query per grid z,
-    positions repeated, out of order and past kv_len."""
+    positions repeated, out of order and past kv_len; with a sliding window (Gemma 3's verify calls), each
+    query's own window."""
     assert n_q <= attention.DECODE_MAX_QUERIES
-    rng = np.random.default_rng(3 + n_q)
-    case = Case(n_q, 12, 4, 16, 16, 700, kvdtype, 0)
+    rng = np.random.default_rng(3 + n_q + window)
+    case = Case(n_q, 12, 4, 16, 16, 700, kvdtype, window)
     run = runner(case)
     for kv_len in [0, 1, 20, 700]:
         q, k, v = case.data(rng, kv_len)
