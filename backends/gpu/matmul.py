@@ -3,10 +3,9 @@
 mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
     `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call) reads the weight's blocks once
-    for all m tokens and dequantizes in registers. Capturable. At m == 1 the kernel is
-    the variant GEMV1_KERNEL names for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry;
-    `gemv1v3_<fmt>_<cfg>` for q8_0 / q4_0 / q4_k, staged through shared memory; "gemv1" keeps
-    `gemv1_<fmt>`).
+    for all m tokens and dequantizes in registers. Capturable. At m == 1 the kernel is the variant
+    GEMV1_KERNEL names for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; `gemv1v3_<fmt>_<cfg>`
+    for q8_0 / q4_0 / q4_k, staged through shared memory; "gemv1" keeps `gemv1_<fmt>`).
   - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
     scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
     one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
@@ -125,7 +124,7 @@ def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = N
 
 
 def _v2_fits(fmt: str, n_in: int, w_ptr: int) -> bool:
-    """Whether the gemv1v2 / gemvm kernels can read this weight: float rows of whole 8-value pieces,
+    """Whether the gemv1v2 kernels can read this weight: float rows of whole 8-value pieces,
     16-byte aligned rows of whole 16-byte pieces for the wide-load formats."""
     if fmt in FLOATS and n_in % 8:
         return False
