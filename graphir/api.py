@@ -401,7 +401,9 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
             raise LoadError(f"{spec}: unknown random preset (known: {', '.join(presets.PRESETS)})")
         config, preset_dtype = presets.PRESETS[name]
         direct = dtype in (None, "f32", "f16", "bf16")
-        weights = presets.random_weights(config, dtype or preset_dtype if direct else "f32")
+        # a quantized dtype: drawn in the preset's own type, then quantized tensor by tensor (an 8B preset
+        # drawn in f32 first would hold 32 GB at once)
+        weights = presets.random_weights(config, dtype or preset_dtype if direct else preset_dtype)
         if not direct:
             weights = loader.convert_weights(weights, dtype)
         tok = presets.ByteTokenizer()
