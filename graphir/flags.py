@@ -11,6 +11,7 @@
 | GRAPHIR_REQUIRE_KERNEL_COMPILERS=1 | the kernel-compile tests fail, not skip, without NVRTC or hipcc (CI) |
 | GRAPHIR_NO_PRECOMPILE=1 | cpu backend, cold numba cache: no helper process compiles matmul kernels meanwhile |
 | GRAPHIR_NO_GRAPH_CACHE=1 | models run their pass pipelines every time instead of reading earlier results from disk |
+| GRAPHIR_NO_WEIGHT_CACHE=1 | cpu backend: stacked and repacked weights derived in memory, never on disk |
 
 A flag is on when its variable is set to anything but "" or "0".
 """
@@ -29,6 +30,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_REQUIRE_KERNEL_COMPILERS": "kernel-compile tests fail without NVRTC or hipcc",
     "GRAPHIR_NO_PRECOMPILE": "cpu backend: this process compiles every kernel itself, with no helper process",
     "GRAPHIR_NO_GRAPH_CACHE": "run pass pipelines every time; never read or write passed graphs on disk",
+    "GRAPHIR_NO_WEIGHT_CACHE": "cpu backend: derive stacked and repacked weights in memory, never on disk",
 }
 
 

@@ -141,3 +141,18 @@ def test_a_model_run_from_kept_weights_matches_a_fresh_one(tmp_path):
     second, got = run()  # a new load: its stacked weights come from disk
     kept = [v for v in second.weights.derived.values() if isinstance(getattr(v, "base", None), np.memmap)]
     assert kept and np.array_equal(got, expected)
+
+
+def test_the_off_switch_neither_reads_nor_writes(tmp_path, cache_dir, monkeypatch):
+    """GRAPHIR_NO_WEIGHT_CACHE=1: a process derives afresh although an earlier one stored the entry, and a
+    process with the switch on stores nothing."""
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    monkeypatch.setenv("GRAPHIR_NO_WEIGHT_CACHE", "1")
+    assert not from_disk(mapped(tmp_path / "m.bin"), CONCAT)
+    write_file(tmp_path / "n.bin", 1)
+    before = sorted(p for p in cache_dir.rglob("*") if p.is_file())
+    stored(tmp_path / "n.bin")
+    assert sorted(p for p in cache_dir.rglob("*") if p.is_file()) == before
+    monkeypatch.delenv("GRAPHIR_NO_WEIGHT_CACHE")
+    assert from_disk(mapped(tmp_path / "m.bin"), CONCAT)  # the entry was there all along

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from graphir import graph_cache
+from graphir import flags, graph_cache
 
 KINDS = ("concat0", "gemv_soa")  # derivations kept on disk (weights.derived key prefixes)
 MIN_BYTES = 1 << 20  # smaller entries derive faster than a file is opened and checked
@@ -166,9 +166,10 @@ class DerivedCache(dict):
 
 
 def attach(weights: Any) -> None:
-    """Make `weights.derived` a DerivedCache (once; what it already holds stays)."""
+    """Make `weights.derived` a DerivedCache (once; what it already holds stays). GRAPHIR_NO_WEIGHT_CACHE=1:
+    leave it a plain dict, so nothing is read from or written to disk."""
     derived = getattr(weights, "derived", None)
-    if type(derived) is dict:
+    if type(derived) is dict and not flags.enabled("GRAPHIR_NO_WEIGHT_CACHE"):
         weights.derived = DerivedCache(weights, derived)
 
 
