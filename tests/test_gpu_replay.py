@@ -49,7 +49,7 @@ def test_captured_decode_equals_launched_decode_at_every_position(spec, monkeypa
         assert np.array_equal(s_cap[name].get(), s_plain[name].get()), f"{spec}: state {name} differs"
 
 
-@pytest.mark.parametrize("bucket", [8, 32, 128])
+@pytest.mark.parametrize("bucket", [8, 16, 32, 128])  # 16: the largest captured bucket (a verify call)
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
 def test_reused_prefill_bucket_equals_a_fresh_program(spec, bucket, monkeypatch):
     """Each prefill bucket's Program, lowered once and called for chunks at every start (0, bucket
