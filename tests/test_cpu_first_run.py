@@ -68,9 +68,14 @@ def test_helper_compiles_into_the_cache_and_this_process_loads_it(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: no helper process by design")
     assert out["mine"] is None, out  # this process's first job never went to the helper
-    assert out["states"] == ["done", "done"], out
-    # the helper's kernels came from the cache: this process compiled only its own
-    assert out["compiled"] == ["q8_0:tile"], out
+    # The helper takes jobs from the back: rms_norm first, which it has started (so this process waits for
+    # it) before this process is through its own first kernel. The rows kernel is a race on a busy machine
+    # (the helper runs at nice 19): this process may claim it first, and then the helper skips it ("gone").
+    rows, norm = out["states"]
+    assert norm == "done", out
+    assert rows in ("done", "gone"), out
+    # whatever the helper finished came from the cache: this process compiled only its own and what it claimed
+    assert out["compiled"] == sorted(["q8_0:tile"] + (["q8_0:rows"] if rows == "gone" else [])), out
 
 
 # `graphir run` in-process, then the heavy libraries it must not have imported
