@@ -1,9 +1,10 @@
 """Where a decode token's time goes: time every bound step of the cached CPU decode Program.
 
-    python benchmarks/profile_decode.py [MODEL] [--prompt 256] [--threads N]
+    python benchmarks/profile_decode.py [MODEL] [--prompt 256] [--threads N] [--tokens 512]
 
 Feeds a prompt of --prompt tokens (so attention sees that many keys), then replays the decode
 step's bound kernels one by one and prints milliseconds per token by op, largest first.
+--tokens N profiles the N-token prefill call instead (N a prefill bucket, e.g. 512; times per call).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: auto, as a run decides)")
+    ap.add_argument("--tokens", type=int, default=1, help="profile the call of this many tokens (1: decode)")
     args = ap.parse_args()
     threads.set_threads(args.threads)
     model = graphir.load(args.model, backend="cpu", passes="default")
     model.feed(np.arange(args.prompt) % 256 + 1, last_only=True)
     model.feed([1])  # lowers the decode Program
-    program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (1,))
+    if args.tokens > 1:
+        model.reset()
+        model.feed(np.arange(args.tokens) % 256 + 1, last_only=True)  # lowers that bucket's Program
+    program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (args.tokens,))
     per_op: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     threads.apply()  # the steps below are replayed without the Program call that would set it
@@ -41,7 +46,8 @@ def main() -> None:
             per_op[op] += time.perf_counter() - t0
             calls[op] += 1
     total = sum(per_op.values()) / args.repeats
-    print(f"{args.model}: {total * 1e3:.2f} ms per decode token at position {model.n_past}, "
+    what = "decode token" if args.tokens == 1 else f"{args.tokens}-token call"
+    print(f"{args.model}: {total * 1e3:.2f} ms per {what} at position {model.n_past}, "
           f"{len(program._steps)} bound steps, {threads.numba.get_num_threads()} threads")
     for op, seconds in sorted(per_op.items(), key=lambda kv: -kv[1]):
         print(f"  {op:20s} {seconds / args.repeats * 1e3:8.3f} ms  ({calls[op] // args.repeats} calls)")

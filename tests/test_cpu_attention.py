@@ -115,7 +115,7 @@ def test_replayed_step_reads_kv_len_and_the_cache_each_call(rng):
         np.testing.assert_allclose(o, _flash_attn_ref(q, k, v, pos, kv_len, SCALE, 0), rtol=0, atol=2e-6)
 
 
-def test_decode_uses_the_decode_kernel_and_prefill_the_general_one(rng):
+def test_decode_uses_the_decode_kernel_and_prefill_the_prefill_one(rng):
     q, k, v, pos, kv_len = case(rng, 511, 9, 3, np.float32)
     LR.RECORD = []
     try:
@@ -124,7 +124,7 @@ def test_decode_uses_the_decode_kernel_and_prefill_the_general_one(rng):
         used = [use[1] for use in LR.RECORD]
     finally:
         LR.RECORD = None
-    assert used == [ATT.KERNELS[64, 3, False], LR.K.attention]
+    assert used == [ATT.KERNELS[64, 3, False], LR.ATP.KERNELS[64]]
 
 
 def test_precompile_helper_finds_the_kernels_by_name():

@@ -19,6 +19,7 @@ from graphir.lowering import ParamRef, fold_params, val  # noqa: F401  (re-expor
 from graphir.ops import OPS
 
 from . import attention as ATT
+from . import attention_prefill as ATP
 from . import host_collective as HC
 from . import kernels as K
 from . import matmul as MM
@@ -247,6 +248,15 @@ def _flash_attn(n, ins, out, p):
     cap = k.shape[0]
     if ATT.supports(q, k, v):  # decode: each K/V row read once per KV head, keys split across threads
         kern, args = ATT.bind_decode(q, k, v, pos, kv_len, scale, window, o)
+    elif ATP.supports(q, k, v):  # prefill: blocks of queries against chunks of keys, as small matrix products
+        kern = ATP.KERNELS[k.shape[2]]
+        _note(("kernel", kern, (q, k, v, pos, kv_len, scale, window, 2, o)))
+
+        def prefill_step() -> None:
+            if not 0 <= kv_len[0] <= cap:
+                raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
+            kern(q, k, v, pos, kv_len, scale, window, MM._num_threads(), o)
+        return o, prefill_step
     elif k.dtype == v.dtype == q.dtype == np.float32:
         kern, args = K.attention, (q, k, v, pos, kv_len, scale, window, o)
     else:
