@@ -2,16 +2,18 @@
 
 kernels.attention (one task per query and head, a horizontal dot product per key) took 544 ms of
 a 1.74 s SmolLM2 prefill of 512 tokens (2 threads, Xeon, profile_decode.py --tokens 512): ~17 GFLOP/s;
-this kernel takes 18 ms a layer where it took 21 (1 thread, 512 queries; the scores and V sums still
-go through L1 rather than registers, which is what is left to win).
+this kernel took 18 ms a layer where that one took 21 (1 thread, 512 queries, a loaded machine; the
+machine was too noisy to tell block sizes 8..32 and chunks 64..128 apart).
+
 Here a task is a block of QUERY_BLOCK queries of one KV head with all of its GQA group's q heads
 (rows = queries x group), and keys go by chunks of CHUNK, flash-attention style:
 
-- the chunk's K rows are transposed into KT [d, CHUNK], so scores S[r, :] += q[r, i] * KT[i, :] run
-  over keys in SIMD lanes (no horizontal sums), each K row read once for all rows of the block;
+- scores: each K row of the chunk is read once and dotted with 4 rows at a time (as the decode
+  kernel does with a GQA group), the loads of the row shared by the four dot products;
 - per row, an online softmax over the chunks: running max m and sum den, the output O rescaled by
   exp(m_old - m_new) when the max grows; exp is attention._exp_in_place (vectorized);
-- O[r, :] += p[r, j] * V[j, :] runs over head_dim in SIMD lanes;
+- O[r, :] += p[r, j] * V[j, :] over head_dim in SIMD lanes, 4 V rows at a time (a quarter of the
+  loads and stores of O);
 - each row sees only its own keys [start, stop) (causal, kv_len, sliding window): a chunk's keys
   outside them get weight 0, and a row with no key at all gives 0, as the reference.
 
@@ -73,8 +75,8 @@ def _make_kernel(d: int):
         workers = max(1, min(nth, tasks))
         for wkr in prange(workers):
             rows_max = QUERY_BLOCK * group
-            qs = np.empty((rows_max, d), np.float32)
-            kt = np.empty((d, CHUNK), np.float32)
+            qs = np.zeros((rows_max + 3, d), np.float32)  # rows past a block's own stay 0: scored in fours
+            live = np.empty(rows_max, np.bool_)
             s = np.empty((rows_max, CHUNK), np.float32)
             o = np.empty((rows_max, d), np.float32)
             m = np.empty(rows_max, np.float32)
@@ -87,6 +89,7 @@ def _make_kernel(d: int):
                 t0 = (task // hk) * QUERY_BLOCK
                 nt = min(QUERY_BLOCK, n - t0)
                 rows = nt * group
+                rows4 = (rows + 3) // 4 * 4
                 k0, k1 = length, 0  # the block's key range: the union of its rows'
                 for r in range(rows):
                     t = t0 + r // group
@@ -99,31 +102,43 @@ def _make_kernel(d: int):
                         qs[r, i] = q[t, h, i] * scale
                         o[r, i] = 0.0
                     m[r], den[r] = 0.0, 0.0
+                for r in range(rows, rows4):
+                    for i in range(d):
+                        qs[r, i] = 0.0
                 for j0 in range(k0, k1, CHUNK):
                     cn = min(CHUNK, k1 - j0)
-                    for j in range(cn):  # K rows of the chunk, transposed: keys along SIMD lanes
+                    for j in range(cn):  # each K row once, scored against 4 rows at a time (shared loads)
                         kr = k[j0 + j, kh]
-                        for i in range(d):
-                            kt[i, j] = kr[i]
+                        for r in range(0, rows4, 4):
+                            q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
+                            a0 = a1 = a2 = a3 = np.float32(0.0)
+                            for i in range(d):
+                                x = kr[i]
+                                a0 += q0[i] * x
+                                a1 += q1[i] * x
+                                a2 += q2[i] * x
+                                a3 += q3[i] * x
+                            s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = a0, a1, a2, a3
                     for r in range(rows):
                         a, b = max(lo[r], j0) - j0, min(hi[r], j0 + cn) - j0
-                        if b <= a:
-                            continue
-                        sr = s[r]
-                        for j in range(cn):
-                            sr[j] = 0.0
-                        for i in range(d):
-                            x = qs[r, i]
-                            ki = kt[i]
-                            for j in range(cn):
-                                sr[j] += x * ki[j]
-                        _rescale_and_exp(s, r, cn, a, b, m, den, o, pow2_bits)
-                        orow = o[r]
-                        for j in range(a, b):
-                            p = sr[j]
-                            vr = v[j0 + j, kh]
-                            for i in range(d):
-                                orow[i] += p * vr[i]
+                        live[r] = b > a
+                        if live[r]:
+                            _rescale_and_exp(s, r, cn, a, b, m, den, o, pow2_bits)
+                    c4 = cn - cn % 4
+                    for j in range(0, c4, 4):  # V rows 4 at a time: a quarter of the loads and stores of o
+                        v0, v1, v2, v3 = v[j0 + j, kh], v[j0 + j + 1, kh], v[j0 + j + 2, kh], v[j0 + j + 3, kh]
+                        for r in range(rows):
+                            if live[r]:
+                                w0, w1, w2, w3, orow = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3], o[r]
+                                for i in range(d):
+                                    orow[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
+                    for j in range(c4, cn):
+                        vr = v[j0 + j, kh]
+                        for r in range(rows):
+                            if live[r]:
+                                w, orow = s[r, j], o[r]
+                                for i in range(d):
+                                    orow[i] += w * vr[i]
                 for r in range(rows):
                     t = t0 + r // group
                     h = kh * group + r % group
