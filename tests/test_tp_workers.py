@@ -54,7 +54,11 @@ def test_logits_equal_the_unsharded_model(pair):
     assert got.shape == want.shape == (len(PROMPT), model.config.n_vocab)
     assert rel(want, got) <= REL, f"logits differ by {rel(want, got):.3g} of max |logit|"
     simulated = graphir.load(model.source, backend="cpu", passes="shard-tp{n=2},default").logits(PROMPT)
-    np.testing.assert_array_equal(got, simulated)
+    # Not bitwise: with numba's cache cold (a fresh clone, as in CI), a worker that compiles its kernels itself
+    # computed the prompt's last rows up to 1e-6 apart from one that loads them from the cache (2.4e-7 of the
+    # largest logit; seen at ca71ea6 too), the f32 rounding of another summation order. A wrong shard is off by
+    # far more than this.
+    assert rel(simulated, got) <= 1e-6, f"tp=2 differs from the simulated ranks by {rel(simulated, got):.3g}"
     reference = graphir.load(model.source, backend="reference", passes="").logits(PROMPT)
     assert rel(reference, got) <= REL_BACKENDS
     assert model.stats["prefill_tokens"] == len(PROMPT)  # rank 0's stats reach the parent
