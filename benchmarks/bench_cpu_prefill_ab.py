@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import llama_cpp
 from graphir.backends.cpu import attention_prefill as ATP
 from graphir.backends.cpu import threads
 
 import graphir
-from graphir.bench import _prefill_s, token_ids
+from graphir.bench import LlamaCpp, _prefill_s, token_ids
 
 
 def main() -> None:
@@ -39,21 +38,13 @@ def main() -> None:
         _prefill_s(old, ids)
     finally:
         ATP.supports = supports
-    llm = llama_cpp.Llama(model_path=new.source, n_ctx=528, n_batch=512, n_ubatch=512, n_threads=2,
-                          n_threads_batch=2, verbose=False)
-
-    def llama_prefill() -> float:
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        return time.perf_counter() - t
-
-    llama_prefill()
+    llm = LlamaCpp(llama_cpp, new.source, ids, ids[:1], 0, 2)
+    llm.prefill_s()
     rates: dict[str, list[float]] = {"before": [], "after": [], "llama.cpp": []}
     for r in range(args.rounds):
         rates["before"].append(512 / _prefill_s(old, ids))
         rates["after"].append(512 / _prefill_s(new, ids))
-        rates["llama.cpp"].append(512 / llama_prefill())
+        rates["llama.cpp"].append(512 / llm.prefill_s())
         print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
               + f" tok/s  load {os.getloadavg()[0]:.2f}", flush=True)
     for k, v in rates.items():

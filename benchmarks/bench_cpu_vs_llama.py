@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import llama_cpp
 from graphir.backends.cpu import threads
 
 import graphir
-from graphir.bench import _decode_s, _prefill_s, token_ids
+from graphir.bench import LlamaCpp, _decode_s, _prefill_s, token_ids
 
 
 def main() -> None:
@@ -37,32 +36,14 @@ def main() -> None:
     model = graphir.load(args.model, backend="cpu", passes="default")
     ids = token_ids(model, max(args.prefill, args.prompt))
     prompt, prefill = ids[: args.prompt], ids[: args.prefill]
-    n_thr = args.threads or 2
-    llm = llama_cpp.Llama(model_path=model.source, n_ctx=max(args.prefill, args.prompt + args.decode + 1) + 16,
-                          n_batch=512, n_ubatch=512, n_threads=n_thr, n_threads_batch=n_thr, verbose=False)
-
-    def llama_decode() -> float:
-        llm.reset()
-        gen = iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
-        next(gen)
-        t = time.perf_counter()
-        for _ in range(args.decode):
-            next(gen)
-        return time.perf_counter() - t
-
-    def llama_prefill() -> float:
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prefill)
-        return time.perf_counter() - t
-
-    _decode_s(model, prompt, 8), llama_decode(), _prefill_s(model, prefill), llama_prefill()  # warm-up
+    llm = LlamaCpp(llama_cpp, model.source, prefill, prompt, args.decode, args.threads or 2)
+    _decode_s(model, prompt, 8), llm.decode_s(), _prefill_s(model, prefill), llm.prefill_s()  # warm-up
     rows: dict[str, list[float]] = {k: [] for k in ("g_dec", "l_dec", "g_pre", "l_pre")}
     for r in range(args.rounds):
         rows["g_dec"].append(args.decode / _decode_s(model, prompt, args.decode))
-        rows["l_dec"].append(args.decode / llama_decode())
+        rows["l_dec"].append(args.decode / llm.decode_s())
         rows["g_pre"].append(args.prefill / _prefill_s(model, prefill))
-        rows["l_pre"].append(args.prefill / llama_prefill())
+        rows["l_pre"].append(args.prefill / llm.prefill_s())
         print(f"round {r}: decode {rows['g_dec'][-1]:6.1f} vs {rows['l_dec'][-1]:6.1f} "
               f"({rows['g_dec'][-1] / rows['l_dec'][-1]:.2f}x)  prefill {rows['g_pre'][-1]:6.1f} vs "
               f"{rows['l_pre'][-1]:6.1f} ({rows['g_pre'][-1] / rows['l_pre'][-1]:.2f}x)  load {os.getloadavg()[0]:.2f}",

@@ -413,41 +413,51 @@ def _maybe_llama_cpp(source: str, prefill: list[int], prompt: list[int], decode_
         return None, f"llama.cpp comparison failed: {type(e).__name__}: {e}"
 
 
-def _bench_llama_cpp(llama_cpp: Any, path: str, prefill: list[int], prompt: list[int], decode_tokens: int,
-                     repeats: int, threads: int) -> dict[str, Any]:
-    """The same numbers with llama.cpp: greedy (temp 0), reset before every run (no prefix reuse)."""
-    n_ctx = max(len(prefill), len(prompt) + decode_tokens + 1) + 16
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
-    load_s = time.perf_counter() - t0
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on one GGUF, timed as graphir's runs are: greedy (temp 0), the cache reset
+    before every run (no prefix reuse). benchmarks/bench_cpu_*.py interleave it with graphir's runs."""
 
-    def ttft() -> float:
-        llm.reset()
+    def __init__(self, llama_cpp: Any, path: str, prefill: list[int], prompt: list[int], decode_tokens: int,
+                 threads: int):
+        self.prefill, self.prompt, self.decode_tokens = prefill, prompt, decode_tokens
+        n_ctx = max(len(prefill), len(prompt) + decode_tokens + 1) + 16
+        t0 = time.perf_counter()
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.load_s = time.perf_counter() - t0
+
+    def ttft_s(self) -> float:
+        self.llm.reset()
         t = time.perf_counter()
-        next(iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True)))
+        next(iter(self.llm.generate(self.prompt, temp=0.0, top_k=1, reset=True)))
         return time.perf_counter() - t
 
-    def prefill_s() -> float:
-        llm.reset()
+    def prefill_s(self) -> float:
+        self.llm.reset()
         t = time.perf_counter()
-        llm.eval(prefill)
+        self.llm.eval(self.prefill)
         return time.perf_counter() - t
 
-    def decode_s() -> float:
-        llm.reset()
-        gen = iter(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
+    def decode_s(self) -> float:
+        """decode_tokens greedy tokens after the prompt, counted from the first sampled one."""
+        self.llm.reset()
+        gen = iter(self.llm.generate(self.prompt, temp=0.0, top_k=1, reset=True))
         next(gen)
         t = time.perf_counter()
-        for _ in range(decode_tokens):
+        for _ in range(self.decode_tokens):
             next(gen)
         return time.perf_counter() - t
 
-    first, warm = ttft(), ttft()
-    prefill_s()
-    p_best, p_med = _rates(len(prefill), [prefill_s() for _ in range(repeats)])
-    d_best, d_med = _rates(decode_tokens, [decode_s() for _ in range(repeats)])
-    return {"load_s": load_s, "ttft_first_s": first, "ttft_warm_s": warm, "prefill_tok_s_best": p_best,
+
+def _bench_llama_cpp(llama_cpp: Any, path: str, prefill: list[int], prompt: list[int], decode_tokens: int,
+                     repeats: int, threads: int) -> dict[str, Any]:
+    """The same numbers with llama.cpp."""
+    llm = LlamaCpp(llama_cpp, path, prefill, prompt, decode_tokens, threads)
+    first, warm = llm.ttft_s(), llm.ttft_s()
+    llm.prefill_s()
+    p_best, p_med = _rates(len(prefill), [llm.prefill_s() for _ in range(repeats)])
+    d_best, d_med = _rates(decode_tokens, [llm.decode_s() for _ in range(repeats)])
+    return {"load_s": llm.load_s, "ttft_first_s": first, "ttft_warm_s": warm, "prefill_tok_s_best": p_best,
             "prefill_tok_s_median": p_med, "decode_tok_s_best": d_best, "decode_tok_s_median": d_med}
 
 
