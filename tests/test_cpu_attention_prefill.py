@@ -100,3 +100,11 @@ def test_precompile_helper_finds_the_kernels_by_name():
     jobs = precompile._Jobs()
     for d, kernel in ATP.KERNELS.items():
         assert precompile._dispatcher(jobs.kernel(kernel, ()), jobs.sigs)[0] is kernel, d
+
+
+def test_kv_len_past_the_capacity_is_an_error_before_the_kernel_runs():
+    """The prefill path checks kv_len as the decode path does: no kernel reads past the cache."""
+    q, k, v, pos, kv_len = case(np.random.default_rng(9), 17, 40, 8, 2)
+    assert ATP.supports(q, k, v)
+    with pytest.raises(ValueError, match=f"kv_len {k.shape[0] + 1} outside 0..{k.shape[0]}"):
+        attend(q, k, v, pos, np.array([k.shape[0] + 1], np.int32))

@@ -28,12 +28,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import HEAD_DIMS, _exp_in_place, _key_range
+from .attention import DECODE_MAX_QUERIES, HEAD_DIMS, _exp_in_place, _key_range
 
 JIT = dict(cache=True, fastmath=True, nogil=True)
 QUERY_BLOCK = 16  # queries per task: 16 x 3 (SmolLM2's GQA group) = 48 rows share every K and V row read
 CHUNK = 64  # keys per chunk: KT [d, 64], S [rows, 64] and O [rows, d] stay in L1 / L2
-MIN_QUERIES = 9  # fewer queries go to the decode kernel (attention.DECODE_MAX_QUERIES = 8)
+MIN_QUERIES = DECODE_MAX_QUERIES + 1  # fewer queries go to the decode kernel
 
 
 @njit(**JIT)

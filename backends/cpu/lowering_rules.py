@@ -246,17 +246,11 @@ def _flash_attn(n, ins, out, p):
     o = out[0]
     scale, window = np.float32(p["scale"]), p["window"]
     cap = k.shape[0]
+    threads_at = None  # the argument that takes the threads in use at call time (auto threads change them)
     if ATT.supports(q, k, v):  # decode: each K/V row read once per KV head, keys split across threads
         kern, args = ATT.bind_decode(q, k, v, pos, kv_len, scale, window, o)
     elif ATP.supports(q, k, v):  # prefill: blocks of queries against chunks of keys, as small matrix products
-        kern = ATP.KERNELS[k.shape[2]]
-        _note(("kernel", kern, (q, k, v, pos, kv_len, scale, window, 2, o)))
-
-        def prefill_step() -> None:
-            if not 0 <= kv_len[0] <= cap:
-                raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
-            kern(q, k, v, pos, kv_len, scale, window, MM._num_threads(), o)
-        return o, prefill_step
+        kern, args, threads_at = ATP.KERNELS[k.shape[2]], (q, k, v, pos, kv_len, scale, window, 2, o), 7
     elif k.dtype == v.dtype == q.dtype == np.float32:
         kern, args = K.attention, (q, k, v, pos, kv_len, scale, window, o)
     else:
@@ -266,7 +260,10 @@ def _flash_attn(n, ins, out, p):
     def step() -> None:
         if not 0 <= kv_len[0] <= cap:
             raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
-        kern(*args)
+        if threads_at is None:
+            kern(*args)
+        else:
+            kern(*args[:threads_at], MM._num_threads(), *args[threads_at + 1:])
     return o, step
 
 
