@@ -115,20 +115,26 @@ _LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that n * _LN2_HI is exa
 _LN2_LO = np.float32(1.4286067653302226e-06)
 
 
+@njit(inline="always")
+def exp_parts(z):
+    """exp(z) for z in [-87, 88] as (p, bits): p * the f32 whose bits are `bits`. exp = 2^k * e^r, |r| <= ln2 / 2,
+    with a degree-7 Taylor polynomial (error < 1e-8 relative) and 2^k built in the exponent bits, so a loop
+    of it vectorizes where libm's expf is a call per element. Inlined into the loops that use it."""
+    k = np.floor(z * _LOG2E + np.float32(0.5))
+    r = z - k * _LN2_HI - k * _LN2_LO
+    p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(1 / 2) + r * (np.float32(1 / 6) + r * (
+        np.float32(1 / 24) + r * (np.float32(1 / 120) + r * (np.float32(1 / 720) + r * np.float32(1 / 5040)))))))
+    return p, (np.int32(k) + np.int32(127)) << np.int32(23)
+
+
 @njit(**JIT)
 def _exp_in_place(x, top, pow2_bits, pow2):
     """x[j] = exp(x[j] - top) for x[j] <= top, returns the sum; pow2_bits / pow2: one scratch row as
-    int32 / f32. libm's expf is a call per element; this is exp = 2^n * e^r, |r| <= ln2 / 2, with a
-    degree-7 Taylor polynomial (error < 1e-8 relative) and 2^n built in the exponent bits, so
-    both loops vectorize (SmolLM2 at 4096 keys: ~2.8 ms of exp a token with expf, 1 thread)."""
+    int32 / f32. libm's expf is a call per element; exp_parts keeps both loops vectorized (SmolLM2 at
+    4096 keys: ~2.8 ms of exp a token with expf, 1 thread)."""
     n = x.shape[0]
     for j in range(n):
-        z = max(x[j] - top, np.float32(-87.0))  # exp(-87) ~ 1.6e-38: 2^n stays a normal f32
-        k = np.floor(z * _LOG2E + np.float32(0.5))
-        r = z - k * _LN2_HI - k * _LN2_LO
-        x[j] = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(1 / 2) + r * (np.float32(1 / 6) + r * (
-            np.float32(1 / 24) + r * (np.float32(1 / 120) + r * (np.float32(1 / 720) + r * np.float32(1 / 5040)))))))
-        pow2_bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        x[j], pow2_bits[j] = exp_parts(max(x[j] - top, np.float32(-87.0)))  # e^-87: 2^k stays a normal f32
     total = np.float32(0.0)
     for j in range(n):
         e = x[j] * pow2[j]

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .attention import exp_parts
+
 JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
@@ -71,29 +73,20 @@ def silu(x, out):
             out[r, i] = v / (np.float32(1.0) + np.exp(-v))
 
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693145751953125)  # ln 2 split so that k * _LN2_HI is exact for |k| < 2^8
-_LN2_LO = np.float32(1.4286067653302226e-06)
 SWIGLU_PIECE = 512  # elements per pass: the polynomial and 2^k scratch rows stay in L1
 
 
 @njit(**JIT)
 def _swiglu_piece(a, b, out, r, c0, c1):
-    """out[r, c0:c1] = silu(a) * b with exp(-a) = 2^k * e^f, |f| <= ln2 / 2, a degree-7 polynomial in f
-    (relative error < 1e-8) and 2^k built in the exponent bits: both loops vectorize, where libm's expf is
-    a call per element (SmolLM2 prefill-512: swiglu 65 ms with expf, 2 threads). exp(-a) is clamped to
+    """out[r, c0:c1] = silu(a) * b, exp(-a) by attention.exp_parts: both loops vectorize, where libm's expf
+    is a call per element (SmolLM2 prefill-512: swiglu 65 ms with expf, 2 threads). exp(-a) is clamped to
     [e^-87, e^88], inside f32 and far past where silu is a or 0 in f32."""
     n = c1 - c0
     poly = np.empty(SWIGLU_PIECE, np.float32)
     bits = np.empty(SWIGLU_PIECE, np.int32)
     pow2 = bits.view(np.float32)
     for i in range(n):
-        z = min(max(-a[r, c0 + i], np.float32(-87.0)), np.float32(88.0))
-        k = np.floor(z * _LOG2E + np.float32(0.5))
-        f = z - k * _LN2_HI - k * _LN2_LO
-        poly[i] = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(1 / 2) + f * (np.float32(1 / 6) + f * (
-            np.float32(1 / 24) + f * (np.float32(1 / 120) + f * (np.float32(1 / 720) + f * np.float32(1 / 5040)))))))
-        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        poly[i], bits[i] = exp_parts(min(max(-a[r, c0 + i], np.float32(-87.0)), np.float32(88.0)))
     for i in range(n):
         out[r, c0 + i] = a[r, c0 + i] / (np.float32(1.0) + poly[i] * pow2[i]) * b[r, c0 + i]
 
