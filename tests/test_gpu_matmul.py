@@ -319,3 +319,80 @@ def test_mul_mat_bf16_projections_of_one_x_share_its_rounding():
         w = bf16_round(ws["a" if k == "d" else k]).astype(np.float64)
         want = bf16_round(xs[k]).astype(np.float64) @ w.T
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=k)
+
+
+# ---------------------------------------------------------------- mul_mat_swiglu (the gate|up GEMV's activation)
+def _check_swiglu(got: np.ndarray, x: np.ndarray, wf: np.ndarray) -> None:
+    """got == silu(x @ gate^T) * (x @ up^T), gate and up the halves of wf's rows: each product within
+    1e-5 of its sum |x||w| (as _check_product), carried through silu(g) * u by its derivatives."""
+    half = wf.shape[0] // 2
+    xd, wd = x.astype(np.float64), wf.astype(np.float64)
+    gate, up = xd @ wd[:half].T, xd @ wd[half:].T
+    bg, bu = (np.abs(xd) @ np.abs(wd[:half]).T) * 1e-5 + 1e-6, (np.abs(xd) @ np.abs(wd[half:]).T) * 1e-5 + 1e-6
+    sig = 1 / (1 + np.exp(-gate))
+    want = gate * sig * up
+    bound = np.abs(sig * (1 + gate * (1 - sig)) * up) * bg + np.abs(gate * sig) * bu + 1e-6
+    assert got.shape == want.shape and got.dtype == np.float32
+    err = np.abs(got.astype(np.float64) - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), f"at {worst}: got {got[worst]}, want {want[worst]} (bound {bound[worst]:.3g})"
+
+
+def _swiglu_cases() -> list[tuple[str, str, tuple[int, int]]]:
+    from graphir.backends.gpu.matmul import GEMV1_SW_ROWS
+
+    cases = []
+    for fmt in FORMATS:
+        n_in = 512 if fmt in K_QUANTS and fmt != "q6_k" else 2048 if fmt == "q6_k" else 256
+        for cfg in GEMV1_SW_ROWS:
+            for half in (1, 7, 511):  # one output; fewer than a block's outputs; a partial last block
+                cases.append((fmt, cfg, (half, n_in)))
+    return cases
+
+
+@pytest.mark.parametrize("fmt,cfg,shape", _swiglu_cases(), ids=[f"{f}-{c}-{s[0]}x{s[1]}" for f, c, s in
+                                                                 _swiglu_cases()])
+def test_mul_mat_swiglu_decode_kernel(fmt, cfg, shape, rng, monkeypatch):
+    """The m == 1 fused kernel (gemv1sw_<fmt>_<cfg>) for every format and geometry, at 1, 7 and 511
+    outputs: equal bit for bit to the unfused gpu path (the gemv1v2 kernel of the same geometry, then
+    swiglu_split_f32 on its halves), and to the f64 formula within the products' error bound."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+    from graphir.backends.gpu.lowering import RULES
+
+    monkeypatch.setitem(mm.GEMV1_KERNEL, fmt, cfg)
+    half, n_in = shape
+    wshape = (2 * half, n_in)
+    raw = _raw(rng, fmt, wshape)
+    gp, weights = _param(fmt, raw, wshape)
+    lw = Lowering(weights)
+    x = cp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
+    fused = cp.full((1, half), np.nan, np.float32)
+    steps = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
+    assert [s.name for s in steps] == [f"gemv1sw_{fmt}_{cfg}"]
+    both, unfused = cp.full((1, 2 * half), np.nan, np.float32), cp.full((1, half), np.nan, np.float32)
+    steps += mm.lower_mul_mat(lw, None, [gp, x], [both], {})
+    steps += RULES["swiglu_split"](lw, None, [both[:, :half], both[:, half:]], [unfused], {})
+    for s in steps:
+        s()
+    np.testing.assert_array_equal(fused.get(), unfused.get())
+    _check_swiglu(fused.get(), x.get(), dequantize(raw, fmt, wshape))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q8_0", "q4_k", "q6_k", "f32"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
+def test_mul_mat_swiglu_formats(fmt, m, rng):
+    """Through the backend at every token count (1: the fused kernel, or for the v3 formats the GEMV
+    then swiglu_halves_f32; 3-16 the GEMV, 17 dequant + cuBLAS, both then swiglu_halves_f32), 7
+    outputs of 3 super-blocks: against the reference and the f64 formula."""
+    n_in = 768 if fmt in K_QUANTS else 96
+    wshape = (14, n_in)
+    raw = _raw(rng, fmt, wshape)
+    weights = _weights(w=(fmt, raw, wshape))
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    node = g.mul_mat_swiglu(g.param("w", wshape, fmt), g.input("x", x.shape))
+    got = _run("gpu", {"y": node}, {"x": x}, weights)["y"]
+    want_ref = _run("reference", {"y": node}, {"x": x}, weights)["y"]
+    np.testing.assert_allclose(got, want_ref, rtol=1e-4, atol=1e-3)
+    _check_swiglu(got, x, dequantize(raw, fmt, wshape))

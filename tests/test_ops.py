@@ -19,7 +19,7 @@ from graphir.backends.registry import get_backend
 
 from graphir import g
 from graphir.dtypes import QUANTIZED
-from graphir.errors import BackendError
+from graphir.errors import BackendError, GraphError
 from graphir.ir import Graph, Node
 from graphir.quant import quantize, random_quantized
 from graphir.weights import Weight, Weights
@@ -377,6 +377,31 @@ def test_mul_mat_quantized_weights(dtype, n, rng):
     out = run1(g.mul_mat(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape)), {"x": x},
                weights=weights_of(w=(dtype, raw, (n_out, n_in))))
     close(out, _matmul_loops(wf, x), rtol=1e-4, atol=1e-3, dtype="float32")
+
+
+@covers("mul_mat_swiglu")
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("n,half", [(1, 1), (1, 511), (3, 7), (7, 511)])
+def test_mul_mat_swiglu(dtype, n, half, rng):
+    n_in = 512
+    if dtype in ("f32", "bf16"):
+        w32 = normal(rng, (2 * half, n_in), 0.1)
+        raw = w32 if dtype == "f32" else (w32.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        wf = w32 if dtype == "f32" else _bf16_to_f32(raw)
+    else:
+        raw = random_quantized(rng, dtype, (2 * half, n_in))
+        wf = gguf.quants.dequantize(raw, qtype(dtype)).reshape(2 * half, n_in)
+    x = normal(rng, (n, n_in))
+    out = run1(g.mul_mat_swiglu(g.param("w", (2 * half, n_in), dtype), g.input("x", x.shape)), {"x": x},
+               weights=weights_of(w=(dtype, raw, (2 * half, n_in))))
+    y = x.astype(np.float64) @ wf.astype(np.float64).T
+    gate, up = y[:, :half], y[:, half:]  # the first half of w's rows gates, the second is up
+    close(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-4, atol=1e-3, dtype="float32")
+
+
+def test_mul_mat_swiglu_needs_an_even_row_count():
+    with pytest.raises(GraphError, match="even"):
+        g.mul_mat_swiglu(g.param("w", (7, 32)), g.input("x", (1, 32)))
 
 
 @covers("mul_mat")
@@ -1056,6 +1081,29 @@ def test_rope_set_rows(mode, row_shape, rng):
     want = init.astype(np.float64)
     for i, r in enumerate(idx.tolist()):
         want[r] = roped[i].reshape(row_shape)
+    close(state["k"], want, rtol=1e-5, atol=1e-5)
+
+
+@covers("rms_norm_mul_rope_set_rows")
+@pytest.mark.parametrize("mode,hd,n_dims", [("neox", 64, 64), ("norm", 30, 30), ("neox", 100, 64), ("neox", 256, 256)])
+@pytest.mark.parametrize("row_shape", ["heads", "flat"])
+def test_rms_norm_mul_rope_set_rows(mode, hd, n_dims, row_shape, rng):
+    cap, n, heads, eps = 37, 3, 2, 1e-6
+    shape = (heads, hd) if row_shape == "heads" else (heads * hd,)
+    x, w = small_for_eps(rng, (n, heads, hd), eps), normal(rng, (hd,))
+    pos, idx = np.array([8191, 0, 17], np.int32), np.array([36, 0, 5], np.int32)
+    cache = g.state("k", (cap,) + shape)
+    write = g.rms_norm_mul_rope_set_rows(cache, g.input("x", x.shape), g.param("w", w.shape),
+                                         g.input("pos", (n,), "i32"), g.input("idx", (n,), "i32"), eps=eps,
+                                         n_dims=n_dims, mode=mode, theta=1e6)
+    init = normal(rng, (cap,) + shape)
+    state = {"k": init.copy()}
+    run({}, {"x": x, "pos": pos, "idx": idx}, state=state, updates=(write,), weights=weights_of(w=("f32", w, w.shape)))
+    roped = _rope_complex(_rms_norm(x, eps) * w, pos, n_dims, mode, 1e6, 1.0)
+    assert eps_moves(roped, _rope_complex(_rms_norm(x, 0.0) * w, pos, n_dims, mode, 1e6, 1.0))
+    want = init.astype(np.float64)
+    for i, r in enumerate(idx.tolist()):
+        want[r] = roped[i].reshape(shape)
     close(state["k"], want, rtol=1e-5, atol=1e-5)
 
 

@@ -91,6 +91,21 @@ def case_swiglu(wtype: str) -> Graph:
     return Graph({"ab": g.mul(g.silu(a), b), "ba": g.mul(b, g.silu(a))}, meta={"case": "swiglu"})
 
 
+def case_stacked_swiglu(wtype: str) -> Graph:
+    """What stack-projections and swiglu-split leave of a decode FFN: the activation of the two halves
+    of one stacked product (fused), next to one whose product is also an output (kept)."""
+    x, half = _x(), 40
+
+    def halves(name: str) -> tuple[Node, Node, Node]:
+        y = g.mul_mat(_w(name, 2 * half, wtype), x)
+        return y, *(g.view(y, shape=(N, half), strides=(2 * half, 1), offset=o) for o in (0, half))
+
+    _, a, b = halves("blk.0.ffn_gate.weight+blk.0.ffn_up.weight")
+    y1, a1, b1 = halves("blk.1.ffn_gate.weight+blk.1.ffn_up.weight")
+    return Graph({"act": g.swiglu_split(a, b, name="blk.0.ffn_act"), "kept": g.swiglu_split(a1, b1), "y1": y1},
+                 meta={"case": "stacked_swiglu"})
+
+
 def _heads(name: str, wtype: str, x: Node) -> Node:
     return g.reshape(g.mul_mat(_w(name, 24, wtype), x), shape=(N, 3, 8))  # [5, 3, 8]
 
@@ -237,6 +252,7 @@ TARGETED_CASES: dict[str, Case] = {
     "fuse-gated-delta-net-raw": Case(case_delta_net, "gated_delta_net_raw"),
     "fuse-gated-delta-net-l2": Case(case_delta_net_l2, "fewer-nodes"),
     "fuse-rms-norm-mul-gate": Case(case_gated_norm, "rms_norm_mul_gate"),
+    "fuse-mul-mat-swiglu": Case(case_stacked_swiglu, "mul_mat_swiglu"),
 }
 
 

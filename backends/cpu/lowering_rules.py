@@ -191,6 +191,24 @@ def _swiglu(n, ins, out, p):
     return out[0], lambda: kernel(a, b, o)
 
 
+def _mul_mat_swiglu(n, ins, out, p):
+    """The stacked gate|up product into a buffer bound once with the Program, then the activation:
+    the same two kernels as the unfused ops (the fusion saves a GPU launch, not CPU work)."""
+    o = out[0]
+    half = o.shape[-1]
+    y = np.empty(o.shape[:-1] + (2 * half,), np.float32)
+    mm = _mul_mat(n, ins, [y], p)
+    act = _swiglu(n, [y[..., :half], y[..., half:]], [o], p)
+    if mm is None or act is None:
+        return None
+    run_mm, run_act = mm[1], act[1]
+
+    def step() -> None:
+        run_mm()
+        run_act()
+    return o, step
+
+
 def _rope(n, ins, out, p):
     x, pos, o = ins[0], ins[1], out[0]
     inv_freq = _inv_freq(p)
@@ -239,6 +257,23 @@ def _rope_set_rows(n, ins, out, p):
     inv_freq, neox = _inv_freq(p), p["mode"] == "neox"
     _note(("kernel", K.rope_set_rows, (c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])))
     return cache, lambda: K.rope_set_rows(c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])
+
+
+def _rms_norm_mul_rope_set_rows(n, ins, out, p):
+    """The normed, roped rows into a buffer bound once with the Program, then the cache write: the
+    unfused ops' kernels (the fusion saves a GPU launch, not CPU work)."""
+    cache, x, w, pos, idx = ins
+    roped = np.empty(x.shape, np.float32)
+    norm_rope = _rms_norm_mul_rope(n, [x, w, pos], [roped], p)
+    write = _set_rows(n, [cache, roped.reshape(x.shape[0], -1), idx], [cache], p)
+    if norm_rope is None or write is None:
+        return None
+    run_norm_rope, run_write = norm_rope[1], write[1]
+
+    def step() -> None:
+        run_norm_rope()
+        run_write()
+    return cache, step
 
 
 def _flash_attn(n, ins, out, p):
@@ -315,6 +350,7 @@ RULES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "silu": _silu,
     "swiglu_split": _swiglu,
+    "mul_mat_swiglu": _mul_mat_swiglu,
     "rms_norm_mul_gate": _rms_norm_mul_gate,
     "rope": _rope,
     "flash_attn": _flash_attn,
@@ -322,6 +358,7 @@ RULES: dict[str, Callable] = {
     "add_rms_norm_mul": _add_rms_norm_mul,
     "rms_norm_mul_rope": _rms_norm_mul_rope,
     "rope_set_rows": _rope_set_rows,
+    "rms_norm_mul_rope_set_rows": _rms_norm_mul_rope_set_rows,
     "view": _view,
     "reshape": _reshape,
     "permute": lambda n, ins, out, p: (np.transpose(val(ins[0]), p["axes"]), None),

@@ -62,6 +62,18 @@ extern "C" __global__ void scale_f32(const float* __restrict__ in, float* __rest
     GRID_STRIDE(i, n) y[i] = in[i] * s + b;
 }
 
+// mul_mat_swiglu's activation over the stacked product gu [rows, 2 * half]: the same expression as
+// swiglu_split_f32 (and matmul.cu's gemv1sw_ kernels) with a at gu[t, c] and b at gu[t, half + c].
+extern "C" __global__ void swiglu_halves_f32(const float* __restrict__ gu, float* __restrict__ y, long long n,
+                                             int half) {
+    PDL_ENTRY();
+    GRID_STRIDE(i, n) {
+        const long long t = i / half, c = i - t * half;
+        const float x = gu[2 * half * t + c];
+        y[i] = x / (1.0f + expf(-x)) * gu[2 * half * t + half + c];
+    }
+}
+
 extern "C" __global__ void swiglu_split_f32(const float* __restrict__ a, const float* __restrict__ b,
                                             float* __restrict__ y, long long n) {
     PDL_ENTRY();

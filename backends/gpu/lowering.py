@@ -206,6 +206,21 @@ def _rope_set_rows(lw, n, ins, outs, p):
     return [Launch("rope.cu", f"rope_set_rows_{tname(cache)}", grid_for(x.size), BLOCK, args)]
 
 
+def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
+    cache, x, w, pos, rows = ins[0], dev(ins[1]), dev(ins[2]), ins[3], ins[4]
+    n_tok, n_heads, head_dim = x.shape
+    cap = cache.shape[0]
+    if not (_is_row_weight(w, head_dim) and head_dim <= 1024):  # the unfused rules, through scratch
+        roped = lw.scratch(x.shape)
+        return _rms_norm_mul_rope(lw, n, [x, w, pos], [roped], p) + _set_rows(lw, n, [cache, roped, rows], None, p)
+    code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
+                       "the KV capacity)")
+    args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code)
+    return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", n_tok * n_heads, cdiv(head_dim, 32) * 32,
+                   args, shared=4 * head_dim)]
+
+
 # ---------------------------------------------------------------- data movement
 def _view_copy(lw, n, ins, outs, p):
     return [copy_launch(dev(ins[0]), outs[0], view_layout(n), f"{n.op} gather")]
@@ -300,6 +315,7 @@ RULES: dict[str, Callable] = {
     "softmax": _softmax,
     "rope": _rope,
     "rope_set_rows": _rope_set_rows,
+    "rms_norm_mul_rope_set_rows": _rms_norm_mul_rope_set_rows,
     "view": _view_copy,
     "reshape": _view_copy,
     "permute": _view_copy,
@@ -313,6 +329,7 @@ RULES: dict[str, Callable] = {
     "assign": _assign,
     "mul_mat": matmul.lower_mul_mat,
     "mul_mat_bf16": matmul.lower_mul_mat_bf16,
+    "mul_mat_swiglu": matmul.lower_mul_mat_swiglu,
     "get_rows": matmul.lower_get_rows,
     "flash_attn": attention.lower_flash_attn,
     "flash_attn_bf16": attention.lower_flash_attn_bf16,
@@ -325,7 +342,8 @@ RULES: dict[str, Callable] = {
 # Inputs a rule takes as f16 (numpy float16 State or activations); every other f16 input is cast to
 # f32 scratch first, and an f16 result of any other op is computed in f32 and cast.
 F16_INPUTS: dict[str, tuple[int, ...]] = {
-    "set_rows": (0,), "rope_set_rows": (0,), "assign": (0,), "flash_attn": (1, 2), "flash_attn_bf16": (1, 2),
+    "set_rows": (0,), "rope_set_rows": (0,), "rms_norm_mul_rope_set_rows": (0,), "assign": (0,),
+    "flash_attn": (1, 2), "flash_attn_bf16": (1, 2),
     "view": (0,), "reshape": (0,), "permute": (0,), "transpose": (0,), "cont": (0,), "cast": (0,), "concat": (0, 1),
 }
 F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})

@@ -51,6 +51,37 @@ DEVICE void dot8(const F4& a, const F4& c, const float* v, float sl, float sh, f
     }
 }
 
+// Weights are Params: no kernel of the step writes them, so a GEMV may read them before PDL_WAIT.
+// With GEMV_EARLY (default) each lane issues its first batch of weight loads between PDL_TRIGGER
+// and PDL_WAIT: the first bytes of the row stream while the kernel ahead (a norm, attention) ends.
+// x is only read after the wait. GEMV_EARLY=0 waits first (the A/B of profile_gpu_decode.py --defines).
+#ifndef GEMV_EARLY
+#define GEMV_EARLY 1
+#endif
+#if GEMV_EARLY
+#define GEMV_WAIT_BEFORE_WEIGHTS() ((void)0)
+#define GEMV_WAIT_BEFORE_X() PDL_WAIT()
+#else
+#define GEMV_WAIT_BEFORE_WEIGHTS() PDL_WAIT()
+#define GEMV_WAIT_BEFORE_X() ((void)0)
+#endif
+
+// Load a batch of UN units per lane for NR rows: units u0, u0 + G, ..; past the end the lane
+// reloads a valid unit (u0, or unit 0 when u0 itself is past the end), never used.
+template <class F, int UN, int NR, int G>
+DEVICE void load_batch(typename F::U (&q)[UN][NR], int (&bs)[UN], int (&js)[UN], const u8* const (&wr)[NR],
+                       int u0, int units) {
+    const int base = u0 < units ? u0 : 0;
+#pragma unroll
+    for (int i = 0; i < UN; ++i) {
+        const int u = u0 + G * i < units ? u0 + G * i : base;
+        bs[i] = u / F::UPB;
+        js[i] = u - bs[i] * F::UPB;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
+    }
+}
+
 template <class F, int M>
 DEVICE void gemv_scalar(const u8* const* wr, const float* __restrict__ X, float (*acc)[M], int n_in, int m, int lane) {
     for (int k = lane; k < n_in; k += 32) {
@@ -89,6 +120,7 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
 
     if (F::FLOAT && n_in % 8 != 0) {  // float rows that are not whole 16-byte pieces: per value
+        PDL_WAIT();
         if constexpr (F::FLOAT) gemv_scalar<F, M>(wr, X, acc, n_in, m, lane);
     } else {
         // Explicit batches of UN units per lane: every load of a batch is issued before the first
@@ -96,17 +128,13 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         // memory-bound kernel needs; the compiler does not hoist loads across a runtime loop).
         constexpr int UN = M == 1 ? 4 : 2;
         const int units = (n_in / F::QK) * F::UPB;
+        typename F::U q[UN][GEMV_NR];
+        int bs[UN], js[UN];
+        GEMV_WAIT_BEFORE_WEIGHTS();
+        load_batch<F, UN, GEMV_NR, 32>(q, bs, js, wr, lane, units);
+        GEMV_WAIT_BEFORE_X();
         for (int u0 = lane; u0 < units; u0 += 32 * UN) {
-            typename F::U q[UN][GEMV_NR];
-            int bs[UN], js[UN];
-#pragma unroll
-            for (int i = 0; i < UN; ++i) {
-                const int u = u0 + 32 * i < units ? u0 + 32 * i : u0;  // past the end: reload u0, unused
-                bs[i] = u / F::UPB;
-                js[i] = u - bs[i] * F::UPB;
-#pragma unroll
-                for (int r = 0; r < GEMV_NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
-            }
+            if (u0 != lane) load_batch<F, UN, GEMV_NR, 32>(q, bs, js, wr, u0, units);
 #pragma unroll
             for (int i = 0; i < UN; ++i) {
                 if (i > 0 && u0 + 32 * i >= units) break;
@@ -150,19 +178,19 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv_##name(                               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
+        PDL_TRIGGER();                                                                                    \
         gemv_impl<F, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                                \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv16_##name(                             \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
+        PDL_TRIGGER();                                                                                    \
         gemv_impl<F, 2 * GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                            \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv1_##name(                              \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
+        PDL_TRIGGER();                                                                                    \
         gemv_impl<F, 1>(W, row_bytes, X, Y, n_out, n_in, 1);                                              \
     }
 FOR_EACH_QUANT(DEFINE_GEMV)
@@ -185,37 +213,39 @@ DEVICE float dot4(const F4& a, const float* v) {
     return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
 }
 
-template <class F, int T, int G, int NR, int UN>
+// SW (mul_mat_swiglu): W holds 2 * n_out rows, gate rows then up rows; a group owns H = NR / 2
+// outputs and reads their gate rows and their up rows (n_out further on), and stores only
+// Y[o] = silu(gate) * up, the expression of elementwise.cu's swiglu_split_f32 (so the fused op
+// equals the two unfused kernels bit for bit).
+template <class F, int T, int G, int NR, int UN, bool SW = false>
 DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in) {
     static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
+    static_assert(!SW || NR % 2 == 0, "a swiglu group reads gate and up rows in pairs");
+    constexpr int H = SW ? NR / 2 : NR;  // outputs per group
     __shared__ float tab_smem[16];
     __shared__ float part[G > 32 ? T / 32 * NR : 1];
     const float* tab = init_table<F>(tab_smem);
     const int lane = threadIdx.x % G;
-    const int row0 = (blockIdx.x * (T / G) + threadIdx.x / G) * NR;
+    const int row0 = (blockIdx.x * (T / G) + threadIdx.x / G) * H;
     if (G <= 32 && row0 >= n_out) return;  // G > 32: every thread reaches the __syncthreads below
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
-        const int row = row0 + r < n_out ? row0 + r : n_out - 1;
-        wr[r] = W + (long long)row * row_bytes;
+        const int o = row0 + r % H < n_out ? row0 + r % H : n_out - 1;
+        wr[r] = W + (long long)(r < H ? o : n_out + o) * row_bytes;
     }
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int units = (n_in / F::QK) * F::UPB;
+    typename F::U q[UN][NR];
+    int bs[UN], js[UN];
+    GEMV_WAIT_BEFORE_WEIGHTS();
+    load_batch<F, UN, NR, G>(q, bs, js, wr, lane, units);
+    GEMV_WAIT_BEFORE_X();
     for (int u0 = lane; u0 < units; u0 += G * UN) {
-        typename F::U q[UN][NR];
-        int bs[UN], js[UN];
-#pragma unroll
-        for (int i = 0; i < UN; ++i) {
-            const int u = u0 + G * i < units ? u0 + G * i : u0;  // past the end: reload u0, unused
-            bs[i] = u / F::UPB;
-            js[i] = u - bs[i] * F::UPB;
-#pragma unroll
-            for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
-        }
+        if (u0 != lane) load_batch<F, UN, NR, G>(q, bs, js, wr, u0, units);
 #pragma unroll
         for (int i = 0; i < UN; ++i) {
             if (i > 0 && u0 + G * i >= units) break;
@@ -251,27 +281,36 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = sum32(acc[r]);
+    bool store = (threadIdx.x & 31) == 0;
     if constexpr (G > 32) {
         const int warp = threadIdx.x / 32, sub = lane / 32;  // 32-lane part of the block, of its group
-        if ((threadIdx.x & 31) == 0) {
+        if (store) {
 #pragma unroll
             for (int r = 0; r < NR; ++r) part[warp * NR + r] = acc[r];
         }
         __syncthreads();
-        if (sub == 0 && (threadIdx.x & 31) == 0) {
+        store = store && sub == 0;
+        if (store) {
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
                 float s = 0.0f;
 #pragma unroll
                 for (int k = 0; k < G / 32; ++k) s += part[(warp + k) * NR + r];
-                if (row0 + r < n_out) Y[row0 + r] = s;
+                acc[r] = s;
             }
         }
-    } else {
-        if ((threadIdx.x & 31) == 0) {
+    }
+    if (store) {
 #pragma unroll
-            for (int r = 0; r < NR; ++r)
-                if (row0 + r < n_out) Y[row0 + r] = acc[r];
+        for (int h = 0; h < H; ++h) {
+            if (row0 + h < n_out) {
+                if constexpr (SW) {
+                    const float g = acc[h];
+                    Y[row0 + h] = g / (1.0f + expf(-g)) * acc[H + h];
+                } else {
+                    Y[row0 + h] = acc[h];
+                }
+            }
         }
     }
 }
@@ -285,10 +324,21 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        PDL_ENTRY();                                                                                       \
+        PDL_TRIGGER();                                                                                     \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
-#define DEFINE_GEMV1V2(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F)
+// gemv1sw_<fmt>_<cfg>: the same geometry for mul_mat_swiglu, NR rows per group read as NR / 2 gate
+// rows and their up rows (at least one pair: g128r1 reads 2 rows for 1 output). Y has n_out values,
+// W 2 * n_out rows. matmul.py GEMV1_SW_ROWS mirrors the outputs per block, T / G * max(NR / 2, 1).
+#define DEFINE_GEMV1SW_CFG(name, F, cfg, T, G, NR, UN)                                                     \
+    extern "C" __global__ void __launch_bounds__(T) gemv1sw_##name##_##cfg(                                \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_TRIGGER();                                                                                     \
+        gemv1v2_impl<F, T, G, (NR < 2 ? 2 : NR), UN, true>(W, row_bytes, X, Y, n_out, n_in);              \
+    }
+#define DEFINE_GEMV1V2(name, F) \
+    FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1SW_CFG, name, F)
 FOR_EACH_WIDE(DEFINE_GEMV1V2)
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 3
@@ -381,6 +431,7 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
     const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
+    GEMV_WAIT_BEFORE_WEIGHTS();
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
         const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
@@ -390,6 +441,7 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
 #pragma unroll
             for (int p = 0; p < PPL; ++p)
                 if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)b0 * S::BB))[lane + 32 * p];
+        if (b0 == 0) GEMV_WAIT_BEFORE_X();
         __syncthreads();  // the previous chunk is no longer read
 #pragma unroll
         for (int r = 0; r < NR; ++r)
@@ -414,6 +466,7 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
             }
         }
     }
+    GEMV_WAIT_BEFORE_X();  // a no-op after the loop's; keeps Y's store after the wait for any n_in
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const float s = sum32(acc[r]);
@@ -443,6 +496,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     const unsigned ssh = 16u * (c & 1);
     const bool shi = c >= 2;
     const int nb = n_in / 256;
+    GEMV_WAIT_BEFORE_WEIGHTS();
     for (int sb0 = 0; sb0 < nb; sb0 += SB) {
         const int b = sb0 + bl;
         const bool act = b < nb;
@@ -456,6 +510,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
                 q1[r] = *(const U4*)(p + 32 + 32 * c);
             }
         }
+        if (sb0 == 0) GEMV_WAIT_BEFORE_X();
         __syncthreads();  // the previous chunk's x is no longer read
         const int nx4 = (nb - sb0 < SB ? nb - sb0 : SB) * 64;  // F4s of x in this chunk
 #pragma unroll
@@ -499,6 +554,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
             }
         }
     }
+    GEMV_WAIT_BEFORE_X();  // a no-op after the loop's; keeps Y's store after the wait for any n_in
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const float s = sum32(acc[r]);
@@ -516,7 +572,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
+        PDL_TRIGGER();                                                                                    \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)

@@ -91,6 +91,40 @@ def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     return _batched_steps(lw, w, x, y)
 
 
+# m == 1 mul_mat_swiglu (matmul.cu gemv1sw_<fmt>_<cfg>): cfg -> outputs per block (each group reads
+# max(NR / 2, 1) gate rows and as many up rows).
+GEMV1_SW_ROWS = {"g32r2": 4, "g32r4": 8, "g128r1": 1}
+
+
+def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    """mul_mat_swiglu(w, x): at m == 1, where the format's decode GEMV is a gemv1v2 geometry, one
+    kernel (gemv1sw_<fmt>_<cfg>) that stores silu(gate) * up from its two accumulators; otherwise
+    the stacked product into scratch (mul_mat's own path) and swiglu_halves_f32 over it."""
+    w, x, y = ins[0], ins[1], outs[0]
+    half = y.shape[-1]
+    m = math.prod(x.shape[:-1])
+    if m == 0 or half == 0:
+        return []
+    if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
+        _check_fmt(w.dtype, "mul_mat_swiglu")
+        name, threads, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr)
+        if name.startswith("gemv1v2_"):
+            cfg = name.rsplit("_", 1)[1]
+            x2, steps = x.reshape(1, w.shape[1]), []
+            if x2.data.ptr % 16:
+                buf = lw.scratch(x2.shape)
+                steps.append(copy_launch(x2, buf, what="aligned x"))
+                x2 = buf
+            fused = name.replace("gemv1v2_", "gemv1sw_", 1)
+            return steps + [Launch("matmul.cu", fused, cdiv(half, GEMV1_SW_ROWS[cfg]), threads,
+                                   (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(1, half),
+                                    i32(half), i32(w.shape[1]), i32(1)))]
+    both = lw.scratch(y.shape[:-1] + (2 * half,))
+    steps = lower_mul_mat(lw, n, [w, x], [both], p)
+    return steps + [Launch("elementwise.cu", "swiglu_halves_f32", min(cdiv(m * half, 256), _MAX_GRID), 256,
+                           (both, y, np.int64(m * half), i32(half)))]
+
+
 def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
     m, n_in = x2.shape
     n_out = w.shape[0]

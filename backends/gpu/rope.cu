@@ -113,3 +113,37 @@ extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __
 DEVICE float store_f32(float v) { return v; }
 DEFINE_ROPE_SET_ROWS(rope_set_rows_f32, float, store_f32)
 DEFINE_ROPE_SET_ROWS(rope_set_rows_f16, u16, f32_to_f16)
+
+// cache[rows[t], h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]): rms_norm_mul_rope_f32 writing its
+// rows straight into the KV cache (Qwen3's K), same arithmetic, so it equals the norm-rope kernel
+// followed by set_rows bit for bit (f32 cache). One block per head row; a row outside 0..cap-1 is
+// reported, never written.
+#define DEFINE_NORM_ROPE_SET_ROWS(name, T, STORE)                                                                  \
+    extern "C" __global__ void name(T* cache, const float* x, const float* __restrict__ w,                          \
+                                    const int* __restrict__ pos, const int* __restrict__ rows,                     \
+                                    const double* __restrict__ inv_freq, int n_heads, int head_dim, int n_dims,    \
+                                    int neox, double freq_scale, float eps, int cap, int* errflag, int code) {     \
+        PDL_ENTRY();                                                                                               \
+        __shared__ float red[MAX_THREADS / WARP_SIZE];                                                             \
+        extern __shared__ float normed[];                                                                          \
+        const long long th = blockIdx.x;                                                                           \
+        const int t = (int)(th / n_heads), j = threadIdx.x;                                                        \
+        const float v = j < head_dim ? x[th * head_dim + j] : 0.0f;                                                \
+        const float ss = block_sum(v * v, red);                                                                    \
+        const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);                                                \
+        if (j < head_dim) normed[j] = v * inv * w[j];                                                              \
+        __syncthreads();                                                                                           \
+        const int r = rows[t];                                                                                     \
+        if (r < 0 || r >= cap) {                                                                                   \
+            if (j == 0) report_error(errflag, code, r);                                                            \
+            return;                                                                                                \
+        }                                                                                                          \
+        if (j >= head_dim) return;                                                                                 \
+        float out = normed[j];                                                                                     \
+        if (j < n_dims)                                                                                            \
+            out = rope_elem(normed, j, n_dims, neox,                                                               \
+                            (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)]);                 \
+        cache[(long long)r * n_heads * head_dim + (th - (long long)t * n_heads) * head_dim + j] = STORE(out);     \
+    }
+DEFINE_NORM_ROPE_SET_ROWS(rms_norm_mul_rope_set_rows_f32, float, store_f32)
+DEFINE_NORM_ROPE_SET_ROWS(rms_norm_mul_rope_set_rows_f16, u16, f32_to_f16)

@@ -74,6 +74,40 @@ op("rope_set_rows", 4, "cache[idx[i]] = rope(x, positions)[i], in place (roped K
    _rope_params, writes=True)((_rope_set_rows_infer, _rope_set_rows_ref))
 
 
+def _rms_norm_mul_rope_set_rows_infer(ts: list[Type], p: dict) -> Type:
+    cache, x, w, pos, idx = ts
+    _binary_infer([x, w], p)
+    return _rope_set_rows_infer([cache, x, pos, idx], p)
+
+
+def _rms_norm_mul_rope_set_rows_ref(cache, x, w, pos, idx, eps: float, **rope) -> np.ndarray:
+    return _rope_set_rows_ref(cache, OPS["mul"].ref(_rms_norm(x, eps), w), pos, idx, **rope)
+
+
+op("rms_norm_mul_rope_set_rows", 5,
+   "cache[idx[i]] = rope(rms_norm(x, eps) * w, positions)[i], in place (Qwen3's normed, roped K into the KV cache)",
+   {"eps": (float, REQUIRED), **_rope_params}, writes=True)(
+    (_rms_norm_mul_rope_set_rows_infer, _rms_norm_mul_rope_set_rows_ref))
+
+
+
+def _mul_mat_swiglu_infer(ts: list[Type], p: dict) -> Type:
+    shape, dtype = OPS["mul_mat"].infer(ts, p)
+    need(shape[-1] % 2 == 0, f"w has {shape[-1]} rows; gate and up halves need an even count")
+    return shape[:-1] + (shape[-1] // 2,), dtype
+
+
+def _mul_mat_swiglu_ref(w, x) -> np.ndarray:
+    y = OPS["mul_mat"].ref(w, x)
+    half = y.shape[-1] // 2
+    return OPS["swiglu_split"].ref(y[..., :half], y[..., half:])
+
+
+# The stacked gate|up projection and its activation: a GEMV computes a gate row and its up row
+# together and stores only silu(gate) * up (one kernel, and the [.., 2F] product never stored).
+op("mul_mat_swiglu", 2, "y = x @ w^T, F = half of w's rows: silu(y[..., :F]) * y[..., F:] (stacked gate|up weight)"
+   )((_mul_mat_swiglu_infer, _mul_mat_swiglu_ref))
+
 # ---------------------------------------------------------------- recurrent (Gated DeltaNet) fusions
 def _ssm_conv_silu_infer(ts: list[Type], p: dict) -> list[Type]:
     return OPS["ssm_conv"].infer(ts, p)

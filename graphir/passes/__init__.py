@@ -71,12 +71,13 @@ FUSIONS = [
     "fold-reshape-view",  # stacked Q/K/V views are reshaped into heads: make that one strided view
     "swiglu-split",
     "fuse-add-rms-norm-mul",
-    "fuse-qk-norm-rope",  # before fuse-rope-set-rows: Qwen3's K then fuses its norm, not its cache write
+    "fuse-qk-norm-rope",  # before fuse-rope-set-rows: Qwen3's K then fuses its norm and its cache write
     "fuse-rope-set-rows",
     "fuse-ssm-conv-silu",  # recurrent layers (Qwen3.5 DeltaNet): conv + silu, delta rule + its gates
     "fuse-gated-delta-net-raw",
     "fuse-gated-delta-net-l2",  # after -raw: q/k's l2 norms join the fused delta rule
     "fuse-rms-norm-mul-gate",  # after swiglu-split: Qwen3.5's gated output norm
+    "fuse-mul-mat-swiglu",  # after stack-projections and swiglu-split: the gate|up GEMV stores the activation
 ]
 
 

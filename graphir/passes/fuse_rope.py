@@ -16,7 +16,7 @@ def _match_rope_set_rows(n: Node, rw: Rewriter) -> tuple[Node, Node] | None:
             rw.reject(n, f"the reshape of its rows has another user ({len(rw.users(src))} readers)")
             return None
         src = src.src[0]
-    if src.op != "rope":
+    if src.op not in ("rope", "rms_norm_mul_rope"):
         return None
     reader = n if src is n.src[1] else n.src[1]
     if rw.sole_user(src) is not reader:
@@ -28,14 +28,16 @@ def _match_rope_set_rows(n: Node, rw: Rewriter) -> tuple[Node, Node] | None:
 
 def _fuse_rope_set_rows(m: tuple[Node, Node], rw: Rewriter) -> Node:
     n, rope = m
-    rw.matched(n, "rope_set_rows")
-    return rw.make("rope_set_rows", n.src[0], rope.src[0], rope.src[1], n.src[2], name=n.name,
-                **rope.params.as_dict())
+    fused = "rope_set_rows" if rope.op == "rope" else "rms_norm_mul_rope_set_rows"
+    rw.matched(n, fused)
+    return rw.make(fused, n.src[0], *rope.src, n.src[2], name=n.name, **rope.params.as_dict())
 
 
-# Roped K is written to the cache and read only through it: never store it anywhere else.
+# Roped K is written to the cache and read only through it: never store it anywhere else. Qwen3's
+# K, already normed and roped in one op by fuse-qk-norm-rope, goes to the cache from the same kernel.
 @register_pass("fuse-rope-set-rows", "set_rows(cache, rope(x, pos), idx) where the rope has no other user "
-                                     "-> rope_set_rows(cache, x, pos, idx), in place")
+                                     "-> rope_set_rows(cache, x, pos, idx), in place; the same from "
+                                     "rms_norm_mul_rope -> rms_norm_mul_rope_set_rows")
 def fuse_rope_set_rows(graph: Graph) -> Graph:
     return rewrite(graph, [(_match_rope_set_rows, _fuse_rope_set_rows)])
 

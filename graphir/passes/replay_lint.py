@@ -36,7 +36,8 @@ def tainted_params(graph: Graph) -> list[str]:
     return out
 
 
-ROW_WRITES = ("set_rows", "rope_set_rows")  # in-place writes of rows at run-time indices: KV caches
+# in-place writes of rows at run-time indices: KV caches
+ROW_WRITES = ("set_rows", "rope_set_rows", "rms_norm_mul_rope_set_rows")
 
 
 def _kv_values(graph: Graph) -> dict[int, Node]:
