@@ -339,12 +339,12 @@ def _check_swiglu(got: np.ndarray, x: np.ndarray, wf: np.ndarray) -> None:
 
 
 def _swiglu_cases() -> list[tuple[str, str, tuple[int, int]]]:
-    from graphir.backends.gpu.matmul import GEMV1_SW_ROWS
+    from graphir.backends.gpu.matmul import GEMV1_SW
 
     cases = []
     for fmt in FORMATS:
         n_in = 512 if fmt in K_QUANTS and fmt != "q6_k" else 2048 if fmt == "q6_k" else 256
-        for cfg in GEMV1_SW_ROWS:
+        for cfg in GEMV1_SW:
             for half in (1, 7, 511):  # one output; fewer than a block's outputs; a partial last block
                 cases.append((fmt, cfg, (half, n_in)))
     return cases

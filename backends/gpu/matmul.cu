@@ -213,27 +213,30 @@ DEVICE float dot4(const F4& a, const float* v) {
     return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
 }
 
-// SW (mul_mat_swiglu): W holds 2 * n_out rows, gate rows then up rows; a group owns H = NR / 2
-// outputs and reads their gate rows and their up rows (n_out further on), and stores only
-// Y[o] = silu(gate) * up, the expression of elementwise.cu's swiglu_split_f32 (so the fused op
-// equals the two unfused kernels bit for bit).
+// SW (mul_mat_swiglu): W holds 2 * n_out rows, gate rows then up rows. Groups come in pairs: the
+// first reads NR gate rows, the second the same outputs' up rows, each exactly as a plain group reads
+// its rows (the same loads in flight a lane, contiguous row streams); the up sums meet the gate sums
+// in shared memory and only Y[o] = silu(gate) * up is stored, the expression of elementwise.cu's
+// swiglu_split_f32 (so the fused op equals the two unfused kernels bit for bit).
 template <class F, int T, int G, int NR, int UN, bool SW = false>
 DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in) {
     static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
-    static_assert(!SW || NR % 2 == 0, "a swiglu group reads gate and up rows in pairs");
-    constexpr int H = SW ? NR / 2 : NR;  // outputs per group
+    static_assert(!SW || (T / G) % 2 == 0, "a swiglu block holds gate/up pairs of groups");
+    constexpr int GP = SW ? T / G / 2 : T / G;  // groups of outputs per block
     __shared__ float tab_smem[16];
     __shared__ float part[G > 32 ? T / 32 * NR : 1];
+    __shared__ float up_sums[SW ? GP : 1][NR];
     const float* tab = init_table<F>(tab_smem);
-    const int lane = threadIdx.x % G;
-    const int row0 = (blockIdx.x * (T / G) + threadIdx.x / G) * H;
-    if (G <= 32 && row0 >= n_out) return;  // G > 32: every thread reaches the __syncthreads below
+    const int lane = threadIdx.x % G, grp = threadIdx.x / G;
+    const bool up = SW && grp % 2 == 1;
+    const int row0 = (blockIdx.x * GP + (SW ? grp / 2 : grp)) * NR;
+    if (!SW && G <= 32 && row0 >= n_out) return;  // otherwise every thread reaches the __syncthreads below
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
-        const int o = row0 + r % H < n_out ? row0 + r % H : n_out - 1;
-        wr[r] = W + (long long)(r < H ? o : n_out + o) * row_bytes;
+        const int o = row0 + r < n_out ? row0 + r : n_out - 1;
+        wr[r] = W + (long long)(up ? n_out + o : o) * row_bytes;
     }
     float acc[NR];
 #pragma unroll
@@ -300,18 +303,23 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
             }
         }
     }
-    if (store) {
+    if constexpr (SW) {
+        if (store && up) {
 #pragma unroll
-        for (int h = 0; h < H; ++h) {
-            if (row0 + h < n_out) {
-                if constexpr (SW) {
-                    const float g = acc[h];
-                    Y[row0 + h] = g / (1.0f + expf(-g)) * acc[H + h];
-                } else {
-                    Y[row0 + h] = acc[h];
-                }
+            for (int r = 0; r < NR; ++r) up_sums[grp / 2][r] = acc[r];
+        }
+        __syncthreads();
+        if (store && !up) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const float g = acc[r];
+                if (row0 + r < n_out) Y[row0 + r] = g / (1.0f + expf(-g)) * up_sums[grp / 2][r];
             }
         }
+    } else if (store) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+            if (row0 + r < n_out) Y[row0 + r] = acc[r];
     }
 }
 
@@ -327,15 +335,14 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         PDL_TRIGGER();                                                                                     \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
-// gemv1sw_<fmt>_<cfg>: the same geometry for mul_mat_swiglu, NR rows per group read as NR / 2 gate
-// rows and their up rows (at least one pair: g128r1 reads 2 rows for 1 output). Y has n_out values,
-// W 2 * n_out rows. matmul.py GEMV1_SW_ROWS mirrors the outputs per block, T / G * max(NR / 2, 1).
+// gemv1sw_<fmt>_<cfg>: the same groups for mul_mat_swiglu, in gate/up pairs; a configuration of one
+// group a block runs two (2T threads). matmul.py GEMV1_SW mirrors (threads, outputs per block).
 #define DEFINE_GEMV1SW_CFG(name, F, cfg, T, G, NR, UN)                                                     \
-    extern "C" __global__ void __launch_bounds__(T) gemv1sw_##name##_##cfg(                                \
+    extern "C" __global__ void __launch_bounds__(T == G ? 2 * T : T) gemv1sw_##name##_##cfg(               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_TRIGGER();                                                                                     \
-        gemv1v2_impl<F, T, G, (NR < 2 ? 2 : NR), UN, true>(W, row_bytes, X, Y, n_out, n_in);              \
+        gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, X, Y, n_out, n_in);          \
     }
 #define DEFINE_GEMV1V2(name, F) \
     FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1SW_CFG, name, F)

@@ -91,9 +91,9 @@ def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     return _batched_steps(lw, w, x, y)
 
 
-# m == 1 mul_mat_swiglu (matmul.cu gemv1sw_<fmt>_<cfg>): cfg -> outputs per block (each group reads
-# max(NR / 2, 1) gate rows and as many up rows).
-GEMV1_SW_ROWS = {"g32r2": 4, "g32r4": 8, "g128r1": 1}
+# m == 1 mul_mat_swiglu (matmul.cu gemv1sw_<fmt>_<cfg>): cfg -> (threads, outputs per block). The cfg's
+# groups in gate/up pairs, each pair NR outputs; g128r1 (one group a block) runs two groups a block.
+GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g128r1": (256, 1)}
 
 
 def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
@@ -107,7 +107,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
         return []
     if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
         _check_fmt(w.dtype, "mul_mat_swiglu")
-        name, threads, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr)
+        name, _, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr)
         if name.startswith("gemv1v2_"):
             cfg = name.rsplit("_", 1)[1]
             x2, steps = x.reshape(1, w.shape[1]), []
@@ -116,7 +116,8 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
                 steps.append(copy_launch(x2, buf, what="aligned x"))
                 x2 = buf
             fused = name.replace("gemv1v2_", "gemv1sw_", 1)
-            return steps + [Launch("matmul.cu", fused, cdiv(half, GEMV1_SW_ROWS[cfg]), threads,
+            threads, rows = GEMV1_SW[cfg]
+            return steps + [Launch("matmul.cu", fused, cdiv(half, rows), threads,
                                    (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(1, half),
                                     i32(half), i32(w.shape[1]), i32(1)))]
     both = lw.scratch(y.shape[:-1] + (2 * half,))
