@@ -396,3 +396,28 @@ def test_mul_mat_swiglu_formats(fmt, m, rng):
     want_ref = _run("reference", {"y": node}, {"x": x}, weights)["y"]
     np.testing.assert_allclose(got, want_ref, rtol=1e-4, atol=1e-3)
     _check_swiglu(got, x, dequantize(raw, fmt, wshape))
+
+
+def test_mul_mat_swiglu_large_weight_takes_the_plain_gemv(rng, monkeypatch):
+    """Above SW_MAX_BYTES the product goes through the plain GEMV and swiglu_halves_f32: the same
+    values, bit for bit, as the fused kernel below the limit."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    half, n_in = 77, 512
+    wshape = (2 * half, n_in)
+    raw = _raw(rng, "bf16", wshape)
+    gp, weights = _param("bf16", raw, wshape)
+    x = cp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
+    got = {}
+    for limit in (1 << 30, 1024):
+        monkeypatch.setattr(mm, "SW_MAX_BYTES", limit)
+        y = cp.full((1, half), np.nan, np.float32)
+        steps = mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, x], [y], {})
+        for s in steps:
+            s()
+        got[len(steps)] = ([s.name for s in steps], y.get())
+    assert got[1][0] == ["gemv1sw_bf16_g128r1"] and got[2][0] == ["gemv1v2_bf16_g128r1", "swiglu_halves_f32"]
+    np.testing.assert_array_equal(got[1][1], got[2][1])
+    _check_swiglu(got[2][1], x.get(), dequantize(raw, "bf16", wshape))

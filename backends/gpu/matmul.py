@@ -94,12 +94,19 @@ def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
 # m == 1 mul_mat_swiglu (matmul.cu gemv1sw_<fmt>_<cfg>): cfg -> (threads, outputs per block). The cfg's
 # groups in gate/up pairs, each pair NR outputs; g128r1 (one group a block) runs two groups a block.
 GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g128r1": (256, 1)}
+# Stacked gate|up weights up to this size take the fused kernel; larger ones the plain GEMV then
+# swiglu_halves_f32. H200, 2026-12-01 (profile_gpu_decode.py): Qwen3-8B's 201 MB gate|up took 48.3-49.3 us
+# fused (either pairing of rows) against ~44.3 us for the plain GEMV + 1.6 us for the activation, so
+# the fused form only pays where a launch costs more than the bytes (Qwen3-0.6B: 12.6 MB, step
+# 1,383 -> 1,267 us with this and the norm-rope cache write fused).
+SW_MAX_BYTES = 32 << 20
 
 
 def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
-    """mul_mat_swiglu(w, x): at m == 1, where the format's decode GEMV is a gemv1v2 geometry, one
-    kernel (gemv1sw_<fmt>_<cfg>) that stores silu(gate) * up from its two accumulators; otherwise
-    the stacked product into scratch (mul_mat's own path) and swiglu_halves_f32 over it."""
+    """mul_mat_swiglu(w, x): at m == 1, where the format's decode GEMV is a gemv1v2 geometry and the
+    weight at most SW_MAX_BYTES, one kernel (gemv1sw_<fmt>_<cfg>) that stores silu(gate) * up from its
+    two accumulators; otherwise the stacked product into scratch (mul_mat's own path) and
+    swiglu_halves_f32 over it."""
     w, x, y = ins[0], ins[1], outs[0]
     half = y.shape[-1]
     m = math.prod(x.shape[:-1])
@@ -108,7 +115,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
     if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
         _check_fmt(w.dtype, "mul_mat_swiglu")
         name, _, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr)
-        if name.startswith("gemv1v2_"):
+        if name.startswith("gemv1v2_") and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES:
             cfg = name.rsplit("_", 1)[1]
             x2, steps = x.reshape(1, w.shape[1]), []
             if x2.data.ptr % 16:
