@@ -51,37 +51,6 @@ DEVICE void dot8(const F4& a, const F4& c, const float* v, float sl, float sh, f
     }
 }
 
-// Weights are Params: no kernel of the step writes them, so a GEMV may read them before PDL_WAIT.
-// With GEMV_EARLY (default) each lane issues its first batch of weight loads between PDL_TRIGGER
-// and PDL_WAIT: the first bytes of the row stream while the kernel ahead (a norm, attention) ends.
-// x is only read after the wait. GEMV_EARLY=0 waits first (the A/B of profile_gpu_decode.py --defines).
-#ifndef GEMV_EARLY
-#define GEMV_EARLY 1
-#endif
-#if GEMV_EARLY
-#define GEMV_WAIT_BEFORE_WEIGHTS() ((void)0)
-#define GEMV_WAIT_BEFORE_X() PDL_WAIT()
-#else
-#define GEMV_WAIT_BEFORE_WEIGHTS() PDL_WAIT()
-#define GEMV_WAIT_BEFORE_X() ((void)0)
-#endif
-
-// Load a batch of UN units per lane for NR rows: units u0, u0 + G, ..; past the end the lane
-// reloads a valid unit (u0, or unit 0 when u0 itself is past the end), never used.
-template <class F, int UN, int NR, int G>
-DEVICE void load_batch(typename F::U (&q)[UN][NR], int (&bs)[UN], int (&js)[UN], const u8* const (&wr)[NR],
-                       int u0, int units) {
-    const int base = u0 < units ? u0 : 0;
-#pragma unroll
-    for (int i = 0; i < UN; ++i) {
-        const int u = u0 + G * i < units ? u0 + G * i : base;
-        bs[i] = u / F::UPB;
-        js[i] = u - bs[i] * F::UPB;
-#pragma unroll
-        for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
-    }
-}
-
 template <class F, int M>
 DEVICE void gemv_scalar(const u8* const* wr, const float* __restrict__ X, float (*acc)[M], int n_in, int m, int lane) {
     for (int k = lane; k < n_in; k += 32) {
@@ -120,7 +89,6 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
 
     if (F::FLOAT && n_in % 8 != 0) {  // float rows that are not whole 16-byte pieces: per value
-        PDL_WAIT();
         if constexpr (F::FLOAT) gemv_scalar<F, M>(wr, X, acc, n_in, m, lane);
     } else {
         // Explicit batches of UN units per lane: every load of a batch is issued before the first
@@ -128,13 +96,17 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         // memory-bound kernel needs; the compiler does not hoist loads across a runtime loop).
         constexpr int UN = M == 1 ? 4 : 2;
         const int units = (n_in / F::QK) * F::UPB;
-        typename F::U q[UN][GEMV_NR];
-        int bs[UN], js[UN];
-        GEMV_WAIT_BEFORE_WEIGHTS();
-        load_batch<F, UN, GEMV_NR, 32>(q, bs, js, wr, lane, units);
-        GEMV_WAIT_BEFORE_X();
         for (int u0 = lane; u0 < units; u0 += 32 * UN) {
-            if (u0 != lane) load_batch<F, UN, GEMV_NR, 32>(q, bs, js, wr, u0, units);
+            typename F::U q[UN][GEMV_NR];
+            int bs[UN], js[UN];
+#pragma unroll
+            for (int i = 0; i < UN; ++i) {
+                const int u = u0 + 32 * i < units ? u0 + 32 * i : u0;  // past the end: reload u0, unused
+                bs[i] = u / F::UPB;
+                js[i] = u - bs[i] * F::UPB;
+#pragma unroll
+                for (int r = 0; r < GEMV_NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
+            }
 #pragma unroll
             for (int i = 0; i < UN; ++i) {
                 if (i > 0 && u0 + 32 * i >= units) break;
@@ -178,19 +150,19 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv_##name(                               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_TRIGGER();                                                                                    \
+        PDL_ENTRY();                                                                                      \
         gemv_impl<F, GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                                \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv16_##name(                             \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_TRIGGER();                                                                                    \
+        PDL_ENTRY();                                                                                      \
         gemv_impl<F, 2 * GEMV_MAX_TOKENS>(W, row_bytes, X, Y, n_out, n_in, m);                            \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) gemv1_##name(                              \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_TRIGGER();                                                                                    \
+        PDL_ENTRY();                                                                                      \
         gemv_impl<F, 1>(W, row_bytes, X, Y, n_out, n_in, 1);                                              \
     }
 FOR_EACH_QUANT(DEFINE_GEMV)
@@ -242,13 +214,17 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int units = (n_in / F::QK) * F::UPB;
-    typename F::U q[UN][NR];
-    int bs[UN], js[UN];
-    GEMV_WAIT_BEFORE_WEIGHTS();
-    load_batch<F, UN, NR, G>(q, bs, js, wr, lane, units);
-    GEMV_WAIT_BEFORE_X();
     for (int u0 = lane; u0 < units; u0 += G * UN) {
-        if (u0 != lane) load_batch<F, UN, NR, G>(q, bs, js, wr, u0, units);
+        typename F::U q[UN][NR];
+        int bs[UN], js[UN];
+#pragma unroll
+        for (int i = 0; i < UN; ++i) {
+            const int u = u0 + G * i < units ? u0 + G * i : u0;  // past the end: reload u0, unused
+            bs[i] = u / F::UPB;
+            js[i] = u - bs[i] * F::UPB;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)bs[i] * F::BB, js[i]);
+        }
 #pragma unroll
         for (int i = 0; i < UN; ++i) {
             if (i > 0 && u0 + G * i >= units) break;
@@ -332,7 +308,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        PDL_TRIGGER();                                                                                     \
+        PDL_ENTRY();                                                                                       \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
 // gemv1sw_<fmt>_<cfg>: the same groups for mul_mat_swiglu, in gate/up pairs; a configuration of one
@@ -341,7 +317,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(T == G ? 2 * T : T) gemv1sw_##name##_##cfg(               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        PDL_TRIGGER();                                                                                     \
+        PDL_ENTRY();                                                                                       \
         gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, X, Y, n_out, n_in);          \
     }
 #define DEFINE_GEMV1V2(name, F) \
@@ -438,7 +414,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
     const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
-    GEMV_WAIT_BEFORE_WEIGHTS();
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
         const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
@@ -448,7 +423,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
 #pragma unroll
             for (int p = 0; p < PPL; ++p)
                 if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)b0 * S::BB))[lane + 32 * p];
-        if (b0 == 0) GEMV_WAIT_BEFORE_X();
         __syncthreads();  // the previous chunk is no longer read
 #pragma unroll
         for (int r = 0; r < NR; ++r)
@@ -473,7 +447,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
             }
         }
     }
-    GEMV_WAIT_BEFORE_X();  // a no-op after the loop's; keeps Y's store after the wait for any n_in
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const float s = sum32(acc[r]);
@@ -503,7 +476,6 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     const unsigned ssh = 16u * (c & 1);
     const bool shi = c >= 2;
     const int nb = n_in / 256;
-    GEMV_WAIT_BEFORE_WEIGHTS();
     for (int sb0 = 0; sb0 < nb; sb0 += SB) {
         const int b = sb0 + bl;
         const bool act = b < nb;
@@ -517,7 +489,6 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
                 q1[r] = *(const U4*)(p + 32 + 32 * c);
             }
         }
-        if (sb0 == 0) GEMV_WAIT_BEFORE_X();
         __syncthreads();  // the previous chunk's x is no longer read
         const int nx4 = (nb - sb0 < SB ? nb - sb0 : SB) * 64;  // F4s of x in this chunk
 #pragma unroll
@@ -561,7 +532,6 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
             }
         }
     }
-    GEMV_WAIT_BEFORE_X();  // a no-op after the loop's; keeps Y's store after the wait for any n_in
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const float s = sum32(acc[r]);
@@ -579,7 +549,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_TRIGGER();                                                                                    \
+        PDL_ENTRY();                                                                                      \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
