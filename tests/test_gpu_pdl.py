@@ -20,21 +20,14 @@ from graphir.backends.gpu import kernels, pdl
 import graphir
 
 ENTRY = re.compile(r"\{\s*(\\\s*)?PDL_ENTRY\(\);")
-# Kernels that read something no earlier kernel of the graph writes before waiting (the delta-rule step:
-# a State only it writes). They begin with PDL_TRIGGER() alone and wait in their shared body (file ->
-# kernel name prefix, the bodies, the wait each must contain). GEMVs loading their weights before the
-# wait were measured slower (BENCHMARKS.md), so they begin with PDL_ENTRY() as every other kernel.
-TRIGGER = re.compile(r"\{\s*(\\\s*)?PDL_TRIGGER\(\);")
-EARLY = {"recurrent.cu": ("name(GDS_ARGS)", ("gds_body",), "PDL_WAIT()")}
 
 
 def _kernel_bodies(text: str) -> list[tuple[str, str]]:
-    """(name as written, macro pastes included, and the first 200 characters after the opening
-    brace) of every __global__ function."""
+    """(name, the first 200 characters after the opening brace) of every __global__ function."""
     out = []
     for m in re.finditer(r"__global__", text):
         head = text[m.end():text.index("{", m.end())]
-        name = re.findall(r"([\w#]+)\s*\(", head)
+        name = re.findall(r"(\w+)\s*\(", head)
         out.append((name[-1] if name else "?", text[text.index("{", m.end()):][:200]))
     return out
 
@@ -44,14 +37,8 @@ def test_every_kernel_waits_before_it_reads(name):
     text = (kernels.KERNEL_DIR / name).read_text()
     bodies = _kernel_bodies(text)
     assert bodies, f"{name}: no kernels found"
-    prefix, impls, wait = EARLY.get(name, (None, (), ""))
     for kernel, body in bodies:
-        early = prefix is not None and kernel.startswith(prefix.split("(")[0]) and TRIGGER.match(body)
-        assert ENTRY.match(body) or early, f"{name}: kernel {kernel} does not begin with PDL_ENTRY()"
-    for impl in impls:  # the early kernels still wait: in every shared body, before reading activations
-        body = text[text.index(f"DEVICE void {impl}("):]
-        body = body[:body.index("\n}\n")]
-        assert wait in body, f"{impl} never waits ({wait}) before reading activations"
+        assert ENTRY.match(body), f"{name}: kernel {kernel} does not begin with PDL_ENTRY()"
 
 
 def test_kernel_arguments_pack_as_their_c_types():

@@ -118,6 +118,12 @@ DEVICE float block_max(float v, float* scratch) {
 // A GEMV prefetching its weight rows into L2 between trigger and wait was measured (H200,
 // 2026-12-01, benchmarks/profile_gpu_decode.py --defines) and made Qwen3-8B decode slower
 // (4930 -> 5566 us per captured step with bulk requests, 5614 with per-line ones), so none does.
+// Nor does one load its first weight batch into registers before the wait (tried 2026-12-01): the
+// loop that allowed it made the 145 GEMVs of a Qwen3-8B step 27.39 us a call against 26.08-26.32
+// with the plain loop (H200s of one kind, three machines), more than the 15-28 us a step that the
+// early loads themselves saved within that loop (A/B with the same code, one machine).
+// Nor does the delta-rule step read its State early (no earlier kernel of a graph writes a State its
+// step reads): 3.64 us a call that way against 3.65 (Qwen3.5-9B, replayed alone), no gain to keep.
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #ifndef GRAPHIR_TEST_SKIP_PDL_WAIT  // tests/test_gpu_pdl.py plants the bug of a kernel that does not wait

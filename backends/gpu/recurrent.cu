@@ -338,10 +338,7 @@ DEVICE float4 f4_xor_sum(float4 v) {  // sum over the 8 lanes of a 32-lane group
     return v;
 }
 
-// EARLY: the state is loaded before PDL_WAIT, while the kernel ahead (the conv) finishes. Only for
-// a state no kernel of the same graph writes before this one (recurrent.py checks the node reads
-// the State itself, not an earlier write of it); a previous replay of the graph has fully ended.
-template <int DK, bool RAW, bool EARLY>
+template <int DK, bool RAW>
 DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                      const float* __restrict__ gate0, const float* __restrict__ gate1,
                      const float* __restrict__ a_neg, const float* __restrict__ dt_bias,
@@ -361,14 +358,12 @@ DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, c
     const int h = blockIdx.y, kh = h / (hv / hk);
     const bool live = col < dv;  // dv % 4 == 0: a quad is all in or all out
 
-    if constexpr (!EARLY) PDL_WAIT();
     float4 s[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = rg + GDS_RG * r;
         s[r] = (live && i < dk) ? *(const float4*)(state + ((size_t)h * dk + i) * dv + col) : make_float4(0, 0, 0, 0);
     }
-    if constexpr (EARLY) PDL_WAIT();
 
     for (int t = 0; t < n; ++t) {
         // stage k_t (threads 0..DK-1) and q_t (DK..2DK-1), zero past dk; with l2, each group's sum of squares
@@ -460,24 +455,27 @@ DEVICE void gds_body(const float* __restrict__ q, const float* __restrict__ k, c
     }
 }
 
-#define GDS_ARGS                                                                                        \
-    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,             \
-        const float *__restrict__ g0, const float *__restrict__ g1, const float *__restrict__ a_neg,    \
-        const float *__restrict__ dt_bias, const float *state, float *__restrict__ o, float *new_state, \
-        int n, int hk, int hv, int dk, int dv, float scale, int a_st, int a_sh, int d_st, int d_sh,     \
-        int l2, float l2_eps, float *__restrict__ steps
-// g0, g1: g and beta (plain), alpha and b (raw); each body waits (PDL_WAIT) before reading activations.
-#define DEFINE_GDS_KERNEL(name, DK, RAW, EARLY)                                                         \
-    extern "C" __global__ void __launch_bounds__(GDS_THREADS) name(GDS_ARGS) {                          \
-        PDL_TRIGGER();                                                                                  \
-        gds_body<DK, RAW, EARLY>(q, k, v, g0, g1, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk,   \
-                                 dv, scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                 \
+#define DEFINE_GDS(DK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GDS_THREADS) gated_delta_net_step_d##DK(               \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ g, const float* __restrict__ beta, const float* __restrict__ a_neg,   \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        PDL_ENTRY();                                                                                    \
+        gds_body<DK, false>(q, k, v, g, beta, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
+                            scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                          \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDS_THREADS) gated_delta_net_raw_step_d##DK(           \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,          \
+        const float* __restrict__ alpha, const float* __restrict__ b, const float* __restrict__ a_neg,  \
+        const float* __restrict__ dt_bias, const float* state, float* __restrict__ o,                   \
+        float* new_state, int n, int hk, int hv, int dk, int dv, float scale, int a_st,                 \
+        int a_sh, int d_st, int d_sh, int l2, float l2_eps, float* __restrict__ steps) {                \
+        PDL_ENTRY();                                                                                    \
+        gds_body<DK, true>(q, k, v, alpha, b, a_neg, dt_bias, state, o, new_state, n, hk, hv, dk, dv,   \
+                           scale, a_st, a_sh, d_st, d_sh, l2, l2_eps, steps);                           \
     }
-#define DEFINE_GDS(DK)                                                                 \
-    DEFINE_GDS_KERNEL(gated_delta_net_step_d##DK, DK, false, false)                    \
-    DEFINE_GDS_KERNEL(gated_delta_net_step_early_d##DK, DK, false, true)               \
-    DEFINE_GDS_KERNEL(gated_delta_net_raw_step_d##DK, DK, true, false)                 \
-    DEFINE_GDS_KERNEL(gated_delta_net_raw_step_early_d##DK, DK, true, true)
 
 DEFINE_GDS(64)   // dk <= 64: one row per thread
 DEFINE_GDS(128)  // dk <= 128 (Qwen3.5): two rows per thread

@@ -138,10 +138,7 @@ def _gdn(lw: Lowering, node: Any, q: Any, k: Any, v: Any, gate0: Any, gate1: Any
             steps if steps is not None else NULL)
     aligned = all(a.data.ptr % 16 == 0 for a in (state, new_state, v, o, *(() if steps is None else (steps,))))
     if n <= FEW_TOKENS and dk <= GDS_DK[-1] and dv % 4 == 0 and aligned:
-        # the state read before PDL_WAIT when this node reads the State itself: no earlier kernel of
-        # the graph writes it (an earlier write would be the node's source instead)
-        early = "_early" if node is not None and node.src[-1].op == "state" else ""
-        name = f"gated_delta_net{'_raw' if raw else ''}_step{early}_d{next(d for d in GDS_DK if dk <= d)}"
+        name = f"gated_delta_net{'_raw' if raw else ''}_step_d{next(d for d in GDS_DK if dk <= d)}"
         return [Launch(SOURCE, name, (cdiv(dv, GDS_COLS), hv), GDS_THREADS, args)]
     return [Launch(SOURCE, name, (cdiv(dv, GDN_TILE), hv), GDN_BLOCK, args)]
 
