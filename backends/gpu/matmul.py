@@ -96,9 +96,9 @@ def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
 GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g128r1": (256, 1)}
 # Stacked gate|up weights up to this size take the fused kernel; larger ones the plain GEMV then
 # swiglu_halves_f32. H200, 2026-12-01 (profile_gpu_decode.py): Qwen3-8B's 201 MB gate|up took 48.3-49.3 us
-# fused (either pairing of rows) against ~44.3 us for the plain GEMV + 1.6 us for the activation, so
-# the fused form only pays where a launch costs more than the bytes (Qwen3-0.6B: 12.6 MB, step
-# 1,383 -> 1,267 us with this and the norm-rope cache write fused).
+# fused (either pairing of rows) against ~44.3 us for the plain GEMV + 1.6 us for the activation. Below
+# the limit a launch is the larger cost (Qwen3-0.6B's 12.6 MB gate|up: its step went 1,383 -> 1,267 us
+# with this and the norm-rope cache write fused; the two were not measured apart).
 SW_MAX_BYTES = 32 << 20
 
 
