@@ -197,16 +197,20 @@ def _mul_mat_swiglu(n, ins, out, p):
     o = out[0]
     half = o.shape[-1]
     y = np.empty(o.shape[:-1] + (2 * half,), np.float32)
-    mm = _mul_mat(n, ins, [y], p)
-    act = _swiglu(n, [y[..., :half], y[..., half:]], [o], p)
-    if mm is None or act is None:
+    return _in_order(o, _mul_mat(n, ins, [y], p), _swiglu(n, [y[..., :half], y[..., half:]], [o], p))
+
+
+def _in_order(value: Any, *lowered: tuple | None) -> tuple | None:
+    """(value, one step running the lowered rules' steps in order), or None (the numpy reference)
+    when any of those rules has no kernel for its case."""
+    if any(r is None for r in lowered):
         return None
-    run_mm, run_act = mm[1], act[1]
+    steps = [r[1] for r in lowered]
 
     def step() -> None:
-        run_mm()
-        run_act()
-    return o, step
+        for s in steps:
+            s()
+    return value, step
 
 
 def _rope(n, ins, out, p):
@@ -264,16 +268,8 @@ def _rms_norm_mul_rope_set_rows(n, ins, out, p):
     unfused ops' kernels (the fusion saves a GPU launch, not CPU work)."""
     cache, x, w, pos, idx = ins
     roped = np.empty(x.shape, np.float32)
-    norm_rope = _rms_norm_mul_rope(n, [x, w, pos], [roped], p)
-    write = _set_rows(n, [cache, roped.reshape(x.shape[0], -1), idx], [cache], p)
-    if norm_rope is None or write is None:
-        return None
-    run_norm_rope, run_write = norm_rope[1], write[1]
-
-    def step() -> None:
-        run_norm_rope()
-        run_write()
-    return cache, step
+    return _in_order(cache, _rms_norm_mul_rope(n, [x, w, pos], [roped], p),
+                     _set_rows(n, [cache, roped.reshape(x.shape[0], -1), idx], [cache], p))
 
 
 def _flash_attn(n, ins, out, p):
