@@ -71,3 +71,65 @@ def test_unsupported_returns_none():
     assert GR.prepare(raw, "q4_1", np.zeros((1, 32), np.float32), out) is None  # n_in mismatch
     assert GR.prepare(raw, "q4_1", x, np.empty((1, 9), np.float32)) is None  # out shape
     assert GR.prepare(raw, "q4_1", x, out) is not None
+
+
+def _uncached_kernels(lanes: int) -> dict:
+    """The module's kernels generated with `lanes` accumulator lanes, compiled here (serial, uncached:
+    inspect_asm reads nothing back from numba's cache) with the module's vectorizer settings."""
+    import numba
+
+    src = GR._kernel_source(lanes).replace("parallel=True, cache=True", "parallel=False, cache=False")
+    ns = {"njit": numba.njit, "prange": numba.prange, "f32": np.float32, "u8": np.uint8, "i8": np.int8}
+    exec(compile(src, f"<gemv lanes={lanes}>", "exec"), ns)
+    return ns
+
+
+def test_lanes_follow_the_compile_target():
+    assert GR.lanes_for("+avx2,+fma,+avx512f,+avx512bw") == 16
+    assert GR.lanes_for("+avx2,+fma,-avx512f") == 8
+    assert GR.lanes_for("") == 8  # NUMBA_CPU_NAME=generic
+    # a user's NUMBA_CPU_FEATURES decides, not the host: it is what numba compiles for
+    from numba.core import config
+
+    old = config.CPU_FEATURES
+    try:
+        config.CPU_FEATURES = "+avx2,+fma"
+        assert GR.target_features() == "+avx2,+fma"
+        config.CPU_FEATURES = None
+        assert GR.target_features() == GR.get_host_cpu_features()
+    finally:
+        config.CPU_FEATURES = old
+    assert GR.LANES == GR.lanes_for(GR.target_features())
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("dtype", sorted(GGML))
+def test_both_lane_counts_match_reference(lanes, dtype):
+    ns = _uncached_kernels(lanes)
+    for rows, n_in in ((7, 96), (33, 576)):  # 96: a q4 pair and an odd last block
+        raw, x, ref = _case(dtype, rows, n_in, 1, seed=lanes * 101 + n_in)
+        d, c, qs = GR.repack(raw, dtype)
+        y = np.full(rows, np.nan, np.float32)
+        with GR.slp_only():
+            if dtype == "q8_0":
+                ns["_gemv_q8"](d, qs, x[0], y, 1)
+            else:
+                ns["_gemv_q4"](d, c, qs, x[0], x[0].reshape(-1, 32).sum(axis=1, dtype=np.float32), y, 1)
+        np.testing.assert_allclose(y, ref[0], rtol=0, atol=TOL * np.abs(ref).max())
+
+
+@pytest.mark.skipif(GR.LANES != 16, reason="numba's compile target has no AVX-512F")
+def test_q4_kernel_uses_512_bit_registers_on_avx512():
+    """The 16-lane q4 body is what puts LLVM in zmm registers (the 8-lane one stays in ymm)."""
+    import re
+
+    from numba import types as t
+
+    a2, f1 = (lambda dt: t.Array(dt, 2, "C")), t.Array(t.float32, 1, "C")
+    sig = (a2(t.float32), a2(t.float32), a2(t.uint8), f1, f1, f1, t.int64)
+    for lanes, want in ((16, True), (8, False)):
+        k = _uncached_kernels(lanes)["_gemv_q4"]
+        with GR.slp_only():
+            k.compile(sig)
+        zmm = len(re.findall(r"%zmm\d+", k.inspect_asm(sig)))
+        assert (zmm >= 16) == want, (lanes, zmm)

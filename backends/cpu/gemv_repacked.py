@@ -13,20 +13,27 @@ structure-of-arrays copy the size of the file's blocks (no float32 copy of the w
 
 Per row: y = sum_b d_b * (q_b . x_b) + sum_b c_b * sx_b, where sx_b (the sum of x over
 block b) is computed once a call, so the offset is one short dot product. The block body is
-generated straight-line code with eight float32 accumulators (one per SIMD lane) carried
-across blocks, reduced once per row: compiled with LLVM's SLP vectorizer on and the loop
-vectorizer off (which otherwise vectorizes across rows with gathers), it becomes AVX2
-code with no per-block horizontal sums. Measured single-thread on [3072 x 576] q4_1:
-3.6 ns per 32-block, against ~6 for matmul.py's dequantize-then-FMA kernel. Each extra
+generated straight-line code with one float32 accumulator per SIMD lane carried across
+blocks, reduced once per row: compiled with LLVM's SLP vectorizer on and the loop vectorizer
+off (which otherwise vectorizes across rows with gathers), it becomes vector code with no
+per-block horizontal sums. The lanes are 8 (one AVX2 register), or 16 (one AVX-512 register)
+where the CPU numba compiles for has AVX-512F: LLVM keeps to 256-bit vectors on such CPUs
+unless the code is 16 wide (its "prefer-256-bit" tuning; switching that off alone left this
+kernel in ymm registers). Measured single-thread on [3072 x 576] q4_1: 3.6 ns per 32-block
+with 8 lanes, against ~6 for matmul.py's dequantize-then-FMA kernel; on an AVX-512 Xeon
+2.2 ns with 16 lanes against 2.8 with 8 (weight in cache; BENCHMARKS.md, issue 13). Each extra
 token repeats the unpacking, so `prepare` takes only single-token calls by default.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import numpy as np
 from numba import njit, prange  # noqa: F401  (prange is used by the generated kernels)
 from numba.core import config as _nb_config
+from numba.core.codegen import get_host_cpu_features
 
 from . import precompile
 from .matmul import _F16, _num_threads
@@ -63,16 +70,37 @@ def repack(w_raw: np.ndarray, dtype: str):
     return d, c, qs
 
 
-def _lane_sum(cvt, q0: int, x0: int, n: int) -> str:
-    """Lane n's share of one 32-element block: sum over m of cvt(q{q0 + n + 8m}) * x{x0 + n + 8m}."""
-    return " + ".join(f"f32({cvt(f'q{q0 + n + 8 * m}')}) * x{x0 + n + 8 * m}" for m in range(4))
+def _lane_sum(cvt, q0: int, x0: int, n: int, lanes: int = 8) -> str:
+    """Lane n's share of one 32-element block: sum over m of cvt(q{q0 + n + L*m}) * x{x0 + n + L*m}, L lanes."""
+    return " + ".join(f"f32({cvt(f'q{q0 + n + lanes * m}')}) * x{x0 + n + lanes * m}" for m in range(32 // lanes))
 
 
-def _kernel_source() -> str:
+def lanes_for(features: str) -> int:
+    """Accumulator lanes for an LLVM feature string: 16 (one zmm) with +avx512f, else 8 (one ymm)."""
+    return 16 if "+avx512f" in features.split(",") else 8
+
+
+def target_features() -> str:
+    """The features numba's JIT compiles for: a user's NUMBA_CPU_FEATURES (or NUMBA_CPU_NAME=generic's
+    empty string), else the host's, as numba's codegen picks them."""
+    return _nb_config.CPU_FEATURES if _nb_config.CPU_FEATURES is not None else get_host_cpu_features()
+
+
+LANES = lanes_for(target_features())
+
+
+def _tree(terms: list[str]) -> str:
+    """A pairwise sum: ((A0 + A1) + (A2 + A3)) + ..."""
+    while len(terms) > 1:
+        terms = [f"({terms[i]} + {terms[i + 1]})" for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _kernel_source(lanes: int = LANES) -> str:
     """Source of `_gemv_q4(d, c, qs, xt, st, y, nth)` and `_gemv_q8(d, qs, xt, y, nth)` (one token each).
 
-    A0..A7 are the eight lanes of one AVX2 register: lane n accumulates elements n, n+8, n+16,
-    n+24 of every block, scaled per block, and the lanes are summed once per row.
+    A0..A{L-1} are the L lanes of one vector register (8: AVX2, 16: AVX-512): lane n accumulates
+    elements n, n+L, ... of every block, scaled per block, and the lanes are summed once per row.
     """
     lo = lambda v: f"u8({v} & u8(15))"
     hi = lambda v: f"u8({v} >> u8(4))"
@@ -86,14 +114,15 @@ def _kernel_source() -> str:
         "        for r in range(s * per, min(n_out, (s + 1) * per)):",
         I3 + "dr = d[r]",
         I3 + "qr = qs[r]",
-    ] + [I3 + f"A{n} = f32(0.0)" for n in range(8)]
-    red = "((A0 + A1) + (A2 + A3)) + ((A4 + A5) + (A6 + A7))"
+    ] + [I3 + f"A{n} = f32(0.0)" for n in range(lanes)]
+    red = _tree([f"A{n}" for n in range(lanes)])
 
     # q4: a pair of blocks per step (low nibbles: block 2k, high nibbles: block 2k + 1)
     P = ["p = k * 32", "o = k * 64", "d0 = dr[2 * k]", "d1 = dr[2 * k + 1]"]
     P += [f"q{j} = qr[p + {j}]" for j in range(32)]
     P += [f"x{j} = xt[o + {j}]" for j in range(64)]
-    P += [f"A{n} += d0 * ({_lane_sum(lo, 0, 0, n)}) + d1 * ({_lane_sum(hi, 0, 32, n)})" for n in range(8)]
+    P += [f"A{n} += d0 * ({_lane_sum(lo, 0, 0, n, lanes)}) + d1 * ({_lane_sum(hi, 0, 32, n, lanes)})"
+          for n in range(lanes)]
     # an odd last block (ggml order), in its own pass: inside the row loop it kept LLVM from vectorizing the body
     T = [
         "b = nblk - 1",
@@ -116,7 +145,7 @@ def _kernel_source() -> str:
     B = ["o = b * 32", "db = dr[b]"]
     B += [f"q{j} = qr[o + {j}]" for j in range(32)]
     B += [f"x{j} = xt[o + {j}]" for j in range(32)]
-    B += [f"A{n} += db * ({_lane_sum(i8_, 0, 0, n)})" for n in range(8)]
+    B += [f"A{n} += db * ({_lane_sum(i8_, 0, 0, n, lanes)})" for n in range(lanes)]
     q8 = ["@njit(fastmath=True, parallel=True, cache=True)", "def _gemv_q8(d, qs, xt, y, nth):"] + head
     q8 += [I3 + "for b in range(nblk):"] + [I4 + s for s in B]
     q8 += [I3 + f"y[r] = {red}"]
@@ -146,6 +175,17 @@ def kind_of(dtype: str) -> str | None:
 _READY: set[str] = set()  # "q4" / "q8": kernels compiled
 
 
+@contextlib.contextmanager
+def slp_only():
+    """numba compiles with LLVM's SLP vectorizer on and its loop vectorizer off inside this block."""
+    old = _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE
+    _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE = 1, 0
+    try:
+        yield
+    finally:
+        _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE = old
+
+
 def _compile(kind: str) -> None:
     """Compile `kind`'s kernel ("q4" or "q8"; or load it from numba's cache) with SLP on and the loop
     vectorizer off, then freeze it. Each compiles when a weight of its kind is first bound, so a model
@@ -160,17 +200,13 @@ def _compile(kind: str) -> None:
         "q4": (_gemv_q4, (a2(t.float32), a2(t.float32), a2(t.uint8), f1, f1, f1, t.int64)),
         "q8": (_gemv_q8, (a2(t.float32), a2(t.int8), f1, f1, t.int64)),
     }[kind]
-    old = _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE
-    _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE = 1, 0
-    try:
+    with slp_only():
         try:
             k.compile(sig)
         except Exception:  # a stale or foreign cache entry: drop it and compile afresh
             k._cache.flush()
             k.compile(sig)
         k.disable_compile()
-    finally:
-        _nb_config.SLP_VECTORIZE, _nb_config.LOOP_VECTORIZE = old
     if kind == "q4":
         _block_sums.compile((a2(t.float32), a2(t.float32)))
     _READY.add(kind)
