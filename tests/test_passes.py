@@ -45,8 +45,10 @@ VALUE_PASSES = sorted(set(PASSES) - {"shard-tp"})
 KV_OFFSET = 2  # new tokens go to cache rows 2..; rows 0..1 hold (random) earlier keys
 MODELS = ("llama-tiny", "qwen3-tiny")
 MODEL_FUSIONS = {  # fusions `default` must apply to each tiny model
-    "llama-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-rope-set-rows"),
-    "qwen3-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-qk-norm-rope"),
+    "llama-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-rope-set-rows",
+                   "fuse-mul-mat-swiglu"),
+    "qwen3-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-qk-norm-rope",
+                   "fuse-rope-set-rows", "fuse-mul-mat-swiglu"),
 }
 
 
@@ -244,6 +246,23 @@ def test_rope_set_rows_needs_the_rope_to_be_cache_only():
     graph = Graph({"k": k}, updates=[g.set_rows(g.state("c", (16, 3, 8)), k, rows)])
     report = coverage(graph, "fuse-rope-set-rows")
     assert not report["fuse-rope-set-rows"].matched and "other users" in report["fuse-rope-set-rows"].rejected[0][1]
+
+
+def test_mul_mat_swiglu_only_where_the_product_is_read_by_the_activation_alone():
+    out = PASSES["fuse-mul-mat-swiglu"](TARGETED_CASES["fuse-mul-mat-swiglu"].build("q4_0"))
+    assert out.outputs["act"].op == "mul_mat_swiglu" and out.outputs["act"].name == "blk.0.ffn_act"
+    assert out.outputs["kept"].op == "swiglu_split" and out.outputs["kept"].src[0].src[0] is out.outputs["y1"]
+    report = coverage(TARGETED_CASES["fuse-mul-mat-swiglu"].build("q4_0"), "fuse-mul-mat-swiglu")
+    (_, why), = report["fuse-mul-mat-swiglu"].rejected
+    assert "another reader" in why
+
+
+def test_qwen3_k_norm_rope_goes_to_the_cache_in_one_op():
+    graph, _, _ = source("qwen3-tiny-decode")
+    ops = [n.op for n in run_pipeline(graph, "default")]
+    layers = graph.meta.get("n_layers", 2)
+    assert ops.count("rms_norm_mul_rope_set_rows") == layers and ops.count("rms_norm_mul_rope") == layers  # K; Q
+    assert ops.count("set_rows") == layers  # V only
 
 
 def filecheck(text: str, checks: list[str]) -> None:

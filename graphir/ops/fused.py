@@ -90,7 +90,6 @@ op("rms_norm_mul_rope_set_rows", 5,
     (_rms_norm_mul_rope_set_rows_infer, _rms_norm_mul_rope_set_rows_ref))
 
 
-
 def _mul_mat_swiglu_infer(ts: list[Type], p: dict) -> Type:
     shape, dtype = OPS["mul_mat"].infer(ts, p)
     need(shape[-1] % 2 == 0, f"w has {shape[-1]} rows; gate and up halves need an even count")
@@ -107,6 +106,7 @@ def _mul_mat_swiglu_ref(w, x) -> np.ndarray:
 # together and stores only silu(gate) * up (one kernel, and the [.., 2F] product never stored).
 op("mul_mat_swiglu", 2, "y = x @ w^T, F = half of w's rows: silu(y[..., :F]) * y[..., F:] (stacked gate|up weight)"
    )((_mul_mat_swiglu_infer, _mul_mat_swiglu_ref))
+
 
 # ---------------------------------------------------------------- recurrent (Gated DeltaNet) fusions
 def _ssm_conv_silu_infer(ts: list[Type], p: dict) -> list[Type]:

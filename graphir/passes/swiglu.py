@@ -34,9 +34,8 @@ def swiglu_split(graph: Graph) -> Graph:
     return rewrite(graph, [(_match, _fuse)])
 
 
-def _is_half(view: Node, mm: Node, offset: int) -> bool:
-    """view is mm[..., offset:offset + F] of a row-major mm with 2F columns."""
-    half = mm.shape[-1] // 2
+def _is_half(view: Node, mm: Node, offset: int, half: int) -> bool:
+    """view is mm[..., offset:offset + half] of a row-major mm."""
     p = view.params
     return (view.op == "view" and view.src[0] is mm and p["offset"] == offset
             and tuple(p["shape"]) == mm.shape[:-1] + (half,) and tuple(p["strides"]) == contiguous_strides(mm.shape))
@@ -45,9 +44,8 @@ def _is_half(view: Node, mm: Node, offset: int) -> bool:
 def _match_stacked(n: Node, rw: Rewriter) -> tuple[Node, Node] | None:
     if n.op != "swiglu_split" or n.src[0].op != "view" or n.src[0].src[0].op != "mul_mat":
         return None
-    mm = n.src[0].src[0]
-    half = mm.shape[-1] // 2
-    if not (_is_half(n.src[0], mm, 0) and _is_half(n.src[1], mm, half) and 2 * half == mm.shape[-1]):
+    mm, half = n.src[0].src[0], n.shape[-1]
+    if not (mm.shape[-1] == 2 * half and _is_half(n.src[0], mm, 0, half) and _is_half(n.src[1], mm, half, half)):
         rw.reject(n, "its operands are not the first and second halves of one mul_mat's rows")
         return None
     if rw.sole_user(n.src[0]) is not n or rw.sole_user(n.src[1]) is not n or len(rw.users(mm)) != 2 \
