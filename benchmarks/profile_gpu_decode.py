@@ -143,7 +143,7 @@ def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] =
         with stream():
             program._bind(state)
             program._run_steps(stream())  # loads every kernel before the capture
-            program._capture()
+            program._graph_exec = program._capture()
         return per_call_us(graph_only, n)
     finally:
         del os.environ["GRAPHIR_NO_PDL"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from graphir import kv_slots
+from graphir import flags, kv_slots
 from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.chat import Conversation
@@ -79,6 +79,7 @@ class Model:
         self.n_past = 0  # KV rows written (the next token's position)
         self.conversation = Conversation(self)  # the chat turns the KV cache holds
         self._padding_ok: bool | None = None  # _pads_safely(), worked out once
+        self._state_ahead: int | None = None  # see _check_in_step
         one = lambda: np.zeros(1, np.int32)  # noqa: E731
         self._step_feeds = {"tokens": one(), "pos": one(), "kv_idx": one(), "kv_len": one(),
                             SAMPLING_INPUT: np.zeros((1, len(SAMPLING_FIELDS)), np.float32)}
@@ -130,12 +131,14 @@ class Model:
         """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
         the conv and recurrent states of hybrid models, which are not indexed by position."""
         self.n_past = 0
+        self._state_ahead = None
         if self._state is not None:
             registry.family_of(self.config).reset_state(self.config, self._state)
 
     def feed(self, token_ids: Iterable[int], last_only: bool = False) -> np.ndarray:
         """Append tokens at positions n_past.. (writing their KV rows); logits f32 [n, vocab] (or [1, vocab])."""
         ids = self._check_ids(token_ids)
+        self._check_in_step()
         if self.n_past + len(ids) > self.config.ctx:
             raise InputError(f"{len(ids)} tokens after {self.n_past} exceed the context of {self.config.ctx} "
                              f"(load(..., ctx=N) to raise it)")
@@ -235,6 +238,8 @@ class Model:
         settings = Settings(temperature, top_k, top_p, seed)
         self.reset()
         self._clear_run_stats()
+        if self._queues_ahead(stop_at_eos):
+            return self._generate_queued(ids.tolist(), int(max_new_tokens), settings, stop_at_eos)
         return generate(lambda prompt: self._prefill_sample(prompt, settings),
                         lambda token: self._decode_sample(token, settings),
                         ids.tolist(), int(max_new_tokens), self.eos_ids, stop_at_eos)
@@ -252,6 +257,7 @@ class Model:
         KV length, sampling row) go in, one id comes out. On the gpu backend that is one small copy each
         way around one captured-graph replay; nothing else runs on the host."""
         t0 = time.perf_counter()
+        self._check_in_step()
         n = self.n_past
         if n + 1 > self.config.ctx:
             raise InputError(f"1 token after {n} exceeds the context of {self.config.ctx} "
@@ -267,6 +273,69 @@ class Model:
         self.n_past = n + 1
         self._add_stats("decode", 1, t0)
         return int(out[0])
+
+    def _queues_ahead(self, stop_at_eos: bool) -> bool:
+        """Whether generate() queues the next decode step on the device before the host has read the last id
+        (a backend with a StepQueue: gpu). A step queued ahead runs even when the loop then ends (an EOS id,
+        or the caller stopping early); the KV cache takes it back with n_past, a recurrent State cannot. So
+        models with one queue ahead only when no EOS can end the loop, and a caller that stops early leaves
+        their State ahead, which feed() then refuses (_check_in_step). GRAPHIR_NO_QUEUE=1: never."""
+        if getattr(get_backend(self.backend), "StepQueue", None) is None or flags.enabled("GRAPHIR_NO_QUEUE"):
+            return False
+        return self._pads_safely() or not (stop_at_eos and self.eos_ids)
+
+    def _generate_queued(self, prompt: list[int], max_new_tokens: int, settings: Settings,
+                         stop_at_eos: bool) -> Iterator[int]:
+        """generate()'s loop with decode steps queued on the device ahead of the host (backends/gpu/
+        step_queue.py): each step's token is the last step's sampled id, copied on the device, so the host
+        reads id i while step i + 1 already runs. The same steps, inputs and draws as the one-step loop."""
+        if max_new_tokens <= 0:
+            return
+        token = self._prefill_sample(prompt, settings)
+        if stop_at_eos and token in self.eos_ids:
+            return
+        yield token
+        steps = max_new_tokens - 1  # the decode steps of the one-step loop: each one's input is yielded first
+        if steps == 0:
+            return
+        self._ensure_state(self._graph(1, False, sampler=True))
+        program = self._program(1, False, sampler=True)
+        queue = get_backend(self.backend).StepQueue(program, self._state, feedback=(TOKEN_OUTPUT, "tokens"))
+        n0, pushed, done = self.n_past, 0, 0
+        try:
+            while done < steps:
+                t0 = time.perf_counter()
+                while pushed < steps and queue.in_flight < queue.depth:
+                    self._push_step(queue, n0 + pushed, token if pushed == 0 else None, settings)
+                    pushed += 1
+                token = int(queue.pop()[TOKEN_OUTPUT][0])
+                done += 1
+                self._add_stats("decode", 1, t0)
+                if stop_at_eos and token in self.eos_ids:
+                    return
+                yield token
+        finally:
+            queue.drain()
+            self.n_past = n0 + done  # the steps whose input was yielded; KV rows past it are never read
+            if pushed > done and not self._pads_safely():
+                self._state_ahead = self.n_past
+
+    def _push_step(self, queue: Any, pos: int, token: int | None, settings: Settings) -> None:
+        """Queue the decode step at `pos`; token None: the last queued step's id, fed back on the device."""
+        feeds = self._step_feeds
+        feeds["tokens"][0] = 0 if token is None else token
+        feeds["pos"][0] = feeds["kv_idx"][0] = pos
+        feeds["kv_len"][0] = pos + 1
+        feeds[SAMPLING_INPUT][0] = settings.row()
+        self.n_past = pos  # the slot pool holds the positions up to the step's
+        queue.push(self._slot_inputs(feeds), feed_back=token is None)
+
+    def _check_in_step(self) -> None:
+        """A recurrent State left ahead of n_past by a generate() stopped early cannot be continued."""
+        if self._state_ahead is not None:
+            raise InputError(f"the recurrent state of {self.source} ran one decode step past position "
+                             f"{self._state_ahead}: generate() was stopped early with a step queued ahead on the "
+                             f"device. Call reset() (or generate() again) before feeding more tokens")
 
     def _ensure_state(self, graph: Graph | None = None) -> None:
         """State buffers for `graph` (one of this model's graphs, about to run; default: the decode graph), made

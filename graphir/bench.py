@@ -246,7 +246,7 @@ def _prefill_s(model: Model, ids: list[int]) -> float:
 
 
 def _decode_step_device_s(model: Model) -> float:
-    """Device seconds of one decode step: the captured graph of generate()'s step replayed alone."""
+    """Device seconds of one decode step: the captured launches of generate()'s step replayed alone."""
     import cupy as cp
 
     from graphir.backends.gpu.device import stream
@@ -260,7 +260,7 @@ def _decode_step_device_s(model: Model) -> float:
     for _ in range(3):
         start.record(s)
         for _ in range(20):
-            program._graph_exec.launch(s)
+            program.replay_once(s)
         stop.record(s)
         stop.synchronize()
         best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / 20)

@@ -2,5 +2,6 @@
 
 from .device import available
 from .program import GpuProgram, lower, new_state
+from .step_queue import StepQueue
 
-__all__ = ["lower", "GpuProgram", "new_state", "available"]
+__all__ = ["lower", "GpuProgram", "new_state", "available", "StepQueue"]

@@ -80,9 +80,11 @@ class GpuProgram:
         self._host_state = False  # numpy State buffers: mirrored on the device every call
         self._mirrors: dict[str, Any] = {}  # device copies of numpy State buffers
         self._steps: list[Any] = []
+        self._capturable = False
         self._outputs: dict[str, Any] = {}
         self._code_node: dict[int, Node] = {}  # error code -> node, for the current binding
         self._graph_exec: Any = None  # the captured CUDA graph, once there is one
+        self._core_exec: Any = None  # the launches alone, captured for queued steps (step_queue.py)
         self._calls_since_bind = 0
         self._inplace, self._skip_assign = self._plan_inplace_states()
         if not self.graph.states:  # nothing to wait for: bind now, so a bad graph fails at lowering
@@ -93,7 +95,8 @@ class GpuProgram:
     def _init_inputs(self) -> None:
         """All Inputs live in one device buffer, filled from one pinned host buffer per call."""
         cp = cupy()
-        offsets, at = {}, 0
+        self.input_offsets = offsets = {}
+        at = 0
         for n in self.graph.inputs:
             offsets[n.name] = at
             at += -(-max(numpy_dtype(n.dtype).itemsize * n.numel, 1) // INPUT_ALIGN) * INPUT_ALIGN
@@ -187,41 +190,70 @@ class GpuProgram:
                 steps += lower_node(self.lw, n, ins, outs)
                 env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
         self._steps = steps
+        self._capturable = all(getattr(step, "capturable", False) for step in steps)
         self._outputs = {name: dev(env[id(n)]) for name, n in self.graph.outputs.items()}
         self._outputs_host = {name: pinned(v.shape, v.dtype) for name, v in self._outputs.items()}
         for name, v in self._outputs.items():
             if not v.flags.c_contiguous:  # every output is an arena slot or a State: contiguous by plan
                 raise BackendError(f"gpu backend: output {name!r} is not contiguous in device memory")
-        self._graph_exec = None  # captured against the old buffers: capture again
+        self._graph_exec = self._core_exec = None  # captured against the old buffers: capture again
         self._calls_since_bind = 0
 
     @property
     def capturable(self) -> bool:
         """Every step is one of the project's kernels (cuBLAS cannot run inside a capture)."""
-        return all(getattr(step, "capturable", False) for step in self._steps)
+        return self._capturable
 
     @property
     def captured(self) -> bool:
-        return self._graph_exec is not None
+        """Calls, or queued steps (step_queue.py), replay a captured CUDA graph."""
+        return self._graph_exec is not None or self._core_exec is not None
 
-    def _capture(self) -> None:
+    def replay_once(self, s: Any) -> None:
+        """One replay of the captured launches on stream s, nothing copied in or out: for timing a step's
+        device work alone (bench, profiles). The queued steps' graph when there is one, else the calls'."""
+        graph = self._core_exec if self._core_exec is not None else self._graph_exec
+        if graph is None:
+            raise BackendError("replay_once: this Program has not been captured (it captures on its second call)")
+        graph.launch(s)
+
+    def _capture(self, copies: bool = True) -> Any:
+        """A CUDA graph of one call's work (`copies=False`: the flag cleared and the launches only)."""
         if flags.enabled("GRAPHIR_DEBUG_CACHE"):
             print(f"graphir gpu: capturing {len(self._steps)} launches of Program "
                   f"{self.graph.meta.get('phase', '')} into a CUDA graph", file=sys.stderr)
         s = stream()
         s.begin_capture()
         try:
-            self._run_steps(s, overlap=pdl.enabled())
+            self._run_steps(s, overlap=pdl.enabled(), copies=copies)
         finally:
             graph = s.end_capture()
-        self._graph_exec = graph
+        return graph
 
-    def _run_steps(self, s: Any, overlap: bool = False) -> None:
+    def _may_capture(self) -> bool:
+        """From the second call on: the first loaded every kernel, and a capture needs them loaded."""
+        return self._calls_since_bind >= 2 and self.capturable and not flags.enabled("GRAPHIR_NO_CAPTURE")
+
+    def launch_core(self, s: Any) -> None:
+        """The flag cleared and the launches, without the Input and flag copies (step_queue.py makes its
+        own), from a captured graph of their own from the second call on."""
+        self._calls_since_bind += 1
+        if self._core_exec is None and self._may_capture():
+            self._core_exec = self._capture(copies=False)
+        if self._core_exec is not None:
+            self._core_exec.launch(s)
+        else:
+            self._run_steps(s, copies=False)
+
+    def _run_steps(self, s: Any, overlap: bool = False, copies: bool = True) -> None:
         """Inputs in, flag cleared, the launches, flag out: everything a call does between writing the
         pinned Inputs and reading the pinned outputs, and exactly what a capture records. `overlap`:
-        a kernel that follows another kernel is launched programmatically dependent on it (pdl.py)."""
+        a kernel that follows another kernel is launched programmatically dependent on it (pdl.py).
+        `copies=False` leaves out the Input copy and the flag read-back."""
         rt = cupy().cuda.runtime
-        rt.memcpyAsync(self._input_dev.data.ptr, self._input_host_bytes.ctypes.data, self._input_bytes, H2D, s.ptr)
+        if copies:
+            rt.memcpyAsync(self._input_dev.data.ptr, self._input_host_bytes.ctypes.data, self._input_bytes, H2D,
+                           s.ptr)
         flag = self.lw.errflag
         rt.memsetAsync(flag.data.ptr, 0, flag.nbytes, s.ptr)
         after_kernel = False
@@ -232,7 +264,8 @@ class GpuProgram:
             else:
                 step()
             after_kernel = is_kernel
-        rt.memcpyAsync(self._flag_host.ctypes.data, flag.data.ptr, flag.nbytes, D2H, s.ptr)
+        if copies:
+            rt.memcpyAsync(self._flag_host.ctypes.data, flag.data.ptr, flag.nbytes, D2H, s.ptr)
 
     # ---------------------------------------------------------------- running
     def _device_state(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Any, np.ndarray]]]:
@@ -252,32 +285,42 @@ class GpuProgram:
             dev_state[n.name] = buf
         return dev_state, back
 
+    def bind(self, state: Mapping[str, Any]) -> list[tuple[Any, np.ndarray]]:
+        """Check new State buffers once and bind the launches to them (nothing to do for the buffers
+        already bound). Returns the numpy State buffers to write back after the call with their mirrors."""
+        given = tuple([id(state.get(name)) for name in self._state_names])
+        if given != self._checked_state:  # new buffers: check them once, not on every replayed call
+            check_state(self.graph, state)  # shape and dtype: numpy and CuPy buffers alike
+            self._checked_state = given
+            self._host_state = any(isinstance(state[n.name], np.ndarray) for n in self.graph.states)
+        if self._host_state:
+            dev_state, back = self._device_state(state)
+            key = tuple(id(dev_state[name]) for name in self._state_names)
+        else:
+            dev_state, back, key = state, [], given
+        if key != self._bound_state:
+            self._bind(dev_state)
+            self._bound_state = key
+        return back
+
+    @property
+    def host_state(self) -> bool:
+        """The bound State is numpy, mirrored on the device around each call."""
+        return self._host_state
+
     def __call__(self, inputs: Mapping[str, np.ndarray], state: dict[str, Any] | None = None,
                  device: bool = False) -> dict[str, Any]:
         """Run once. State buffers (CuPy or numpy) are updated in place. `device=True` returns the
         outputs as CuPy arrays (copies, safe across calls) instead of numpy."""
         feeds = check_inputs(self.graph, inputs)
         state = state if state is not None else {}
-        given = tuple([id(state.get(name)) for name in self._state_names])
-        if given != self._checked_state:  # new buffers: check them once, not on every replayed call
-            check_state(self.graph, state)  # shape and dtype: numpy and CuPy buffers alike
-            self._checked_state = given
-            self._host_state = any(isinstance(state[n.name], np.ndarray) for n in self.graph.states)
         with stream() as s:  # everything in order on the one stream, uploads and binding included
-            if self._host_state:
-                dev_state, back = self._device_state(state)
-                key = tuple(id(dev_state[name]) for name in self._state_names)
-            else:
-                dev_state, back, key = state, [], given
-            if key != self._bound_state:
-                self._bind(dev_state)
-                self._bound_state = key
+            back = self.bind(state)
             for name, arr in feeds.items():
                 self.input_host[name][...] = arr
             self._calls_since_bind += 1
-            if self._graph_exec is None and self._calls_since_bind == 2 and self.capturable \
-                    and not flags.enabled("GRAPHIR_NO_CAPTURE"):
-                self._capture()  # the first call loaded every kernel; capture needs them loaded
+            if self._graph_exec is None and self._may_capture():
+                self._graph_exec = self._capture()
             if self._graph_exec is not None:
                 self._graph_exec.launch(s)
             else:
@@ -290,19 +333,25 @@ class GpuProgram:
                     h = self._outputs_host[name]
                     rt.memcpyAsync(h.ctypes.data, v.data.ptr, v.nbytes, D2H, s.ptr)
             s.synchronize()
-            self._raise_if_flagged()
+            self.raise_if_flagged(self._flag_host)
             if not device:
                 outs = {name: h.copy() for name, h in self._outputs_host.items()}
             for m, buf in back:
                 m.get(out=buf)
         return outs
 
-    def _raise_if_flagged(self) -> None:
-        code, value = (int(v) for v in self._flag_host)
+    def raise_if_flagged(self, flag_host: np.ndarray) -> None:
+        """A kernel's report of a bad run-time value (the error flag read back), as a BackendError."""
+        code, value = (int(v) for v in flag_host)
         if code:
             n = self._code_node[code]
             msg = self.lw.messages.get(code, "bad run-time value {value}").format(value=value)
             raise BackendError(f"gpu backend, node %{self.ids[id(n)]} {n.describe()}: {msg}")
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        """The bound outputs' device arrays (overwritten by the next call)."""
+        return self._outputs
 
     def report(self) -> dict[str, float]:
         return {
