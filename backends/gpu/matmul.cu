@@ -344,6 +344,9 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_THREADS
 #define GEMV3_THREADS 128
 #endif
+#ifndef GEMV3_PREFETCH
+#define GEMV3_PREFETCH 1
+#endif
 
 DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..sh+31 of hi:lo, sh in 0..32
 #if defined(__CUDACC__) && !defined(__HIPCC__)
@@ -414,15 +417,25 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
     const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
-    for (int b0 = 0; b0 < nb; b0 += CB) {
-        const int nbh = nb - b0 < CB ? nb - b0 : CB;
-        const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
-        U4 pc[NR][PPL];
+    // The next chunk's weight pieces are loaded into registers while this chunk is decoded from shared
+    // memory (GEMV3_PREFETCH=1), so a group keeps two chunks of its rows in flight instead of one: at
+    // 4096 rows only ~4 blocks of 8 rows reach each SM, too few bytes in flight to cover DRAM latency.
+    U4 pc[NR][PPL];
+    auto load_chunk = [&](int c0) {
+        const int npc = ((nb - c0 < CB ? nb - c0 : CB) * S::BB + 15) / 16;  // rows are whole pieces
 #pragma unroll
         for (int r = 0; r < NR; ++r)
 #pragma unroll
             for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)b0 * S::BB))[lane + 32 * p];
+                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)c0 * S::BB))[lane + 32 * p];
+    };
+    load_chunk(0);
+    for (int b0 = 0; b0 < nb; b0 += CB) {
+        const int nbh = nb - b0 < CB ? nb - b0 : CB;
+        const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
+#if !GEMV3_PREFETCH
+        if (b0 > 0) load_chunk(b0);
+#endif
         __syncthreads();  // the previous chunk is no longer read
 #pragma unroll
         for (int r = 0; r < NR; ++r)
@@ -435,6 +448,9 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
             xs[i + (i >> 3)] = i < nbh * 8 ? ldx(X + (long long)b0 * 32 + 4 * i) : F4{0.0f, 0.0f, 0.0f, 0.0f};
         }
         __syncthreads();
+#if GEMV3_PREFETCH
+        if (b0 + CB < nb) load_chunk(b0 + CB);
+#endif
         if (lane < nbh) {
             const F4* xb = xs + 9 * lane;
 #pragma unroll
@@ -476,19 +492,29 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     const unsigned ssh = 16u * (c & 1);
     const bool shi = c >= 2;
     const int nb = n_in / 256;
+    U4 nhd[NR], nq0[NR], nq1[NR];  // this lane's pieces of the next chunk (GEMV3_PREFETCH: see gemv1v3_staged)
+    auto load_chunk = [&](int s0) {
+        const int b = s0 + bl;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            if (b < nb) {
+                const u8* p = wr[r] + (long long)b * 144;
+                nhd[r] = *(const U4*)p;
+                nq0[r] = *(const U4*)(p + 16 + 32 * c);
+                nq1[r] = *(const U4*)(p + 32 + 32 * c);
+            }
+        }
+    };
+    load_chunk(0);
     for (int sb0 = 0; sb0 < nb; sb0 += SB) {
         const int b = sb0 + bl;
         const bool act = b < nb;
+#if !GEMV3_PREFETCH
+        if (sb0 > 0) load_chunk(sb0);
+#endif
         U4 hd[NR], q0[NR], q1[NR];
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-            if (act) {
-                const u8* p = wr[r] + (long long)b * 144;
-                hd[r] = *(const U4*)p;
-                q0[r] = *(const U4*)(p + 16 + 32 * c);
-                q1[r] = *(const U4*)(p + 32 + 32 * c);
-            }
-        }
+        for (int r = 0; r < NR; ++r) hd[r] = nhd[r], q0[r] = nq0[r], q1[r] = nq1[r];
         __syncthreads();  // the previous chunk's x is no longer read
         const int nx4 = (nb - sb0 < SB ? nb - sb0 : SB) * 64;  // F4s of x in this chunk
 #pragma unroll
@@ -503,6 +529,9 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
             if ((i & 7) == 0) xsum[i >> 3] = s;
         }
         __syncthreads();
+#if GEMV3_PREFETCH
+        if (sb0 + SB < nb) load_chunk(sb0 + SB);
+#endif
         if (act) {
             const F4* xl = xs + 68 * bl + 17 * c;  // padded index of value 256 bl + 64 c
             float al[NR], ah[NR];
