@@ -15,6 +15,9 @@ def replay_seconds(run: Callable[[], None], iters: int) -> tuple[float, str]:
     captured into a CUDA graph, or of Python calls where capture fails."""
     import cupy as cp
 
+    # The timing stream does not wait for the legacy default stream, where callers fill inputs and outputs
+    # (a fill still running there once made a checked GEMV row read as wrong): everything before goes first.
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for _ in range(3):
