@@ -168,6 +168,31 @@ def test_swiglu_split(shape, rng):
     close(out, a64 / (1 + np.exp(-a64)) * b, rtol=2e-6, atol=2e-6)
 
 
+@covers("mul_sigmoid")
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 511), (2, 3, 1025)])
+def test_mul_sigmoid(shape, rng):
+    a, b = normal(rng, shape), normal(rng, shape, 3.0)
+    out = run1(g.mul_sigmoid(g.input("a", shape), g.input("b", shape)), {"a": a, "b": b})
+    close(out, a.astype(np.float64) * _sigmoid64(b.astype(np.float64)), rtol=2e-6, atol=2e-6, dtype="float32")
+
+
+@covers("mul_sigmoid")
+def test_mul_sigmoid_reads_a_strided_gate(rng):
+    """Qwen3.5's gated attention: the gate is the second half of each head of the q projection."""
+    n, heads, d = 3, 4, 7
+    y = normal(rng, (n, heads * 2 * d), 3.0)  # per head [q (d), gate (d)]
+    attn = normal(rng, (n, heads, d))
+    gate = g.view(g.input("y", y.shape), shape=(n, heads, d), strides=(heads * 2 * d, 2 * d, 1), offset=d)
+    out = run1(g.mul_sigmoid(g.input("attn", attn.shape), gate), {"y": y, "attn": attn})
+    want = attn.astype(np.float64) * _sigmoid64(y.reshape(n, heads, 2, d)[:, :, 1].astype(np.float64))
+    close(out, want, rtol=2e-6, atol=2e-6, dtype="float32")
+
+
+def test_mul_sigmoid_needs_equal_shapes():
+    with pytest.raises(GraphError, match="must match"):
+        g.mul_sigmoid(g.input("a", (3, 4)), g.input("b", (3, 1)))
+
+
 # ---------------------------------------------------------------- norms
 def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1]).astype(np.float64)

@@ -81,7 +81,11 @@ def case_views(wtype: str) -> Graph:
     heads = g.reshape(g.cols(y, 8, 24), shape=(N, 3, 8))  # [5, 3, 8], strides [48, 8, 1]
     t = g.permute(heads, axes=(1, 0, 2))  # [3, 5, 8]
     odd = g.reshape(g.view(y, shape=(N, 6), strides=(48, 2), offset=1), shape=(30,))  # needs a copy: stays
-    return Graph({"t": g.cont(t), "odd": odd}, meta={"case": "views"})
+    # Qwen3.5's gated q: per head [q | gate] in columns 0..31, q and gate taken as views of that view
+    q_gate = g.cols(y, 0, 32)  # [5, 32], strides [48, 1]
+    halves = [g.view(q_gate, shape=(N, 2, 8), strides=(32, 16, 1), offset=o) for o in (0, 8)]
+    return Graph({"t": g.cont(t), "odd": odd, "q": g.cont(halves[0]), "gate": g.cont(halves[1])},
+                 meta={"case": "views"})
 
 
 def case_swiglu(wtype: str) -> Graph:
@@ -210,6 +214,20 @@ def case_gated_norm(wtype: str) -> Graph:
     return Graph(outs, meta={"case": "gated_norm"})
 
 
+def case_sigmoid_gate(wtype: str) -> Graph:
+    """Qwen3.5's gated attention output attn * sigmoid(gate), in both operand orders (fused); one whose
+    sigmoid is also an output and one that broadcasts the gate (both kept)."""
+    x = _x()
+    heads = [g.reshape(g.mul_mat(_w(f"blk.{i}.attn_q.weight", 24, wtype), x), shape=(N, 3, 8)) for i in range(4)]
+    gate = g.reshape(g.mul_mat(_w("blk.0.attn_gate.weight", 24, wtype), x), shape=(N, 3, 8))
+    kept = g.sigmoid(g.input("g2", (N, 3, 8)), name="blk.2.gate_sigmoid")
+    return Graph({"ab": g.mul(heads[0], g.sigmoid(gate), name="blk.0.attn_gated"),
+                  "ba": g.mul(g.sigmoid(g.input("g1", (N, 3, 8))), heads[1], name="blk.1.attn_gated"),
+                  "shared": g.mul(heads[2], kept, name="blk.2.attn_gated"), "kept": kept,
+                  "broadcast": g.mul(heads[3], g.sigmoid(g.input("g3", (N, 3, 1))), name="blk.3.attn_gated")},
+                 meta={"case": "sigmoid_gate"})
+
+
 def case_ffn(wtype: str) -> Graph:
     """A gated FFN: gate and up column-parallel, down row-parallel with an all_reduce (shard-tp);
     every projection a weight times many rows (gemm-bf16)."""
@@ -252,6 +270,7 @@ TARGETED_CASES: dict[str, Case] = {
     "fuse-gated-delta-net-raw": Case(case_delta_net, "gated_delta_net_raw"),
     "fuse-gated-delta-net-l2": Case(case_delta_net_l2, "fewer-nodes"),
     "fuse-rms-norm-mul-gate": Case(case_gated_norm, "rms_norm_mul_gate"),
+    "fuse-mul-sigmoid": Case(case_sigmoid_gate, "mul_sigmoid"),
     "fuse-mul-mat-swiglu": Case(case_stacked_swiglu, "mul_mat_swiglu"),
 }
 

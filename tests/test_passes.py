@@ -49,7 +49,7 @@ MODEL_FUSIONS = {  # fusions `default` must apply to each tiny model
                    "fuse-mul-mat-swiglu"),
     "qwen3-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-qk-norm-rope",
                    "fuse-rope-set-rows", "fuse-mul-mat-swiglu"),
-}
+}  # Qwen3.5's list: tests/test_qwen35.py test_passes_fire_on_the_model_graph
 
 
 # ---------------------------------------------------------------- data
@@ -255,6 +255,55 @@ def test_mul_mat_swiglu_only_where_the_product_is_read_by_the_activation_alone()
     report = coverage(TARGETED_CASES["fuse-mul-mat-swiglu"].build("q4_0"), "fuse-mul-mat-swiglu")
     (_, why), = report["fuse-mul-mat-swiglu"].rejected
     assert "another reader" in why
+
+
+def test_mul_sigmoid_only_where_the_sigmoid_has_no_other_reader():
+    graph = TARGETED_CASES["fuse-mul-sigmoid"].build("f32")
+    out = PASSES["fuse-mul-sigmoid"](graph)
+    for name, x in (("ab", graph.outputs["ab"].src[0]), ("ba", graph.outputs["ba"].src[1])):
+        fused = out.outputs[name]
+        assert fused.op == "mul_sigmoid" and fused.name == graph.outputs[name].name
+        assert fused.src[0].op == "reshape" and fused.src[0].src[0].op == x.src[0].op  # x first, then the gate
+        assert fused.src[1].op != "sigmoid"
+    assert out.outputs["ba"].src[1].name == "g1" and out.outputs["ba"].src[0].op == "reshape"
+    assert out.outputs["shared"].op == "mul" and out.outputs["shared"].src[1] is out.outputs["kept"]
+    assert out.outputs["broadcast"].op == "mul"
+    rejected = dict(coverage(graph, "fuse-mul-sigmoid")["fuse-mul-sigmoid"].rejected)
+    assert "another reader" in rejected["mul 'blk.2.attn_gated'"] and "broadcast" in rejected["mul 'blk.3.attn_gated'"]
+
+
+def test_view_of_a_view_folds_into_one_view_of_the_base():
+    """Qwen3.5's q and gate, views of the q column view of the stacked product, become views of the
+    product itself (nothing reads the column view then): strides compose as numpy's would."""
+    out = PASSES["fold-reshape-view"](TARGETED_CASES["fold-reshape-view"].build("f32"))
+    q, gate = out.outputs["q"].src[0], out.outputs["gate"].src[0]
+    assert q.op == gate.op == "view" and q.src[0].op == gate.src[0].op == "mul_mat"
+    assert (q.params["strides"], q.params["offset"], gate.params["offset"]) == ((48, 16, 1), 0, 8)
+
+
+@pytest.mark.parametrize("inner,shape,strides,offset", [
+    (((8, 4096), (5120, 1), 0), (8, 8, 256), (4096, 512, 1), 256),  # Qwen3.5's gate, 8 rows
+    (((1, 4096), (5120, 1), 7), (1, 8, 256), (4096, 512, 1), 0),
+    (((4, 6), (12, 2), 1), (2, 3), (6, 2), 1),
+    (((3, 4), (1, 3), 0), (2, 2), (4, 1), 5),
+    (((5, 24), (48, 1), 0), (5, 24), (24, 1), 0),
+    (((5, 24), (48, 1), 0), (4, 24), (24, 1), 20),  # rows straddle the inner rows: no single view
+    (((2, 6), (6, 1), 0), (3, 4), (4, 1), 0),  # a reshape across the inner rows: contiguous, one view
+])
+def test_compose_strides_agrees_with_numpy(inner, shape, strides, offset):
+    from numpy.lib.stride_tricks import as_strided
+
+    from graphir.passes.views import compose_strides
+
+    base = np.arange(100000, dtype=np.int64)
+    ishape, istrides, ioffset = inner
+    flat = np.ascontiguousarray(as_strided(base[ioffset:], ishape, tuple(s * 8 for s in istrides))).reshape(-1)
+    want = as_strided(flat[offset:], shape, tuple(s * 8 for s in strides))
+    got = compose_strides(inner, shape, strides, offset)
+    straddles = inner[0] == (5, 24) and offset == 20
+    assert (got is None) == straddles
+    if got is not None:
+        assert np.array_equal(as_strided(base[got[1]:], shape, tuple(s * 8 for s in got[0])), want)
 
 
 def test_qwen3_k_norm_rope_goes_to_the_cache_in_one_op():

@@ -192,7 +192,7 @@ def test_passes_fire_on_the_model_graph(loaded, phase):
     config, weights = loaded
     report = coverage(qwen35.build(config, phase, None if phase == "decode" else 20))
     for name, sites in [("fuse-ssm-conv-silu", 3), ("fuse-gated-delta-net-raw", 3), ("fuse-gated-delta-net-l2", 3),
-                        ("fuse-rms-norm-mul-gate", 3)]:
+                        ("fuse-rms-norm-mul-gate", 3), ("fuse-mul-sigmoid", 1)]:
         assert len(report[name].matched) == sites, report.text()
         assert not report[name].rejected, report.text()
     if phase == "prefill":  # 20 rows: compute-bound projections stay apart (no strided views to copy)
@@ -203,6 +203,26 @@ def test_passes_fire_on_the_model_graph(loaded, phase):
     stacked = " ".join(report["stack-projections"].matched)
     for part in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "attn_q", "attn_k", "attn_v"):
         assert f"blk.0.{part}" in stacked or f"blk.3.{part}" in stacked
+
+
+def test_gated_attention_fuses_in_verify_graphs(loaded):
+    """A speculative verify call (several rows): the gate product fuses, and q and gate become views of
+    the stacked projection (fold-reshape-view), so the gpu gathers neither."""
+    config, _ = loaded
+    graph = qwen35.build(config, "verify", 5)
+    report = coverage(graph)
+    assert len(report["fuse-mul-sigmoid"].matched) == 1 and not report["fuse-mul-sigmoid"].rejected, report.text()
+    out = run_pipeline(graph, "default")
+    gates = [n for n in out.nodes() if n.op == "mul_sigmoid"]
+    assert len(gates) == 1 and gates[0].src[1].op == "view" and gates[0].src[1].src[0].op == "mul_mat"
+
+
+def test_default_passes_keep_decode_logits(loaded):
+    """Decode through the default pipeline (stacked projections, strided q/gate views, mul_sigmoid) on the
+    cpu gives the unfused reference's logits, token after token."""
+    fused, plain = Runner(*loaded, backend="cpu", passes="default"), Runner(*loaded, backend="reference")
+    for ids in (IDS[:4], IDS[4:5], IDS[5:6]):
+        assert_close(fused.feed(ids), plain.feed(ids), 1e-4, "default passes on the cpu")
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp qwen35 names)

@@ -191,6 +191,21 @@ def _swiglu(n, ins, out, p):
     return out[0], lambda: kernel(a, b, o)
 
 
+def _mul_sigmoid(n, ins, out, p):
+    """a * sigmoid(b) as the unfused ops compute it (the same f32 ufuncs in the same order, so equal
+    bit for bit), through one scratch buffer bound with the Program; b may be a strided view."""
+    a, b, o = val(ins[0]), val(ins[1]), out[0]
+    s = np.empty(b.shape, np.float32)
+
+    def step() -> None:
+        with np.errstate(over="ignore"):  # e^-b = inf for very negative b: sigmoid 0, as the reference
+            np.exp(np.negative(b, out=s), out=s)
+        np.add(1.0, s, out=s)
+        np.divide(1.0, s, out=s)
+        np.multiply(a, s, out=o)
+    return o, step
+
+
 def _mul_mat_swiglu(n, ins, out, p):
     """The stacked gate|up product into a buffer bound once with the Program, then the activation:
     the same two kernels as the unfused ops (the fusion saves a GPU launch, not CPU work)."""
@@ -347,6 +362,7 @@ RULES: dict[str, Callable] = {
     "silu": _silu,
     "swiglu_split": _swiglu,
     "mul_mat_swiglu": _mul_mat_swiglu,
+    "mul_sigmoid": _mul_sigmoid,
     "rms_norm_mul_gate": _rms_norm_mul_gate,
     "rope": _rope,
     "flash_attn": _flash_attn,

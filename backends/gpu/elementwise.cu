@@ -56,6 +56,22 @@ DEFINE_UNARY(gelu, gelu_f(x))
 DEFINE_UNARY(sigmoid, sigmoid_f(x))
 DEFINE_UNARY(softplus, softplus_f(x))
 
+// y = a * sigmoid(b) for a (contiguous) and b of the same shape, b read in place as a row-strided
+// view: row r = (i0, i1) of b starts at b + i0 * s0 + i1 * s1, its `cols` elements contiguous
+// (Qwen3.5's gate half of the q projection, interleaved per head with q). The same expression as
+// unary_sigmoid then binary_mul, so it equals them bit for bit.
+extern "C" __global__ void mul_sigmoid_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                           float* __restrict__ y, long long n, int cols, int d1, long long s0,
+                                           long long s1) {
+    PDL_ENTRY();
+    GRID_STRIDE(i, n) {
+        const long long r = i / cols;
+        const int c = (int)(i - r * cols);
+        const long long i0 = r / d1, i1 = r - i0 * d1;
+        y[i] = a[i] * sigmoid_f(b[i0 * s0 + i1 * s1 + c]);
+    }
+}
+
 extern "C" __global__ void scale_f32(const float* __restrict__ in, float* __restrict__ y, long long n, float s,
                                      float b) {
     PDL_ENTRY();

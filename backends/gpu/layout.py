@@ -5,6 +5,12 @@ contiguous alias at an element offset). A view whose elements are not contiguous
 source's row-major order (a real permute, a strided view) is materialized by a gather kernel
 into its own arena slot, every call, so kernels only ever see contiguous inputs: `copy_launch`,
 the one gather (copy.cu), which also casts and stages copies.
+
+The exception: a rule may declare inputs it reads as *row-strided* views (lowering.py
+ROW_STRIDED_INPUTS: last axis contiguous, the outer axes at any strides). A view whose every
+reader takes it so is not gathered; the Program binds it as an alias starting at its first
+element, and the rule reads it through `lowering.input_strides` (Qwen3.5's q and gate halves,
+interleaved per head in one projection, cost no copy kernels).
 """
 
 from __future__ import annotations
@@ -48,9 +54,57 @@ def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return all(s == c for n, s, c in zip(shape, strides, contiguous_strides(shape)) if n != 1)
 
 
-def views_to_copy(graph: Graph) -> set[int]:
-    """ids of view nodes that need a gather into their own slot (not contiguous over their source)."""
-    return {id(n) for n in graph.nodes() if OPS[n.op].view and not is_contiguous(*view_layout(n)[:2])}
+def views_to_copy(graph: Graph, row_strided: dict[str, dict[int, int]] | None = None) -> set[int]:
+    """ids of view nodes that need a gather into their own slot: not contiguous over their source,
+    and not read in place by rules that take row-strided views (`row_strided`: op -> {input index:
+    outer axes its kernel indexes}; lowering.ROW_STRIDED_INPUTS by default)."""
+    if row_strided is None:
+        from .lowering import ROW_STRIDED_INPUTS  # lowering imports this module: read its table late
+
+        row_strided = ROW_STRIDED_INPUTS
+    users, roots, runtime = graph.users(), {id(r) for r in graph.roots}, runtime_nodes(graph)
+    copies = set()
+    for n in graph.nodes():
+        if not OPS[n.op].view:
+            continue
+        shape, strides, offset = view_layout(n)
+        if is_contiguous(shape, strides):
+            continue
+        in_place = (n.dtype == "f32" and id(n) not in roots and id(n) in runtime and users[id(n)]
+                    and offset + n.numel <= n.src[0].numel  # the Program's alias spans numel elements
+                    and all(_takes_row_strided(u, n, shape, strides, row_strided) for u in users[id(n)]))
+        if not in_place:
+            copies.add(id(n))
+    return copies
+
+
+def _takes_row_strided(reader: Node, v: Node, shape: tuple[int, ...], strides: tuple[int, ...],
+                       row_strided: dict[str, dict[int, int]]) -> bool:
+    """Whether `reader` takes v, at every input position it reads v, as a row-strided view."""
+    accepts = row_strided.get(reader.op, {})
+    return all(i in accepts and is_row_strided(shape, strides, accepts[i])
+               for i, s in enumerate(reader.src) if s is v)
+
+
+def is_row_strided(shape: tuple[int, ...], strides: tuple[int, ...], outer: int) -> bool:
+    """Last axis contiguous, non-negative strides, and at most `outer` outer axes once collapsed."""
+    if not shape or min(strides) < 0 or (shape[-1] > 1 and strides[-1] != 1):
+        return False
+    try:
+        collapse(shape[:-1], strides[:-1], outer, "row-strided view")
+    except BackendError:
+        return False
+    return True
+
+
+def runtime_nodes(graph: Graph) -> set[int]:
+    """ids of nodes that read an Input or a State: the rest (Params and Consts only) are folded at
+    lowering into contiguous arrays (graphir.lowering.fold_params), never bound as views."""
+    out: set[int] = set()
+    for n in graph.nodes():
+        if n.op in ("input", "state") or any(id(s) in out for s in n.src):
+            out.add(id(n))
+    return out
 
 
 def collapse(shape: tuple[int, ...], strides: tuple[int, ...], max_dims: int, what: str) -> tuple[list[int], list[int]]:

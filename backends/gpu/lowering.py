@@ -13,17 +13,50 @@ from typing import Any
 
 import numpy as np
 
+from graphir.builder import contiguous_strides
 from graphir.errors import BackendError
-from graphir.ir import Node
+from graphir.ir import Node, toposort
+from graphir.ops import OPS
 
 from . import attention, matmul, nccl, recurrent
 from .launch import Launch, Lowering, cdiv, dev, f32, i32
-from .layout import BLOCK, broadcast_strides, collapse, copy_launch, grid_for, tname, view_layout
+from .layout import BLOCK, broadcast_strides, collapse, copy_launch, grid_for, is_contiguous, tname, view_layout
 
 
 def row_block(ncols: int) -> int:
     """Threads for one-block-per-row kernels: a multiple of 64 (a wavefront on gfx9), up to 1024."""
     return max(64, min(1024, cdiv(ncols, 64) * 64))
+
+
+# ---------------------------------------------------------------- inputs read as row-strided views
+def input_strides(lw: Lowering, n: Node, i: int) -> tuple[int, ...]:
+    """Element strides of input i as this rule receives it. A view that layout.views_to_copy left
+    in place (every reader listed it in ROW_STRIDED_INPUTS) is bound at its first element and keeps
+    its layout's strides; anything else is C-contiguous: a gathered view (_view_copy marks it), a
+    value folded from Params at lowering, every other node."""
+    v = n.src[i]
+    if not OPS[v.op].view or ("gathered", id(v)) in lw.shared or not _reads_runtime(lw, v):
+        return contiguous_strides(v.shape)
+    return view_layout(v)[1]
+
+
+def _reads_runtime(lw: Lowering, v: Node) -> bool:
+    """Whether v reads an Input or State (not folded from Params), memoized for the binding."""
+    memo = lw.shared.setdefault("reads_runtime", {})
+    for x in toposort([v]):
+        if id(x) not in memo:
+            memo[id(x)] = x.op in ("input", "state") or any(memo[id(s)] for s in x.src)
+    return memo[id(v)]
+
+
+def contiguous_input(lw: Lowering, n: Node, i: int, x: Any) -> tuple[Any, list]:
+    """Input i as a contiguous array, with the gather that makes it (none when it already is), for
+    the paths of a strided-input rule whose kernels read contiguous rows."""
+    strides = input_strides(lw, n, i)
+    if is_contiguous(x.shape, strides):
+        return x, []
+    tmp = lw.scratch(x.shape)
+    return tmp, [copy_launch(x, tmp, (x.shape, strides, 0), f"{n.op} input {i} gather")]
 
 
 # ---------------------------------------------------------------- elementwise
@@ -56,6 +89,18 @@ def _scale(lw, n, ins, outs, p):
 def _swiglu_split(lw, n, ins, outs, p):
     a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
     return [Launch("elementwise.cu", "swiglu_split_f32", grid_for(a.size), BLOCK, (a, b, y, np.int64(a.size)))]
+
+
+def _mul_sigmoid(lw, n, ins, outs, p):
+    """y = a * sigmoid(b), b read in place through its row strides (Qwen3.5's gate half of q)."""
+    a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
+    if not is_contiguous(a.shape, input_strides(lw, n, 0)):
+        raise BackendError(f"mul_sigmoid {n.describe()}: a must be contiguous here (ROW_STRIDED_INPUTS lists b only)")
+    strides = input_strides(lw, n, 1)
+    cols = b.shape[-1] if b.ndim else 1
+    dims, outer = collapse(b.shape[:-1], strides[:-1], 2, "mul_sigmoid b")
+    args = (a, b, y, np.int64(a.size), i32(cols), i32(dims[1]), np.int64(outer[0]), np.int64(outer[1]))
+    return [Launch("elementwise.cu", "mul_sigmoid_f32", grid_for(a.size), BLOCK, args)]
 
 
 # ---------------------------------------------------------------- norms and row reductions
@@ -167,32 +212,48 @@ def _inv_freq(lw: Lowering, p: dict) -> Any:
     return buf
 
 
-def rope_launch(lw: Lowering, x: Any, pos: Any, y: Any, p: dict) -> Launch:
+def _head_strides(x: Any, strides: tuple[int, ...]) -> tuple[np.int64, np.int64]:
+    """The token and head strides of x [n_tok, n_heads, head_dim] (head_dim contiguous), kernel args."""
+    if len(strides) != 3 or (x.shape[-1] > 1 and strides[-1] != 1):
+        raise BackendError(f"rope kernels read x {list(x.shape)} as head rows with a contiguous last axis; "
+                           f"got strides {list(strides)}")
+    return np.int64(strides[0]), np.int64(strides[1])
+
+
+def rope_launch(lw: Lowering, x: Any, pos: Any, y: Any, p: dict, x_strides: tuple[int, ...] | None = None) -> Launch:
+    """y = rope(x), y contiguous; x read through x_strides (contiguous if None)."""
     n_tok, n_heads, head_dim = x.shape
     n_dims = p["n_dims"]
     work = n_tok * n_heads * (n_dims // 2 + head_dim - n_dims)
+    xs = _head_strides(x, x_strides or contiguous_strides(x.shape))
     args = (x, pos, _inv_freq(lw, p), y, i32(n_tok), i32(n_heads), i32(head_dim), i32(n_dims),
-            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]))
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), *xs)
     return Launch("rope.cu", "rope_f32", grid_for(work), BLOCK, args)
 
 
 def _rope(lw, n, ins, outs, p):
-    return [rope_launch(lw, dev(ins[0]), ins[1], outs[0], p)]
+    return [rope_launch(lw, dev(ins[0]), ins[1], outs[0], p, input_strides(lw, n, 0))]
 
 
 def _rms_norm_mul_rope(lw, n, ins, outs, p):
-    x, w, pos, y = dev(ins[0]), dev(ins[1]), ins[2], outs[0]
+    return norm_rope_steps(lw, n, 0, dev(ins[0]), dev(ins[1]), ins[2], outs[0], p)
+
+
+def norm_rope_steps(lw: Lowering, n: Node, xi: int, x: Any, w: Any, pos: Any, y: Any, p: dict) -> list:
+    """y = rope(rms_norm(x) * w), x being n's input xi (read in place through its strides)."""
     n_tok, n_heads, head_dim = x.shape
     if _is_row_weight(w, head_dim) and head_dim <= 1024:  # one kernel: a block per head row
         threads = cdiv(head_dim, 32) * 32
         args = (x, w, pos, _inv_freq(lw, p), y, i32(n_heads), i32(head_dim), i32(p["n_dims"]),
-                i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]))
+                i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]),
+                *_head_strides(x, input_strides(lw, n, xi)))
         return [Launch("rope.cu", "rms_norm_mul_rope_f32", n_tok * n_heads, threads, args, shared=4 * head_dim)]
+    x, steps = contiguous_input(lw, n, xi, x)  # the unfused kernels read contiguous rows
     if _is_row_weight(w, x.shape[-1]):
-        steps = [rms_norm_launch(x, w, y, p["eps"])]
+        steps += [rms_norm_launch(x, w, y, p["eps"])]
     else:
         normed = lw.scratch(x.shape)
-        steps = [rms_norm_launch(x, None, normed, p["eps"]), binary_launch("mul", normed, w, y)]
+        steps += [rms_norm_launch(x, None, normed, p["eps"]), binary_launch("mul", normed, w, y)]
     return steps + [rope_launch(lw, y, pos, y, p)]  # in place: each thread reads its pair, then writes it
 
 
@@ -202,7 +263,8 @@ def _rope_set_rows(lw, n, ins, outs, p):
     cap = cache.shape[0]
     code = lw.code_arg(f"rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; the KV capacity)")
     args = (cache, x, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
-            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), i32(cap), lw.errflag, code)
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), i32(cap), lw.errflag, code,
+            *_head_strides(x, input_strides(lw, n, 1)))
     return [Launch("rope.cu", f"rope_set_rows_{tname(cache)}", grid_for(x.size), BLOCK, args)]
 
 
@@ -212,17 +274,19 @@ def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
     cap = cache.shape[0]
     if not (_is_row_weight(w, head_dim) and head_dim <= 1024):  # the unfused rules, through scratch
         roped = lw.scratch(x.shape)
-        return _rms_norm_mul_rope(lw, n, [x, w, pos], [roped], p) + _set_rows(lw, n, [cache, roped, rows], None, p)
+        return norm_rope_steps(lw, n, 1, x, w, pos, roped, p) + _set_rows(lw, n, [cache, roped, rows], None, p)
     code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
                        "the KV capacity)")
     args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
-            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code)
+            i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code,
+            *_head_strides(x, input_strides(lw, n, 1)))
     return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", n_tok * n_heads, cdiv(head_dim, 32) * 32,
                    args, shared=4 * head_dim)]
 
 
 # ---------------------------------------------------------------- data movement
 def _view_copy(lw, n, ins, outs, p):
+    lw.shared[("gathered", id(n))] = True  # its readers get it contiguous (input_strides)
     return [copy_launch(dev(ins[0]), outs[0], view_layout(n), f"{n.op} gather")]
 
 
@@ -301,6 +365,7 @@ RULES: dict[str, Callable] = {
     **{op: _unary(op) for op in ("neg", "exp", "silu", "gelu", "sigmoid", "softplus")},
     "scale": _scale,
     "swiglu_split": _swiglu_split,
+    "mul_sigmoid": _mul_sigmoid,
     "rms_norm": _rms_norm,
     "l2_norm": _row_norm("l2_norm_f32"),
     "norm": _row_norm("layer_norm_f32"),
@@ -345,6 +410,14 @@ F16_INPUTS: dict[str, tuple[int, ...]] = {
     "set_rows": (0,), "rope_set_rows": (0,), "rms_norm_mul_rope_set_rows": (0,), "assign": (0,),
     "flash_attn": (1, 2), "flash_attn_bf16": (1, 2),
     "view": (0,), "reshape": (0,), "permute": (0,), "transpose": (0,), "cont": (0,), "cast": (0,), "concat": (0, 1),
+}
+# Inputs a rule reads in place as row-strided views, {input index: outer axes its kernel indexes}
+# (layout.views_to_copy does not gather them); the rule reads their strides with input_strides.
+# Each listed rule is checked at several strides and row counts in tests/test_gpu_strided.py.
+ROW_STRIDED_INPUTS: dict[str, dict[int, int]] = {
+    "rms_norm_mul_rope": {0: 2}, "rms_norm_mul_rope_set_rows": {1: 2},  # x [n_tok, n_heads, head_dim]
+    "rope": {0: 2}, "rope_set_rows": {1: 2},
+    "mul_sigmoid": {1: 2},  # the gate b, up to 2 collapsed outer axes
 }
 F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})
 # ops handled by the Program itself, not by a rule

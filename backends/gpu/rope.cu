@@ -27,11 +27,13 @@ DEVICE int pair_index(int j, int n_dims, int neox) {
     return neox ? (j < half ? j : j - half) : j / 2;
 }
 
-// y[t, h, j] for x [n_tok, n_heads, head_dim]. y may alias x (in-place rope after a fused norm):
-// one thread owns both elements of a pair, reading both before writing either.
+// y[t, h, j] for x [n_tok, n_heads, head_dim], y contiguous; head (t, h) of x starts at
+// x + t * x_tok + h * x_head (a row-strided view read in place, e.g. q of a stacked q|k|v product).
+// y may alias x (in-place rope after a fused norm, x then contiguous): one thread owns both
+// elements of a pair, reading both before writing either.
 extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos, const double* __restrict__ inv_freq,
                                     float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox,
-                                    double freq_scale) {
+                                    double freq_scale, long long x_tok, long long x_head) {
     PDL_ENTRY();
     const int half = n_dims / 2;
     const int per_head = half + (head_dim - n_dims);  // one thread per pair, one per pass-through element
@@ -40,7 +42,7 @@ extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos,
         const int k = (int)(g % per_head);
         const long long th = g / per_head;  // t * n_heads + h
         const int t = (int)(th / n_heads);
-        const float* xh = x + th * head_dim;
+        const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;
         float* yh = y + th * head_dim;
         if (k >= half) {  // dims past n_dims pass through
             const int j = n_dims + (k - half);
@@ -58,18 +60,21 @@ extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos,
 
 // y[t, h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]) for x [n_tok, n_heads, head_dim] and w [head_dim]:
 // the q/k norm of Qwen3-style attention and its rotation in one pass, one block per head row
-// (blockDim >= head_dim). The normed row waits in shared memory for its rotation partners; the
-// arithmetic is that of rms_norm_f32 followed by rope_f32, so the two paths agree bitwise.
+// (blockDim >= head_dim). Head (t, h) of x starts at x + t * x_tok + h * x_head: q read in place
+// from the projection (Qwen3.5 interleaves q and its gate per head; Qwen3 stacks q|k|v); y contiguous.
+// The normed row waits in shared memory for its rotation partners; the arithmetic is that of
+// rms_norm_f32 followed by rope_f32, so the two paths agree bitwise.
 extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
                                                  const int* __restrict__ pos, const double* __restrict__ inv_freq,
                                                  float* y, int n_heads, int head_dim, int n_dims, int neox,
-                                                 double freq_scale, float eps) {
+                                                 double freq_scale, float eps, long long x_tok, long long x_head) {
     PDL_ENTRY();
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     extern __shared__ float normed[];  // head_dim floats
     const long long th = blockIdx.x;  // t * n_heads + h
     const int t = (int)(th / n_heads), j = threadIdx.x;
-    const float v = j < head_dim ? x[th * head_dim + j] : 0.0f;
+    const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;
+    const float v = j < head_dim ? xh[j] : 0.0f;
     const float ss = block_sum(v * v, red);
     const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
     if (j < head_dim) normed[j] = v * inv * w[j];
@@ -81,12 +86,13 @@ extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __
 }
 
 // cache[rows[t], :] = rope(x, pos)[t] for x [n_tok, n_heads, head_dim]: roped K written straight into
-// the KV cache (f32 or f16). A row outside 0..cap-1 is reported, never written.
+// the KV cache (f32 or f16). Head (t, h) of x starts at x + t * x_tok + h * x_head (K read in place
+// from a stacked q|k|v product). A row outside 0..cap-1 is reported, never written.
 #define DEFINE_ROPE_SET_ROWS(name, T, STORE)                                                                       \
     extern "C" __global__ void name(T* cache, const float* __restrict__ x, const int* __restrict__ pos,             \
                                     const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok,  \
                                     int n_heads, int head_dim, int n_dims, int neox, double freq_scale, int cap,   \
-                                    int* errflag, int code) {                                                      \
+                                    int* errflag, int code, long long x_tok, long long x_head) {                   \
         PDL_ENTRY();                                                                                               \
         const long long row_elems = (long long)n_heads * head_dim;                                                 \
         const long long n = n_tok * row_elems;                                                                     \
@@ -100,7 +106,7 @@ extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __
                 report_error(errflag, code, r);                                                                    \
                 continue;                                                                                          \
             }                                                                                                      \
-            const float* xh = x + (g - j);                                                                         \
+            const float* xh = x + t * x_tok + (e / head_dim) * x_head;                                             \
             float v = xh[j];                                                                                       \
             if (j < n_dims) {                                                                                      \
                 const double ang = (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)];            \
@@ -116,19 +122,21 @@ DEFINE_ROPE_SET_ROWS(rope_set_rows_f16, u16, f32_to_f16)
 
 // cache[rows[t], h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]): rms_norm_mul_rope_f32 writing its
 // rows straight into the KV cache (Qwen3's K), same arithmetic, so it equals the norm-rope kernel
-// followed by set_rows bit for bit (f32 cache). One block per head row; a row outside 0..cap-1 is
-// reported, never written.
+// followed by set_rows bit for bit (f32 cache). One block per head row, head (t, h) of x at
+// x + t * x_tok + h * x_head; a row outside 0..cap-1 is reported, never written.
 #define DEFINE_NORM_ROPE_SET_ROWS(name, T, STORE)                                                                  \
     extern "C" __global__ void name(T* cache, const float* x, const float* __restrict__ w,                          \
                                     const int* __restrict__ pos, const int* __restrict__ rows,                     \
                                     const double* __restrict__ inv_freq, int n_heads, int head_dim, int n_dims,    \
-                                    int neox, double freq_scale, float eps, int cap, int* errflag, int code) {     \
+                                    int neox, double freq_scale, float eps, int cap, int* errflag, int code,       \
+                                    long long x_tok, long long x_head) {                                           \
         PDL_ENTRY();                                                                                               \
         __shared__ float red[MAX_THREADS / WARP_SIZE];                                                             \
         extern __shared__ float normed[];                                                                          \
         const long long th = blockIdx.x;                                                                           \
         const int t = (int)(th / n_heads), j = threadIdx.x;                                                        \
-        const float v = j < head_dim ? x[th * head_dim + j] : 0.0f;                                                \
+        const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;                                  \
+        const float v = j < head_dim ? xh[j] : 0.0f;                                                               \
         const float ss = block_sum(v * v, red);                                                                    \
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);                                                \
         if (j < head_dim) normed[j] = v * inv * w[j];                                                              \

@@ -163,6 +163,22 @@ def _rms_norm_mul_gate_ref(x, w, z, eps: float):
 op("rms_norm_mul_gate", 3, "rms_norm(x, eps) * w * silu(z) (w broadcast over the last axis, z shaped like x)",
    {"eps": (float, REQUIRED)})((_rms_norm_mul_gate_infer, _rms_norm_mul_gate_ref))
 
+
+def _mul_sigmoid_infer(ts: list[Type], p: dict) -> Type:
+    a, b = ts
+    need(a == b, f"b {list(b[0])} {b[1]} must match a {list(a[0])} {a[1]} (no broadcast)")
+    return _binary_infer([a, b], p)
+
+
+def _mul_sigmoid_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return OPS["mul"].ref(a, OPS["sigmoid"].ref(b))
+
+
+# Qwen3.5's gated attention: the attention output times sigmoid of the gate half of the q
+# projection. One op, so the gate is read once (in place, as a strided view on the gpu) and
+# sigmoid(gate) is never stored.
+op("mul_sigmoid", 2, "a * sigmoid(b), elementwise (b shaped like a)")((_mul_sigmoid_infer, _mul_sigmoid_ref))
+
 # Collectives (tensor parallel) live in their own module; importing it here registers them wherever the
 # op table is imported.
 

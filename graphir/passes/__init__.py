@@ -77,6 +77,7 @@ FUSIONS = [
     "fuse-gated-delta-net-raw",
     "fuse-gated-delta-net-l2",  # after -raw: q/k's l2 norms join the fused delta rule
     "fuse-rms-norm-mul-gate",  # after swiglu-split: Qwen3.5's gated output norm
+    "fuse-mul-sigmoid",  # Qwen3.5's gated attention output: the gate view read in place by one kernel
     "fuse-mul-mat-swiglu",  # after stack-projections and swiglu-split: the gate|up GEMV stores the activation
 ]
 
@@ -183,6 +184,7 @@ def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
 from graphir.passes import (  # noqa: E402,F401
     attn_bf16,
     cleanup,
+    fuse_gate,
     fuse_norm,
     fuse_rope,
     fuse_ssm,

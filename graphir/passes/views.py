@@ -1,15 +1,19 @@
-"""fold-reshape-view: a reshape or permute of a view becomes one strided view of the base.
+"""fold-reshape-view: a reshape, permute or view of a view becomes one strided view of the base.
 
 After stack-projections, q = reshape(cols(y, 0, n_q), [n, heads, head_dim]) reshapes a
 non-contiguous view; as one view (strides [row, head_dim, 1]) no backend has to copy it.
+Qwen3.5's gated q takes views of such a column view (q and gate interleaved per head): as views
+of the base, the column view itself has no reader left and is never gathered.
 """
 
 from __future__ import annotations
 
-from graphir.builder import is_state_chain
+from graphir.builder import contiguous_strides, is_state_chain
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, offset) in the base's elements
 
 
 def reshape_strides(shape: tuple[int, ...], strides: tuple[int, ...],
@@ -39,28 +43,89 @@ def reshape_strides(shape: tuple[int, ...], strides: tuple[int, ...],
     return tuple(out)
 
 
-def _view_of_view(n: Node, rw: Rewriter) -> tuple[Node, Node, tuple[int, ...]] | None:
-    if n.op not in ("reshape", "permute") or n.src[0].op != "view" or is_state_chain(n.src[0].src[0]):
+def compose_strides(inner: Layout, shape: tuple[int, ...],
+                    strides: tuple[int, ...], offset: int) -> tuple[tuple[int, ...], int] | None:
+    """(strides, offset) over the base of a view (shape, strides, offset) taken over the row-major
+    order of an inner view (shape, strides, offset) of that base, or None. Each outer axis steps
+    one inner axis (the outermost whose row-major stride divides it); exact when no index of the
+    outer view carries from one inner axis into the next (each inner digit stays below its size)."""
+    ishape, istrides, ioffset = _merged(*inner)
+    if 0 in ishape or 0 in shape or min(strides, default=0) < 0 or offset >= _prod(ishape):
+        return None
+    cs = contiguous_strides(ishape)
+    digits, rest = [], offset
+    for c in cs:  # offset's digits in the inner view's mixed radix
+        digits.append(rest // c)
+        rest %= c
+    reach = list(digits)  # the largest digit each inner axis takes
+    out = []
+    for n, s in zip(shape, strides, strict=True):
+        j = next((j for j, c in enumerate(cs) if ishape[j] > 1 and s % c == 0), None) if s else None
+        if j is None:  # a broadcast axis, or a size-1 axis whose stride is never stepped
+            if n > 1 and s:
+                return None
+            out.append(0)
+            continue
+        reach[j] += (n - 1) * (s // cs[j])
+        out.append(s // cs[j] * istrides[j])
+    if any(r >= size for r, size in zip(reach, ishape, strict=True)):
+        return None
+    return tuple(out), ioffset + sum(d * st for d, st in zip(digits, istrides, strict=True))
+
+
+def _merged(shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Layout:
+    """The same layout with size-1 axes dropped and adjacent axes merged where their strides compose
+    (the same row-major order, fewer digits: a reshape across merged rows then composes too)."""
+    dims: list[list[int]] = []
+    for n, s in zip(shape, strides, strict=True):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == s * n:
+            dims[-1] = [dims[-1][0] * n, s]
+        else:
+            dims.append([n, s])
+    return tuple(d[0] for d in dims) or (1,), tuple(d[1] for d in dims) or (1,), offset
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _view_of_view(n: Node, rw: Rewriter) -> tuple[Node, Node, tuple[int, ...], int] | None:
+    if n.op not in ("reshape", "permute", "view"):
+        return None
+    v = rw.new(n.src[0])  # the source as this walk rebuilt it: a chain of views folds in one walk
+    if v.op != "view" or is_state_chain(v.src[0]):
         return None  # views of State stay as built: a second reader of the buffer would reorder writes
-    v = n.src[0]
-    strides = v.params["strides"]
+    strides, offset = v.params["strides"], v.params["offset"]
     if n.op == "permute":
-        return n, v, tuple(strides[a] for a in n.params["axes"])
+        return n, v, tuple(strides[a] for a in n.params["axes"]), offset
+    if n.op == "view":
+        p = n.params
+        composed = compose_strides((v.shape, tuple(strides), offset), n.shape, tuple(p["strides"]), p["offset"])
+        if composed is None:
+            rw.reject(n, f"view strides {list(p['strides'])} offset {p['offset']} of view strides {list(strides)} "
+                         "do not compose into one view")
+            return None
+        return n, v, *composed
     new = reshape_strides(v.shape, strides, n.shape)
     if new is None:
         rw.reject(n, f"view strides {list(strides)} cannot be reshaped to {list(n.shape)} without a copy")
         return None
-    return n, v, new
+    return n, v, new, offset
 
 
-def _fold(m: tuple[Node, Node, tuple[int, ...]], rw: Rewriter) -> Node:
-    n, v, strides = m
+def _fold(m: tuple[Node, Node, tuple[int, ...], int], rw: Rewriter) -> Node:
+    n, v, strides, offset = m
     rw.matched(n, "view")
-    return rw.make("view", v.src[0], name=n.name, shape=n.shape, strides=strides, offset=v.params["offset"])
+    return rw.make("view", v.src[0], name=n.name, shape=n.shape, strides=strides, offset=offset)
 
 
 # A view of a view is still a view: fold the layout change into the strides.
-@register_pass("fold-reshape-view", "reshape/permute of a view -> one view of the base with combined strides, "
-                                    "when the reshape needs no copy")
+@register_pass("fold-reshape-view", "reshape/permute/view of a view -> one view of the base with combined strides, "
+                                    "when the result needs no copy")
 def fold_reshape_view(graph: Graph) -> Graph:
     return rewrite(graph, [(_view_of_view, _fold)])
