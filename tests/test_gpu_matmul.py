@@ -208,7 +208,7 @@ def test_gemv_rule_unaligned_x_and_replay(fmt, m, rng):
 
 
 def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, has_v3
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, V3_FORMATS
 
     cases = []
     for fmt in FORMATS:
@@ -219,11 +219,8 @@ def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
             n_ins = [256, 512, 256 * 17]
         else:
             n_ins = [qk * 8, qk * 16, qk * 8 * 13]  # rows of whole 16-byte pieces (the wide loads)
-        for cfg in ["gemv1", *GEMV1_CONFIGS, *(c for c in GEMV1_V3 if has_v3(fmt, c))]:
-            shapes = [(1, n_ins[0]), (7, n_ins[1]), (511, n_ins[2])]
-            if cfg.startswith("v3k"):  # 168 blocks: 5 whole chunks + 8 blocks, so groups get 2 or 1 chunks
-                shapes.append((33, 168 * 32))
-            for shape in shapes:
+        for cfg in ["gemv1", *GEMV1_CONFIGS, *(GEMV1_V3 if fmt in V3_FORMATS else ())]:
+            for shape in [(1, n_ins[0]), (7, n_ins[1]), (511, n_ins[2])]:
                 cases.append((fmt, cfg, shape))
     return cases
 
@@ -234,8 +231,7 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     """Every m == 1 kernel variant (matmul.py GEMV1_CONFIGS and GEMV1_V3; the benchmark picks the
     default), at 1, 7 and 511 rows, against the f64 product of the dequantized weight. The v3
     kernels stage 32 blocks (q8_0, q4_0) or 8 super-blocks (q4_k) per chunk: the sizes below give
-    one partial chunk, whole chunks, and whole chunks plus a partial one (for the split v3k kernels:
-    groups with no chunk, and groups with one more chunk than others)."""
+    one partial chunk, whole chunks, and whole chunks plus a partial one."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering

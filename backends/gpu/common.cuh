@@ -33,20 +33,6 @@ typedef unsigned char u8;
 #define SHFL_XOR(v, lane) __shfl_xor_sync(0xffffffffu, (v), (lane))
 #endif
 
-// A 32-lane group's shared-memory writes made visible to the group's own lanes. On HIP the group lies
-// inside one wavefront (32 or 64 lanes), which runs in lockstep: only the compiler must not move LDS
-// accesses across the point, hence fences around a wave barrier.
-#if defined(__HIPCC__)
-#define GROUP_SYNC()                                          \
-    do {                                                      \
-        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup"); \
-        __builtin_amdgcn_wave_barrier();                      \
-        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup"); \
-    } while (0)
-#else
-#define GROUP_SYNC() __syncwarp()
-#endif
-
 #define DEVICE static __device__ __forceinline__
 #define NEG_INF __int_as_float(0xff800000)  // -inf without math.h (absent under NVRTC)
 

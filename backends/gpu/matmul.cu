@@ -470,90 +470,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     }
 }
 
-// gemv1v3_<fmt>_k<KS>r<NR> (q8_0, q4_0): the staged kernel with each row's blocks split over KS of the
-// block's 32-lane groups, so a block holds G / KS * NR rows instead of G * NR. A 4096-row weight then
-// fills the GPU with blocks (2048 instead of 512 at KS = 4, NR = 2): the v3r2 form reaches only ~4 blocks
-// an SM there, too few warps to keep DRAM busy. Each group stages its own chunk's x and weight pieces
-// (synchronized within the warp only, so groups may run different chunk counts); the KS partial sums of a
-// row are added in group order after one block barrier, the same order on every run.
-template <class S, int NR, int KS>
-DEVICE void gemv1v3_split(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                          float* __restrict__ Y, int n_out, int n_in) {
-    constexpr int G = GEMV3_THREADS / 32;
-    constexpr int RG = G / KS;                          // row groups per block
-    constexpr int CB = 32;
-    constexpr int PIECES = CB * S::BB / 16;
-    constexpr int PPL = (PIECES + 31) / 32;
-    static_assert(G % KS == 0, "the groups split evenly");
-    __shared__ F4 xs[G][CB * 9];
-    __shared__ U4 ws[G][NR][PIECES];
-    __shared__ float part[G][NR];
-    const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int kg = grp % KS, rg = grp / KS;
-    const int row0 = (blockIdx.x * RG + rg) * NR;
-    const u8* wr[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
-    float acc[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
-    const int nb = n_in / 32;
-    const unsigned boff = (unsigned)(lane * S::BB);
-    U4 pc[NR][PPL];
-    auto load_chunk = [&](int c0) {
-        const int npc = ((nb - c0 < CB ? nb - c0 : CB) * S::BB + 15) / 16;
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)c0 * S::BB))[lane + 32 * p];
-    };
-    if (kg * CB < nb) load_chunk(kg * CB);
-    for (int b0 = kg * CB; b0 < nb; b0 += KS * CB) {
-        const int nbh = nb - b0 < CB ? nb - b0 : CB;
-        const int npc = (nbh * S::BB + 15) / 16;
-        GROUP_SYNC();  // this group's previous chunk is no longer read
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) ws[grp][r][lane + 32 * p] = pc[r][p];
-#pragma unroll
-        for (int k = 0; k < CB * 8 / 32; ++k) {
-            const int i = lane + 32 * k;
-            xs[grp][i + (i >> 3)] = i < nbh * 8 ? ldx(X + (long long)b0 * 32 + 4 * i) : F4{0.0f, 0.0f, 0.0f, 0.0f};
-        }
-        GROUP_SYNC();
-        if (b0 + KS * CB < nb) load_chunk(b0 + KS * CB);
-        if (lane < nbh) {
-            const F4* xb = xs[grp] + 9 * lane;
-#pragma unroll
-            for (int r = 0; r < NR; ++r) {
-                const unsigned* wp = (const unsigned*)((const u8*)ws[grp][r] + (boff & ~3u));
-                unsigned w[S::NW];
-#pragma unroll
-                for (int k = 0; k < S::NW; ++k) w[k] = wp[k];
-                acc[r] += S::dot(w, boff & 3u, xb);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const float s = sum32(acc[r]);
-        if (lane == 0) part[grp][r] = s;
-    }
-    __syncthreads();
-    if (kg == 0 && lane == 0) {
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-            float s = part[grp][r];
-#pragma unroll
-            for (int k = 1; k < KS; ++k) s += part[grp + k][r];
-            if (row0 + r < n_out) Y[row0 + r] = s;
-        }
-    }
-}
-
 template <int NR>
 DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in) {
@@ -666,16 +582,6 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
-// Split variants k<KS>r<NR>: rows per block = GEMV3_THREADS / 32 / KS * NR (matmul.py GEMV1_V3 mirrors it).
-#define FOR_EACH_GEMV1_V3K(M) M(q8_0, S8_0, 4, 2) M(q8_0, S8_0, 2, 2) M(q4_0, S4_0, 4, 2) M(q4_0, S4_0, 2, 2)
-#define DEFINE_GEMV1V3K(name, S, KS, NR)                                                                  \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_k##KS##r##NR(            \
-        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
-        int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
-        gemv1v3_split<S, NR, KS>(W, row_bytes, X, Y, n_out, n_in);                                        \
-    }
-FOR_EACH_GEMV1_V3K(DEFINE_GEMV1V3K)
 
 // ---------------------------------------------------------------- dequantize to f32 (prefill)
 // out[row, :] = the row's values, row-major [rows, n_in]. One thread per unit, grid-stride.

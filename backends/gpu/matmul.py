@@ -43,15 +43,8 @@ SCRATCH_KEY = ("gpu", "dequant_scratch")
 GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g128r1": (128, 1)}
 # Version-3 m == 1 kernels (matmul.cu gemv1v3_<fmt>_<cfg>: x and 2-byte-aligned blocks staged in
 # shared memory, ~3 instructions per weight): cfg -> (threads, rows per block), for V3_FORMATS.
-# v3k<KS>r<NR>: each row's blocks split over KS groups of the block (gemv1v3_split; q8_0 and q4_0 only).
-GEMV1_V3 = {"v3r2": (128, 8), "v3r4": (128, 16), "v3k4r2": (128, 2), "v3k2r2": (128, 4)}
+GEMV1_V3 = {"v3r2": (128, 8), "v3r4": (128, 16)}
 V3_FORMATS = ("q8_0", "q4_0", "q4_k")
-V3_SPLIT_FORMATS = ("q8_0", "q4_0")
-
-
-def has_v3(fmt: str, cfg: str) -> bool:
-    """Whether matmul.cu has the version-3 kernel `cfg` (a GEMV1_V3 key) for `fmt`."""
-    return cfg in GEMV1_V3 and fmt in (V3_SPLIT_FORMATS if cfg.startswith("v3k") else V3_FORMATS)
 # The m == 1 kernel per format: a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1" for gemv1_<fmt>.
 # Picked from `bench_gpu_gemv.py --variants` on an H200 (2026-11-30; % of copy bandwidth at 4096x4096,
 # 12288x4096, 4096x12288, 151936x4096): bf16 g128r1 75/89/90/103; q8_0 v3r2 47/65/59/84 (gemv1
@@ -162,7 +155,7 @@ def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = N
     if m != 1:
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or GEMV1_KERNEL.get(fmt, "gemv1")
-    ok = cfg in GEMV1_CONFIGS or has_v3(fmt, cfg)
+    ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
     if not ok or not _v2_fits(fmt, n_in, w_ptr):
         return f"gemv1_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     if cfg in GEMV1_V3:
