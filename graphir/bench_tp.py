@@ -8,8 +8,11 @@ them. What differs with tp:
   state_bytes             one rank's recurrent State read and written per token
   bandwidth_bytes_s       one GPU's (or the host's) copy bandwidth, measured by rank 0
   bandwidth_limit_tok_s   bandwidth / (weight_bytes + state_bytes): every rank reads its share at once
-  collective_step_s       gpu: device seconds of the decode step's NCCL calls alone, captured into a graph
-                          of their own and replayed back to back (CUDA events on rank 0)
+  collective_step_s       gpu: device seconds of the decode step's collectives alone (NCCL calls and the
+                          peer-memory all-reduce kernels of backends/gpu/p2p.py, whichever the step holds),
+                          captured into a graph of their own and replayed back to back (CUDA events on rank 0)
+  collective_path         which path the decode step's all-reduces took: "p2p", "nccl" or "p2p+nccl", with
+                          the counts in collective_counts (also printed as a note under the table)
   collective_share        collective_step_s / decode_step_device_s. The collectives alone run with no
                           compute between them and the ranks already in step; inside the step an
                           all-reduce also absorbs the wait for the slower rank, so this is a floor
@@ -48,6 +51,8 @@ def bench_tp(spec: str, backend: str, passes: str, prefill_tokens: int, prompt_t
     lp_best, lp_med = B._rates(long_prefill_tokens, r["long_times"]) if r["long_times"] else (0.0, 0.0)
     limit = r["bandwidth"] / (r["weight_bytes"] + r["state_bytes"])
     step_s, coll_s = r["step_device_s"], r["collective_step_s"]
+    counts = r["collective_counts"]
+    path = collective_path(counts)
     return {
         "model": spec, "source": source, "backend": backend, "passes": passes, "tp": tp,
         "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
@@ -65,10 +70,12 @@ def bench_tp(spec: str, backend: str, passes: str, prefill_tokens: int, prompt_t
         "host_us_per_token": (1 / d_best - step_s) * 1e6 if on_gpu else 0.0,
         "collective_step_s": coll_s if on_gpu else 0.0,
         "collective_share": coll_s / step_s if on_gpu and step_s > 0 else 0.0,
+        "collective_path": path, "collective_counts": counts,
         "ttft_new_process_s": 0.0, "ttft_cold_process_s": 0.0,
         "machine": {**B.machine(), **({"gpu": f"{tp} x {r['gpu']}"} if on_gpu else {})},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "llama_cpp": None, "llama_cpp_note": "peers (llama.cpp, HF) are not run with tp",
+        "llama_cpp": None,
+        "llama_cpp_note": "peers (llama.cpp, HF) are not run with tp" + (f"; {_describe(counts)}" if on_gpu else ""),
         "hf_eager": None, "hf_compiled": None, "hf_note": "",
     }
 
@@ -87,7 +94,7 @@ def measure_rank(model: Any, prefill_tokens: int, prompt_tokens: int, decode_tok
     out["prefill_times"] = [B._prefill_s(model, prefill) for _ in range(repeats)]
     out["decode_times"] = [B._decode_s(model, prompt, decode_tokens) for _ in range(repeats)]
     out["step_device_s"] = B._decode_step_device_s(model) if on_gpu else float("nan")
-    out["collective_step_s"] = collective_step_s(model) if on_gpu else float("nan")
+    out["collective_step_s"], out["collective_counts"] = collective_step_s(model) if on_gpu else (float("nan"), {})
     out["long_times"] = []
     if long_prefill_tokens:
         B._prefill_s(model, ids[:long_prefill_tokens])
@@ -116,18 +123,52 @@ def rank_decode_bytes(model: Any) -> tuple[int, int]:
     return weights, state
 
 
-def collective_step_s(model: Any) -> float:
-    """Device seconds of the decode step's NCCL calls alone: captured into a CUDA graph of their own and
-    replayed 20 times back to back, best of 3 (every rank replays, or the calls would wait forever)."""
+def collective_steps(steps: list[Any]) -> list[Any]:
+    """A Program's collective steps: NCCL calls and peer-memory all-reduce launches."""
+    from graphir.backends.gpu import p2p
+    from graphir.backends.gpu.nccl import NcclCall
+
+    return [s for s in steps if isinstance(s, NcclCall) or p2p.is_p2p_step(s)]
+
+
+def collective_counts(steps: list[Any]) -> dict[str, int]:
+    """How many of the collective steps took each path."""
+    from graphir.backends.gpu import p2p
+
+    counts = {"all_reduce_p2p": 0, "all_reduce_nccl": 0, "all_gather_nccl": 0}
+    for s in steps:
+        if p2p.is_p2p_step(s):
+            counts["all_reduce_p2p"] += 1
+        else:
+            counts["all_gather_nccl" if s.name.startswith("all_gather") else "all_reduce_nccl"] += 1
+    return counts
+
+
+def collective_path(counts: dict[str, int]) -> str:
+    """Which path the all-reduces took: "p2p", "nccl", "p2p+nccl", or "none"."""
+    paths = [p for p in ("p2p", "nccl") if counts.get(f"all_reduce_{p}")]
+    return "+".join(paths) or "none"
+
+
+def _describe(counts: dict[str, int]) -> str:
+    return (f"decode all-reduces: {collective_path(counts)} ({counts.get('all_reduce_p2p', 0)} over peer memory, "
+            f"{counts.get('all_reduce_nccl', 0)} NCCL; {counts.get('all_gather_nccl', 0)} NCCL all_gathers)")
+
+
+def collective_step_s(model: Any) -> tuple[float, dict[str, int]]:
+    """Device seconds of the decode step's collectives alone (NCCL calls and peer-memory all-reduce
+    kernels): captured into a CUDA graph of their own and replayed 20 times back to back, best of 3
+    (every rank replays, or the calls would wait forever; the peer kernels' epochs advance alike on
+    every rank, so the step's own graph stays in step afterwards). With the step's path counts."""
     import cupy as cp
 
     from graphir.backends.gpu.device import stream
-    from graphir.backends.gpu.nccl import NcclCall
 
     program = model._program(1, False, sampler=True)
-    calls = [s for s in program._steps if isinstance(s, NcclCall)]
+    calls = collective_steps(program._steps)
+    counts = collective_counts(calls)
     if not calls:
-        return float("nan")
+        return float("nan"), counts
     s = stream()
     with s:
         s.begin_capture()
@@ -146,4 +187,4 @@ def collective_step_s(model: Any) -> float:
             stop.record(s)
             stop.synchronize()
             best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / 20)
-    return best
+    return best, counts

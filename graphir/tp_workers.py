@@ -6,10 +6,11 @@
 
 The parent process starts N workers (multiprocessing "spawn": CUDA and numba's threads do not
 survive fork). Worker r joins its ranks' collective group (gpu: an NCCL communicator, backends/gpu/
-nccl.py, rank r on GPU r; cpu: shared memory and a barrier, backends/cpu/host_collective.py) and
-loads the model as an ordinary `Model` whose pipeline starts with `shard-tp{n=N,rank=r}`: every
-graph it lowers is rank r's (graphir.tp.rank_graph), with its one-source collectives lowered to the
-group, so its decode step (collectives included) is captured and replayed like any other.
+nccl.py, rank r on GPU r, small all-reduces over peer memory where the GPUs allow, p2p.py; cpu:
+shared memory and a barrier, backends/cpu/host_collective.py) and loads the model as an ordinary
+`Model` whose pipeline starts with `shard-tp{n=N,rank=r}`: every graph it lowers is rank r's
+(graphir.tp.rank_graph), with its one-source collectives lowered to the group, so its decode step
+(collectives included) is captured and replayed like any other.
 
 Every rank runs the same calls in lockstep: the parent sends each command to all workers, and each
 runs it on its Model. Sampling sees the same replicated logits (the LM head's all_gather) with the
@@ -391,7 +392,7 @@ def _join_group(rank: int, n: int, conn: Connection, backend: str, link: Any) ->
         group = host_collective.HostGroup(link, rank)
         host_collective.use(group)
         return group
-    from graphir.backends.gpu import nccl
+    from graphir.backends.gpu import nccl, p2p
     from graphir.backends.gpu.device import cupy
 
     cupy().cuda.Device(rank).use()  # before anything touches the device: the stream, weights, State
@@ -401,6 +402,8 @@ def _join_group(rank: int, n: int, conn: Connection, backend: str, link: Any) ->
     else:
         _, uid = conn.recv()
     comm = nccl.NcclCommunicator(n, uid, rank)
+    # small all-reduces over peer memory (backends/gpu/p2p.py); None: all on NCCL. Closed with comm.
+    comm.peers = p2p.join(comm)
     nccl.use(comm)
     return comm
 

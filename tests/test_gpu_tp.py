@@ -1,5 +1,6 @@
-"""Tensor parallelism over GPUs: one process per GPU, collectives through NCCL (marker `gpu`; needs CuPy
-to see at least 2 devices, e.g. the device tool's nvidia-h200-x2).
+"""Tensor parallelism over GPUs: one process per GPU, collectives through NCCL, small all-reduces over peer
+memory where the GPUs allow (p2p.py; tests/test_gpu_p2p.py tests that path on its own and against NCCL)
+(marker `gpu`; needs CuPy to see at least 2 devices, e.g. the device tool's nvidia-h200-x2).
 
 Oracle: the same model on one GPU in this process. Tolerances are issue 16's: f32 logits within 1e-4 of
 max |logit| (sharding regroups f32 sums: 3e-7..2.5e-6 on the cpu backend, tests/test_tp_workers.py, and
@@ -73,15 +74,20 @@ def test_greedy_ids_equal_one_gpu_and_decode_is_captured(pair):
 
 
 def _decode_captured(model: Model) -> bool:
-    """On every rank: the decode step (sampler included) ran from its captured CUDA graph, NCCL calls
-    inside it. A rank where it did not raises, which names that rank."""
-    from graphir.backends.gpu.nccl import NcclCall
+    """On every rank: the decode step (sampler included) ran from its captured CUDA graph, its collectives
+    inside it: NCCL calls, and the peer-memory all-reduces (p2p.py) where the rank has a PeerGroup (then
+    every all-reduce of a decode row takes that path). A rank where it did not raises, naming that rank."""
+    from graphir.backends.gpu import nccl
+
+    from graphir import bench_tp
 
     program = model._program(1, False, sampler=True)
-    calls = [s for s in program._steps if isinstance(s, NcclCall)]
-    if not program.captured or not calls:
-        raise AssertionError(f"rank {tp_workers.worker_rank()}: decode captured {program.captured}, "
-                             f"{len(calls)} NCCL calls")
+    counts = bench_tp.collective_counts(bench_tp.collective_steps(program._steps))
+    peers = nccl._current.peers is not None
+    on_peers = counts["all_reduce_p2p"] > 0 and counts["all_reduce_nccl"] == 0
+    if not program.captured or not any(counts.values()) or (peers and not on_peers):
+        raise AssertionError(f"rank {tp_workers.worker_rank()}: decode captured {program.captured}, collectives "
+                             f"{counts}, PeerGroup {peers}")
     return True
 
 
@@ -97,7 +103,7 @@ def test_a_killed_gpu_worker_ends_all_with_a_clear_error():
     model = graphir.load("random:qwen3-tiny", backend="gpu", tp=2)
     stream = model.generate(PROMPT, 200, stop_at_eos=False)
     next(stream)
-    os.kill(model.pids[1], signal.SIGKILL)  # rank 0 is left waiting in an NCCL all-reduce
+    os.kill(model.pids[1], signal.SIGKILL)  # rank 0 is left waiting in an all-reduce (peer kernel or NCCL)
     t0 = time.monotonic()
     with pytest.raises(TpWorkerError, match=r"rank 1 of 2 .*killed by signal SIGKILL while generating"):
         for _ in stream:
@@ -109,7 +115,7 @@ def test_a_killed_gpu_worker_ends_all_with_a_clear_error():
 def _raise_on(model: Model, rank: int) -> None:
     if tp_workers.worker_rank() == rank:
         raise RuntimeError("planted failure")
-    model.logits(PROMPT)  # blocks in NCCL: its peer never joins
+    model.logits(PROMPT)  # blocks in an all-reduce (peer kernel or NCCL): its peer never joins
 
 
 def test_a_gpu_worker_that_raises_ends_its_peer_blocked_in_nccl():

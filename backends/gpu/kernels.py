@@ -29,6 +29,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "recurrent.cu": (),
     "delta_chunked.cu": (),
     "sample.cu": (),
+    "p2p.cu": (),
 }
 
 

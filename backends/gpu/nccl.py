@@ -11,12 +11,17 @@ stream capture), so a replayed step drives its all-reduces without Python.
 One process drives one GPU: capturing NCCL for two GPUs from one process and one thread hung on an
 H200 pair (NCCL 2.28). NVLink multicast (NVLS) stays off on these hosts: NCCL_NVLS_ENABLE=0 is set
 before NCCL reads its environment (`communicator` does it; the worker layer sets it at start).
+
+Small f32 all-reduces (decode and verify rows) go to p2p.py's kernel instead when the communicator
+has a PeerGroup (`comm.peers`, set by the worker layer after joining): one kernel over peer memory,
+~2-3 us against NCCL's ~6.8 us inside a captured step. `p2p.path` says which call takes which.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +30,9 @@ import numpy as np
 from graphir.errors import BackendError
 from graphir.ir import Node
 
+from . import p2p
 from .device import cupy, stream
+from .launch import Launch, Lowering
 
 _current: NcclCommunicator | None = None
 
@@ -59,6 +66,7 @@ class NcclCommunicator:
         self.device = cupy().cuda.Device().id
         self._nccl = nccl
         self.comm = nccl.NcclCommunicator(n, uid, rank)
+        self.peers: p2p.PeerGroup | None = None  # small all-reduces over peer memory (p2p.join)
         self._dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16}
 
     def nccl_dtype(self, a: Any, what: str) -> int:
@@ -68,7 +76,10 @@ class NcclCommunicator:
         return dt
 
     def close(self) -> None:
-        """Free the communicator (after every rank's work on it is done)."""
+        """Free the communicator and its PeerGroup (after every rank's work on them is done)."""
+        if self.peers is not None:
+            self.peers.close()  # uses the communicator for its barrier
+            self.peers = None
         if self.comm is not None:
             self.comm.destroy()
             self.comm = None
@@ -110,12 +121,18 @@ class NcclCall:
             raise BackendError(f"NCCL {self.name}: {type(e).__name__}: {e}") from e
 
 
-def all_reduce(n: Node, x: Any, y: Any) -> list[NcclCall]:
-    """y = the sum of every rank's x (NCCL sum; in place when x is y)."""
+def all_reduce(n: Node, x: Any, y: Any, lw: Lowering | None = None) -> list[NcclCall | Launch]:
+    """y = the sum of every rank's x (in place when x is y): the peer-memory kernel where p2p.path
+    says so, else an NCCL sum. `lw`, the node's Lowering, carries the error flag the kernel reports a
+    missing peer through; when the rule does not pass it, it is taken from the rule's frame."""
     comm = current(n)
-    dt = comm.nccl_dtype(x, n.describe())
     if x.shape != y.shape or x.dtype != y.dtype:
         raise BackendError(f"{n.describe()}: all_reduce of {list(x.shape)} {x.dtype} into {list(y.shape)} {y.dtype}")
+    if p2p.path(comm.peers, x.dtype, x.size) == "p2p":
+        lw = lw if lw is not None else _rule_lowering()
+        if lw is not None:  # without one no error could be reported: NCCL, which waits instead
+            return [comm.peers.all_reduce(n, x, y, lw)]
+    dt = comm.nccl_dtype(x, n.describe())
     send, recv, count, op = x.data.ptr, y.data.ptr, x.size, comm._nccl.NCCL_SUM
     return [NcclCall(lambda s: comm.comm.allReduce(send, recv, count, dt, op, s), f"all_reduce {n.name or ''}")]
 
@@ -134,3 +151,18 @@ def gather_is_flat(shape: tuple[int, ...], axis: int) -> bool:
     """Whether joining pieces of `shape` along `axis` equals joining their flat buffers (nothing
     before the axis repeats): then NCCL gathers straight into the result."""
     return math.prod(shape[:axis]) == 1
+
+
+def _rule_lowering() -> Lowering | None:
+    """The Lowering of the lowering rule that called all_reduce. lowering.py's rule calls
+    all_reduce(n, x, y) without it (that file is another change's; passing lw=lw there retires this);
+    the rule's own frame holds it as `lw`. Searched a few frames up, checked by type."""
+    frame = sys._getframe(2)  # 0: here, 1: all_reduce, 2: its caller
+    for _ in range(3):
+        if frame is None:
+            break
+        lw = frame.f_locals.get("lw")
+        if isinstance(lw, Lowering):
+            return lw
+        frame = frame.f_back
+    return None
