@@ -48,9 +48,13 @@ V3_FORMATS = ("q8_0", "q4_0", "q4_k")
 # The m == 1 kernel per format: a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1" for gemv1_<fmt>.
 # Picked from `bench_gpu_gemv.py --variants` on an H200 (2026-11-30; % of copy bandwidth at 4096x4096,
 # 12288x4096, 4096x12288, 151936x4096): bf16 g128r1 75/89/90/103; q8_0 v3r2 47/65/59/84 (gemv1
-# 41/54/41/78); q4_k v3r2 34/48/43/64 (g32r2 28/35/35/44); q4_0 v3r2 32/44/39/60 (g32r4 21/33/23/40).
-GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "v3r2",
-                "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "v3r2", "q5_k": "g32r2",
+# 41/54/41/78). With the v3 kernels' next-chunk prefetch (2026-12-01, same command): q8_0 v3r2
+# 55/71/60/94 (v3r4 52/67/59/97); q4_0 v3r4 35/48/46/65 (v3r2 35/48/44/60; 29/40/36/55 without the
+# prefetch); q4_k v3r4 34/47/46/63 (v3r2 32/45/43/60). Tried and dropped the same day: each row's blocks
+# split over 2 or 4 groups of a block (4x more blocks for 4096-row weights, each group staging its own x):
+# q4_0 24-44 %, q8_0 35-67 %, below v3r2 at every shape, so few blocks an SM was not what held it back.
+GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "v3r4",
+                "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "v3r4", "q5_k": "g32r2",
                 "q6_k": "g32r2", "iq4_xs": "g32r2"}
 # Formats whose gemv1v2 traits read 16-byte windows / headers (quant.cuh Fq*w): they need rows of
 # whole 16-byte pieces in a 16-byte aligned weight.
