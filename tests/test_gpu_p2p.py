@@ -163,7 +163,7 @@ def test_bench_counts_each_path():
 
 # ---------------------------------------------------------------- the GPU suite: two processes
 def _peer_gpus() -> bool:
-    if not HAS_GPU:
+    if not HAS_GPU or mp.parent_process() is not None:  # a rank process importing this module: no device calls
         return False
     from graphir.backends.gpu.device import cupy
 
@@ -172,6 +172,7 @@ def _peer_gpus() -> bool:
             and bool(rt.deviceCanAccessPeer(1, 0)))
 
 
+needs_peer_gpus = pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy, CUDA)")
 SIZES = (1, 7, 511, 1025, 4096, 5120)  # 1025: one element into a second lane; 5120: Qwen3-14B's hidden
 REPLAYS = 60
 
@@ -268,7 +269,7 @@ def _want(call: int, everything) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy)")
+@needs_peer_gpus
 def test_sites_replayed_equal_the_rank_order_sum():
     """Six peer sites and one past the size limit (NCCL) in one captured graph, 60 calls of new data:
     every output on both ranks equals numpy's rank-0-plus-rank-1, bitwise, and equals NCCL's."""
@@ -276,7 +277,7 @@ def test_sites_replayed_equal_the_rank_order_sum():
     got = _run(_job_sites, SIZES, extra)
     everything = SIZES + extra
     for rank, r in got.items():
-        assert r["paths"] == ["p2p"] * len(SIZES) + ["nccl"], f"rank {rank}: {r['paths']}"
+        assert sorted(r["paths"]) == ["nccl"] + ["p2p"] * len(SIZES), f"rank {rank}: {r['paths']}"
         assert r["nccl_paths"] == ["nccl"] * len(everything)
         assert r["captured"], f"rank {rank}: the Program was not captured"
         for call, out in enumerate(r["outs"]):
@@ -286,7 +287,6 @@ def test_sites_replayed_equal_the_rank_order_sum():
         for k, out in enumerate(r["nccl"]):
             for name, w in out.items():
                 np.testing.assert_array_equal(r["outs"][10 * k][name], w, err_msg=f"rank {rank} NCCL call {10 * k}")
-
 
 
 def _job_late_then_missing(rank: int, comm, done) -> dict:
@@ -321,7 +321,7 @@ def _job_late_then_missing(rank: int, comm, done) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy)")
+@needs_peer_gpus
 def test_late_peer_is_waited_for_and_missing_peer_is_an_error_not_a_hang():
     done = mp.get_context("spawn").Event()
     got = _run(_job_late_then_missing, done)
@@ -343,7 +343,7 @@ def _job_planted_stale_parity(rank: int, comm) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy)")
+@needs_peer_gpus
 def test_planted_stale_buffer_is_caught():
     got = _run(_job_planted_stale_parity)
     bad = sum(not np.array_equal(out[name], w) for call, out in enumerate(got[0])
@@ -391,7 +391,7 @@ def _job_time_per_call(rank: int, comm) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy)")
+@needs_peer_gpus
 def test_peer_all_reduce_is_faster_than_nccl_and_equal():
     got = _run(_job_time_per_call)
     (p2p_us, p2p_out), (nccl_us, nccl_out) = got[0]["p2p"], got[0]["nccl"]
@@ -410,7 +410,7 @@ def _collective_paths(model) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _peer_gpus(), reason="needs 2 GPUs with peer access (CuPy)")
+@needs_peer_gpus
 def test_tp_model_on_the_peer_path_equals_nccl_bitwise(monkeypatch):
     """Qwen3 tiny, TP=2, f32: logits and greedy ids with the peer all-reduce equal GRAPHIR_TP_ALLREDUCE=nccl's
     bitwise (two ranks: a + b either way); its decode step's all-reduces all take the peer path; the workers

@@ -11,6 +11,12 @@ changes between calls (epochs live on the device), so it is captured and replaye
     comm.peers = p2p.join(comm)      # collective; None where peer memory cannot be used
     nccl.use(comm)                   # nccl.all_reduce now picks this kernel for small f32 tensors
 
+The buffers are per lane (a block's 1024-element slice), not per all-reduce site: a rank runs all its
+collectives in order on one stream, every rank the same ones, so one epoch count per lane orders them
+all, and two buffers by epoch parity are enough (p2p.cu gives the argument). Slots per site would
+need every rank to number the sites alike in whatever order it lowers its Programs, and would grow
+with every Program and rebind; the per-lane count needs neither.
+
 Which path an all-reduce takes (`path`): this kernel for f32 of 1..MAX_ELEMENTS elements (256 KiB:
 decode and verify rows; larger prefill stays on NCCL, whose bandwidth wins there) when the
 communicator has a PeerGroup; NCCL otherwise, and always for all_gather.
