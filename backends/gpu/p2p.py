@@ -18,7 +18,7 @@ need every rank to number the sites alike in whatever order it lowers its Progra
 with every Program and rebind; the per-lane count needs neither.
 
 Which path an all-reduce takes (`path`): this kernel for f32 of 1..MAX_ELEMENTS elements (256 KiB:
-decode and verify rows; larger prefill stays on NCCL, whose bandwidth wins there) when the
+decode and verify rows; larger prefill ones stay on NCCL, which is built for bandwidth) when the
 communicator has a PeerGroup; NCCL otherwise, and always for all_gather.
 GRAPHIR_TP_ALLREDUCE picks: `auto` (default; CUDA only, when every pair of ranks' GPUs can access
 each other's memory), `nccl` (never this kernel), `p2p` (also on HIP, untested there: hipMalloc
