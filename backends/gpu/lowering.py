@@ -318,7 +318,7 @@ def _all_reduce(lw, n, ins, outs, p):
     in rank order (as the reference)."""
     xs, y = [dev(x) for x in ins], outs[0]
     if _one_rank(n):
-        return nccl.all_reduce(n, xs[0], y)
+        return nccl.all_reduce(n, xs[0], y, lw)
     if len(xs) == 1:
         return [copy_launch(xs[0], y, what="all_reduce of one rank")]
     return [binary_launch("add", xs[0], xs[1], y)] + [binary_launch("add", y, x, y) for x in xs[2:]]

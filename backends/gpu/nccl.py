@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -122,17 +121,15 @@ class NcclCall:
             raise BackendError(f"NCCL {self.name}: {type(e).__name__}: {e}") from e
 
 
-def all_reduce(n: Node, x: Any, y: Any, lw: Lowering | None = None) -> list[NcclCall | Launch]:
+def all_reduce(n: Node, x: Any, y: Any, lw: Lowering) -> list[NcclCall | Launch]:
     """y = the sum of every rank's x (in place when x is y): the peer-memory kernel where p2p.path
     says so, else an NCCL sum. `lw`, the node's Lowering, carries the error flag the kernel reports a
-    missing peer through; when the rule does not pass it, it is taken from the rule's frame."""
+    missing peer through."""
     comm = current(n)
     if x.shape != y.shape or x.dtype != y.dtype:
         raise BackendError(f"{n.describe()}: all_reduce of {list(x.shape)} {x.dtype} into {list(y.shape)} {y.dtype}")
     if p2p.path(comm.peers, x.dtype, x.size) == "p2p":
-        lw = lw if lw is not None else _rule_lowering()
-        if lw is not None:  # without one no error could be reported: NCCL, which waits instead
-            return [comm.peers.all_reduce(n, x, y, lw)]
+        return [comm.peers.all_reduce(n, x, y, lw)]
     dt = comm.nccl_dtype(x, n.describe())
     send, recv, count, op = x.data.ptr, y.data.ptr, x.size, comm._nccl.NCCL_SUM
     return [NcclCall(lambda s: comm.comm.allReduce(send, recv, count, dt, op, s), f"all_reduce {n.name or ''}")]
@@ -152,18 +149,3 @@ def gather_is_flat(shape: tuple[int, ...], axis: int) -> bool:
     """Whether joining pieces of `shape` along `axis` equals joining their flat buffers (nothing
     before the axis repeats): then NCCL gathers straight into the result."""
     return math.prod(shape[:axis]) == 1
-
-
-def _rule_lowering() -> Lowering | None:
-    """The Lowering of the lowering rule that called all_reduce. lowering.py's rule calls
-    all_reduce(n, x, y) without it (that file is another change's; passing lw=lw there retires this);
-    the rule's own frame holds it as `lw`. Searched a few frames up, checked by type."""
-    frame = sys._getframe(2)  # 0: here, 1: all_reduce, 2: its caller
-    for _ in range(3):
-        if frame is None:
-            break
-        lw = frame.f_locals.get("lw")
-        if isinstance(lw, Lowering):
-            return lw
-        frame = frame.f_back
-    return None
