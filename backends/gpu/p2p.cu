@@ -4,26 +4,19 @@
 //   flags [P2P_MAX_BLOCKS][P2P_MAX_RANKS] u64   flags[b][r]: the last epoch rank r announced for lane b
 //   epoch [P2P_MAX_BLOCKS] u64                  this rank's calls so far on lane b (only this rank writes)
 //   broken u64                                  0, or 1 + the rank a timed-out wait waited for (sticky)
-//   data  [2][P2P_MAX_BLOCKS][P2P_MAX_RANKS][P2P_CHUNK] f32
-//                                               data[p][b][r]: rank r's lane-b slice, written by rank r
-//                                               into this rank's memory at an epoch of parity p
+//   data  [2][P2P_MAX_BLOCKS][P2P_CHUNK] f32    this rank's input, lane b's slice, by epoch parity
 // Block b of a launch is "lane b": it carries elements [b * P2P_CHUNK, (b + 1) * P2P_CHUNK) of the
 // tensor, handshakes with lane b of every peer only, and always uses the same data slice. Every rank
 // runs the same all-reduces in the same order on one stream, so lane b's epoch counts the same calls
 // on every rank, whichever graph (and site) they come from.
 //
-// Each rank pushes its slice into every peer's memory (NVLink writes are posted: the writer does not
-// wait for them) and then reads only its own memory; the first version had each rank read its peers'
-// slices over NVLink instead, a round trip per read, and measured 8.8 us an all-reduce against NCCL's
-// 6.6 (a captured chain of 72 of 16 KiB, two H200s).
-//
-// Why two buffers suffice: rank A writes B's lane-b buffer of parity p at epoch e only after A's call
-// e-1 on lane b has ended (stream order; PDL_WAIT included), and that call waited for B's flag >= e-1.
-// B sets that flag at the start of its call e-1, which begins after its call e-2 has ended, and call
-// e-2 is the last one that read the parity-p buffer. So no reader is left on a buffer when it is
-// written again; and B can never be two epochs ahead of A either (its call e+1 needs A's flag e+1),
-// so a flag read as >= e always belongs to this call or the next one, whose data goes to the other
-// buffer.
+// Why two buffers suffice: rank A writes lane b's buffer of parity p at epoch e only after its call
+// e-1 on lane b has ended (stream order; PDL_WAIT included), and that call waited for every peer's
+// flag >= e-1. A peer B sets that flag at the start of its call e-1, which begins after its call e-2
+// has ended, and call e-2 is the last one that read A's parity-p buffer. So no reader is left on a
+// buffer when it is written again; and B can never be two epochs ahead of A either (its call e+1
+// needs A's flag e+1), so a flag read as >= e always belongs to this call or the next one, whose
+// data goes to the other buffer.
 //
 // Bitwise agreement: every rank sums the ranks' values in rank order 0..n-1 with the same f32 adds.
 //
@@ -82,8 +75,8 @@ DEVICE u64 clock_ticks() { return (u64)wall_clock64(); }  // constant-rate count
 
 DEVICE u64* flags_of(u64 base) { return (u64*)(base + P2P_FLAGS_OFF); }
 
-DEVICE float* slot_of(u64 base, u64 epoch, int lane, int sender) {
-    return (float*)(base + P2P_DATA_OFF) + (((epoch & 1) * P2P_MAX_BLOCKS + lane) * P2P_MAX_RANKS + sender) * P2P_CHUNK;
+DEVICE float* slot_of(u64 base, u64 epoch, int lane) {
+    return (float*)(base + P2P_DATA_OFF) + ((epoch & 1) * P2P_MAX_BLOCKS + lane) * P2P_CHUNK;
 }
 
 // y = sum over ranks of x, in rank order; x may be y. bases[r]: rank r's allocation as mapped in this
@@ -115,13 +108,9 @@ extern "C" __global__ void all_reduce_p2p_f32(const float* x, float* y, int coun
     const int lo = lane * P2P_CHUNK;
     const int n = min(P2P_CHUNK, count - lo);
 
-    for (int r = 0; r < ranks; ++r) {
-        if (r == rank) continue;
-        float* dst = slot_of(bases[r], e, lane, rank);
-        for (int i = t; i < n; i += blockDim.x) dst[i] = x[lo + i];
-    }
-    __threadfence_system();  // this thread's writes into peer memory before the flags that announce them
-    __syncthreads();
+    float* own = slot_of(mine, e, lane);
+    for (int i = t; i < n; i += blockDim.x) own[i] = x[lo + i];
+    __syncthreads();  // every thread's slot writes happen before the flags below announce them
 
     // thread r < ranks speaks to rank r: announces this epoch in its memory, then waits for its flag
     if (t < ranks && t != rank) {
@@ -148,7 +137,7 @@ extern "C" __global__ void all_reduce_p2p_f32(const float* x, float* y, int coun
     for (int i = t; i < n; i += blockDim.x) {
         float acc = 0.0f;
         for (int r = 0; r < ranks; ++r) {
-            const float v = r == rank ? x[lo + i] : slot_of(mine, read_epoch, lane, r)[i];
+            const float v = r == rank ? x[lo + i] : slot_of(bases[r], read_epoch, lane)[i];
             acc = r == 0 ? v : acc + v;  // start from rank 0's value, not 0.0f: -0.0 + -0.0 stays -0.0
         }
         y[lo + i] = acc;

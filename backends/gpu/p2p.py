@@ -48,7 +48,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # p2p.cu's layout (its #ifndef defaults; tests/test_gpu_p2p.py checks they agree)
 MAX_RANKS, MAX_BLOCKS, CHUNK, DATA_OFF = 8, 64, 1024, 8192
 MAX_ELEMENTS = MAX_BLOCKS * CHUNK  # f32 elements one call can carry: 256 KiB
-ALLOC_BYTES = DATA_OFF + 2 * MAX_RANKS * MAX_ELEMENTS * 4  # flags and epochs, then each sender's two buffers
+ALLOC_BYTES = DATA_OFF + 2 * MAX_ELEMENTS * 4  # flags and epochs, then two data buffers
 THREADS = 256  # a multiple of 64 (a gfx9 wavefront); 4 elements a thread for a full 1024-element lane
 KERNEL = "all_reduce_p2p_f32"
 HIP_CLOCK_HZ = 100e6  # wall_clock64's rate on gfx90a/gfx942 (CUDA's %globaltimer counts nanoseconds)
