@@ -60,7 +60,9 @@ def test_lanes_cover_the_elements():
 
 def test_mode_from_the_environment(monkeypatch):
     monkeypatch.delenv(p2p.MODE_ENV, raising=False)
-    assert p2p.mode() == "auto" and p2p.wanted(is_hip=False) and not p2p.wanted(is_hip=True)
+    assert p2p.mode() == "nccl" and not p2p.wanted(is_hip=False) and not p2p.wanted(is_hip=True)
+    monkeypatch.setenv(p2p.MODE_ENV, "auto")
+    assert p2p.wanted(is_hip=False) and not p2p.wanted(is_hip=True)
     monkeypatch.setenv(p2p.MODE_ENV, "nccl")
     assert not p2p.wanted(is_hip=False)
     monkeypatch.setenv(p2p.MODE_ENV, "P2P")
