@@ -1,6 +1,7 @@
 """Decode tok/s on the cpu backend at 128, 1k and 4k keys, next to what the bytes allow.
 
     python benchmarks/bench_cpu_long_context.py [MODEL ...] [--contexts 128,1024,3968] [--tokens 32] [--threads N]
+        [--passes default --passes default,kv-f16]
 
 For each context L: a prompt of L tokens (prefill), then --tokens greedy one-token decode steps, timed
 one by one; the best of --repeats runs is kept (the machine is shared). The prediction assumes
@@ -8,6 +9,7 @@ a decode step at L keys costs the 128-key step plus the extra KV bytes read at t
 bandwidth measured here (numba, one thread, 256 MB): t(L) = t(128) + (kv(L) - kv(128)) / bandwidth,
 kv(L) = L x (bytes of one K and one V row, all layers). It is the best the attention kernel can
 do without making KV rows smaller; issue 13 asks for t(1k) and t(4k) within 15% of t(128).
+With several --passes (kv-f16: f16 KV rows, half the bytes) the runs interleave, pipeline by pipeline.
 """
 
 from __future__ import annotations
@@ -68,14 +70,27 @@ def decode_rate(model: graphir.Model, context: int, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def bench(spec: str, contexts: list[int], tokens: int, repeats: int, bandwidth: float) -> None:
-    model = graphir.load(spec, backend="cpu", ctx=max(contexts) + tokens + 1)
+def bench(spec: str, contexts: list[int], tokens: int, repeats: int, bandwidth: float, pipelines: list[str]) -> None:
+    """Each pipeline's model measured at every context, runs interleaved (repeat, context, pipeline), so
+    the pipelines see the same machine load."""
+    models = {p: graphir.load(spec, backend="cpu", passes=p, ctx=max(contexts) + tokens + 1) for p in pipelines}
+    rates: dict[str, dict[int, float]] = {p: {} for p in pipelines}
+    for model in models.values():
+        decode_rate(model, contexts[0], 4)  # compiles and binds the decode Program (numba's cache may be cold)
+    for _ in range(repeats):
+        for L in contexts:
+            for p, model in models.items():
+                rates[p][L] = max(rates[p].get(L, 0.0), decode_rate(model, L, tokens))
+    for p, model in models.items():
+        _report(spec, p, model, contexts, rates[p], bandwidth)
+
+
+def _report(spec: str, passes: str, model: graphir.Model, contexts: list[int], rates: dict[int, float],
+            bandwidth: float) -> None:
     row = kv_bytes_per_row(model)
     dtypes = sorted({str(a.dtype) for n, a in model._state.items() if n.endswith("_cache")})
-    print(f"{spec}: KV {row} bytes a position ({'/'.join(dtypes)}), threads "
+    print(f"{spec} --passes {passes}: KV {row} bytes a position ({'/'.join(dtypes)}), threads "
           f"{threads.threads_now()}")
-    decode_rate(model, contexts[0], 4)  # compiles and binds the decode Program (numba's cache may be cold)
-    rates = {L: max(decode_rate(model, L, tokens) for _ in range(repeats)) for L in contexts}
     base_L = contexts[0]
     base_t = 1.0 / rates[base_L]
     print(f"  {'context':>8} {'tok/s':>8} {'vs ' + str(base_L):>8} {'KV MB/token':>12} {'predicted tok/s':>16} "
@@ -93,6 +108,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--repeats", type=int, default=2, help="runs per context; the best is kept")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: auto, as a run decides)")
+    ap.add_argument("--passes", action="append", default=None,
+                    help="pass pipeline, repeatable: each is measured, interleaved with the others "
+                         "(e.g. --passes default --passes default,kv-f16); default: default")
     args = ap.parse_args()
     threads.set_threads(args.threads)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
@@ -100,7 +118,7 @@ def main() -> None:
     print("streaming read: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidths.items()))
     contexts = [int(c) for c in args.contexts.split(",")]
     for spec in args.models:
-        bench(spec, contexts, args.tokens, args.repeats, max(bandwidths.values()))
+        bench(spec, contexts, args.tokens, args.repeats, max(bandwidths.values()), args.passes or ["default"])
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from graphir import tp
 from graphir.backends.reference import lower
+from graphir.dtypes import numpy_dtype
 from graphir.errors import GraphError
 from graphir.ir import Graph
 from graphir.passes import CoverageReport, run_pipeline
@@ -269,7 +270,9 @@ def _graph_and_weights(model_or_graph: Any, weights: Weights | None, phase: str,
 
 
 def _run(program: Any, case: Case) -> tuple[dict, dict, dict]:
-    state = {k: v.copy() for k, v in case.state.items()}  # each run writes its own copy
+    # each run writes its own copy, in the dtypes its graph declares (kv-f16: the same KV rows rounded to f16)
+    dtypes = {n.name: numpy_dtype(n.dtype) for n in program.graph.states}
+    state = {k: v.astype(dtypes.get(k, v.dtype)) for k, v in case.state.items()}
     trace: dict[int, Any] = {}
     if "tp" in program.graph.meta:  # a sharded graph: rank-local States cut from, and written back to, the whole
         local = tp.shard_state(program.graph, state)

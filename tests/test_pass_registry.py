@@ -23,7 +23,8 @@ N, D = 5, 96  # awkward token count; D a multiple of 32 so q8_0 weights fit
 @dataclass(frozen=True)
 class Case:
     build: Callable[[str], Graph]  # weight dtype -> graph
-    effect: str  # an op that must appear after the pass, or "fewer-nodes", or "findings" (analysis passes)
+    effect: str  # an op that must appear after the pass, "fewer-nodes", "findings" (analysis passes) or
+    # "f16-state" (State made f16)
 
 
 def _x(name: str = "x") -> Node:
@@ -126,6 +127,21 @@ def case_rope_cache(wtype: str) -> Graph:
     flat = g.rope(_heads("attn_k2.weight", wtype, x), pos, n_dims=4, mode="norm")
     w2 = g.set_rows(g.state("flat_cache", (16, 24)), g.reshape(flat, shape=(N, 24)), rows)
     return Graph({"o": o}, updates=[w2], meta={"case": "rope_cache"})
+
+
+def case_kv_cache(wtype: str) -> Graph:
+    """f32 KV caches read by attention: one [ctx, heads, d], one flat [ctx, heads * d] read through a reshape
+    (Qwen3.5's layout); and State that must stay f32: rows written but read by no attention (a recurrent
+    steps buffer), a whole-buffer recurrent state."""
+    x, pos, rows = _x(), g.input("pos", (N,), "i32"), g.input("rows", (N,), "i32")
+    q = _heads("attn_q.weight", wtype, x)
+    k_all = g.set_rows(g.state("blk.0.k_cache", (16, 3, 8)), _heads("attn_k.weight", wtype, x), rows)
+    v_flat = g.reshape(_heads("attn_v.weight", wtype, x), shape=(N, 24))
+    v_all = g.reshape(g.set_rows(g.state("blk.0.v_cache", (16, 24)), v_flat, rows), shape=(16, 3, 8))
+    o = g.flash_attn(q, k_all, v_all, pos, g.input("kv_len", (1,), "i32"), scale=0.35)
+    steps = g.set_rows(g.state("blk.1.ssm_steps", (16, 24)), v_flat, rows)
+    recurrent = g.assign(g.state("blk.1.ssm_state", (N, D)), x)
+    return Graph({"o": o}, updates=[steps, recurrent], meta={"case": "kv_cache"})
 
 
 def case_qk_norm(wtype: str) -> Graph:
@@ -257,6 +273,7 @@ TARGETED_CASES: dict[str, Case] = {
     "shard-tp": Case(case_ffn, "all_reduce"),
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
     "attn-bf16": Case(case_attention, "flash_attn_bf16"),
+    "kv-f16": Case(case_kv_cache, "f16-state"),
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),
     "fuse-add-rms-norm-mul": Case(case_add_norm, "add_rms_norm_mul"),

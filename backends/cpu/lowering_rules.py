@@ -22,6 +22,7 @@ from . import attention as ATT
 from . import attention_prefill as ATP
 from . import host_collective as HC
 from . import kernels as K
+from . import kv_f16 as KF
 from . import matmul as MM
 
 # While CpuProgram._bind runs, the kernels its steps will call, in step order: ("mm", weight dtype, rows of x,
@@ -270,7 +271,11 @@ def _rms_norm_mul_rope(n, ins, out, p):
 
 def _rope_set_rows(n, ins, out, p):
     cache, x, pos, idx = ins
-    if cache.dtype != np.float32 or x.ndim != 3:
+    if cache.dtype == np.float16 and x.dtype == np.float32 and x.ndim == 3:  # kv-f16: rope in f32, then round
+        roped = np.empty(x.shape, np.float32)
+        return _in_order(cache, _rope(n, [x, pos], [roped], p),
+                         _set_rows(n, [cache, roped.reshape(x.shape[0], -1), idx], [cache], p))
+    if not cache.dtype == x.dtype == np.float32 or x.ndim != 3:
         return None
     c3 = cache.reshape((cache.shape[0],) + x.shape[1:])
     inv_freq, neox = _inv_freq(p), p["mode"] == "neox"
@@ -282,6 +287,8 @@ def _rms_norm_mul_rope_set_rows(n, ins, out, p):
     """The normed, roped rows into a buffer bound once with the Program, then the cache write: the
     unfused ops' kernels (the fusion saves a GPU launch, not CPU work)."""
     cache, x, w, pos, idx = ins
+    if val(x).dtype != np.float32 or val(w).dtype != np.float32:
+        return None  # f16 activations or weights: numba has no float16 arithmetic
     roped = np.empty(x.shape, np.float32)
     return _in_order(cache, _rms_norm_mul_rope(n, [x, w, pos], [roped], p),
                      _set_rows(n, [cache, roped.reshape(x.shape[0], -1), idx], [cache], p))
@@ -297,10 +304,12 @@ def _flash_attn(n, ins, out, p):
         kern, args = ATT.bind_decode(q, k, v, pos, kv_len, scale, window, o)
     elif ATP.supports(q, k, v):  # prefill: blocks of queries against chunks of keys, as small matrix products
         kern, args, threads_at = ATP.KERNELS[k.shape[2]], (q, k, v, pos, kv_len, scale, window, 2, o), 7
+    elif k.dtype == v.dtype == np.float16 and _f16_prefill_ok(q, k, v):
+        return _f16_prefill_attention(q, k, v, pos, kv_len, scale, window, o)
     elif k.dtype == v.dtype == q.dtype == np.float32:
         kern, args = K.attention, (q, k, v, pos, kv_len, scale, window, o)
     else:
-        return None  # f16 cache under prefill: numpy reference
+        return None  # an f16 cache the prefill kernel does not take: numpy reference
     _note(("kernel", kern, args))
 
     def step() -> None:
@@ -313,15 +322,53 @@ def _flash_attn(n, ins, out, p):
     return o, step
 
 
+def _f16_prefill_ok(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether the prefill kernel takes these queries over the f32 widening of f16 caches k, v."""
+    wide = [np.empty((0, *a.shape[1:]), np.float32) for a in (k, v)]
+    return k.flags.c_contiguous and v.flags.c_contiguous and ATP.supports(q, *wide)
+
+
+def _f16_prefill_attention(q, k, v, pos, kv_len, scale, window, o):
+    """Prefill over f16 caches (kv-f16): the kv_len visible rows widened to f32 (exactly, vectorized), then
+    the f32 prefill kernel. The widened rows are made per call, kv_len of them: bound buffers of the whole
+    capacity would cost every layer 2 x capacity f32 rows (190 MB for SmolLM2 at 4k), and a call's
+    compute is quadratic in its rows while the widening is linear."""
+    cap, k16, v16 = k.shape[0], k.view(np.uint16), v.view(np.uint16)
+    kern = ATP.KERNELS[k.shape[2]]
+    kw0, vw0 = (np.empty((0, *a.shape[1:]), np.float32) for a in (k, v))  # the call-time arrays' types
+    _note(("kernel", ATT.widen_f16_rows, (k16, np.int64(cap), kw0)),
+          ("kernel", kern, (q, kw0, vw0, pos, kv_len, scale, window, 2, o)))
+
+    def step() -> None:
+        length = int(kv_len[0])
+        if not 0 <= length <= cap:
+            raise ValueError(f"flash_attn: kv_len {length} outside 0..{cap} (the KV capacity)")
+        kw = np.empty((length, *k.shape[1:]), np.float32)
+        vw = np.empty((length, *v.shape[1:]), np.float32)
+        ATT.widen_f16_rows(k16, length, kw)
+        ATT.widen_f16_rows(v16, length, vw)
+        kern(q, kw, vw, pos, kv_len, scale, window, MM._num_threads(), o)
+    return o, step
+
+
 def _set_rows(n, ins, out, p):
     dst, src, idx = ins
     # rows are axis 0: [capacity, ...] -> [capacity, row elements]
     d2 = _rows_axis0(dst)
     s2 = _rows_axis0(src)
-    if d2 is None or s2 is None or src.dtype != dst.dtype:
+    if d2 is not None and s2 is not None and dst.dtype == np.float16 and src.dtype == np.float32:
+        return dst, _f16_row_write(d2, s2, idx)
+    if d2 is None or s2 is None or not src.dtype == dst.dtype == np.float32:
         return None
     _note(("kernel", K.set_rows, (d2, s2, idx)))
     return dst, lambda: K.set_rows(d2, s2, idx)
+
+
+def _f16_row_write(d2: np.ndarray, s2: np.ndarray, idx: np.ndarray) -> Callable[[], None]:
+    """f32 rows into an f16 cache (kv-f16): rounded as the reference's cast rounds, into the cache's bits."""
+    bits = d2.view(np.uint16)
+    _note(("kernel", KF.set_rows_f16, (bits, s2, idx)))
+    return lambda: KF.set_rows_f16(bits, s2, idx)
 
 
 def _view(n, ins, out, p):
@@ -349,7 +396,7 @@ ARRAY_RULES = ("add", "sub", "mul", "div", "view", "reshape", "permute", "transp
                "get_rows", "all_reduce", "all_gather")
 
 # rules that read f16 KV caches themselves (as uint16 bits) and return None for other f16 inputs
-F16_CACHE_RULES = ("flash_attn",)
+F16_CACHE_RULES = ("flash_attn", "set_rows", "rope_set_rows", "rms_norm_mul_rope_set_rows")
 
 RULES: dict[str, Callable] = {
     "mul_mat": _mul_mat,

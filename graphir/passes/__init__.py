@@ -189,6 +189,7 @@ from graphir.passes import (  # noqa: E402,F401
     fuse_rope,
     fuse_ssm,
     gemm_bf16,
+    kv_f16,
     replay_lint,
     shard_tp,
     stack,
