@@ -154,4 +154,18 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def merge_axes(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(size, stride) of each axis left once size-1 axes are dropped and adjacent axes whose strides
+    compose (outer stride == inner stride * inner size) are merged: the same elements in the same order."""
+    dims: list[tuple[int, int]] = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == s * n:
+            dims[-1] = (dims[-1][0] * n, s)
+        else:
+            dims.append((n, s))
+    return dims
+
+
 g = Builder()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from graphir.builder import contiguous_strides
+from graphir.builder import contiguous_strides, merge_axes
 from graphir.errors import BackendError
 from graphir.ir import Graph, Node
 from graphir.ops import OPS
@@ -110,18 +110,11 @@ def runtime_nodes(graph: Graph) -> set[int]:
 def collapse(shape: tuple[int, ...], strides: tuple[int, ...], max_dims: int, what: str) -> tuple[list[int], list[int]]:
     """Merge adjacent axes whose strides compose (outer stride == inner stride * inner size), drop
     size-1 axes, and left-pad with (1, 0) to exactly `max_dims` axes."""
-    dims: list[list[int]] = []
-    for n, s in zip(shape, strides):
-        if n == 1:
-            continue
-        if dims and dims[-1][1] == s * n:
-            dims[-1] = [dims[-1][0] * n, s]
-        else:
-            dims.append([n, s])
+    dims = merge_axes(shape, strides)
     if len(dims) > max_dims:
         raise BackendError(f"{what}: index map {list(shape)} strides {list(strides)} needs {len(dims)} axes; "
                            f"the gpu kernels take at most {max_dims}")
-    dims = [[1, 0]] * (max_dims - len(dims)) + dims
+    dims = [(1, 0)] * (max_dims - len(dims)) + dims
     return [d[0] for d in dims], [d[1] for d in dims]
 
 

@@ -8,7 +8,7 @@ of the base, the column view itself has no reader left and is never gathered.
 
 from __future__ import annotations
 
-from graphir.builder import contiguous_strides, is_state_chain
+from graphir.builder import contiguous_strides, is_state_chain, merge_axes
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
@@ -76,14 +76,7 @@ def compose_strides(inner: Layout, shape: tuple[int, ...],
 def _merged(shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Layout:
     """The same layout with size-1 axes dropped and adjacent axes merged where their strides compose
     (the same row-major order, fewer digits: a reshape across merged rows then composes too)."""
-    dims: list[list[int]] = []
-    for n, s in zip(shape, strides, strict=True):
-        if n == 1:
-            continue
-        if dims and dims[-1][1] == s * n:
-            dims[-1] = [dims[-1][0] * n, s]
-        else:
-            dims.append([n, s])
+    dims = merge_axes(shape, strides)
     return tuple(d[0] for d in dims) or (1,), tuple(d[1] for d in dims) or (1,), offset
 
 
