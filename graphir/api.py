@@ -264,12 +264,8 @@ class Model:
                              f"(load(..., ctx=N) to raise it)")
         self._check_slots(n + 1)
         self._ensure_state(self._graph(1, False, sampler=True))
-        feeds = self._step_feeds
-        feeds["tokens"][0] = token
-        feeds["pos"][0] = feeds["kv_idx"][0] = n
-        feeds["kv_len"][0] = n + 1
-        feeds[SAMPLING_INPUT][0] = settings.row()
-        out = self._program(1, False, sampler=True)(self._slot_inputs(feeds), self._state)[TOKEN_OUTPUT]
+        feeds = self._step_inputs(n, token, settings)
+        out = self._program(1, False, sampler=True)(feeds, self._state)[TOKEN_OUTPUT]
         self.n_past = n + 1
         self._add_stats("decode", 1, t0)
         return int(out[0])
@@ -322,13 +318,18 @@ class Model:
 
     def _push_step(self, queue: Any, pos: int, token: int | None, settings: Settings) -> None:
         """Queue the decode step at `pos`; token None: the last queued step's id, fed back on the device."""
+        self.n_past = pos  # the slot pool holds the positions up to the step's
+        queue.push(self._step_inputs(pos, 0 if token is None else token, settings), feed_back=token is None)
+
+    def _step_inputs(self, pos: int, token: int, settings: Settings) -> dict[str, np.ndarray]:
+        """A sampling decode step's Inputs at `pos` (n_past): token, position, KV row and length, the next
+        draw's settings row; with a slot pool, its slots. One set of buffers, refilled every step."""
         feeds = self._step_feeds
-        feeds["tokens"][0] = 0 if token is None else token
+        feeds["tokens"][0] = token
         feeds["pos"][0] = feeds["kv_idx"][0] = pos
         feeds["kv_len"][0] = pos + 1
         feeds[SAMPLING_INPUT][0] = settings.row()
-        self.n_past = pos  # the slot pool holds the positions up to the step's
-        queue.push(self._slot_inputs(feeds), feed_back=token is None)
+        return self._slot_inputs(feeds)
 
     def _check_in_step(self) -> None:
         """A recurrent State left ahead of n_past by a generate() stopped early cannot be continued."""

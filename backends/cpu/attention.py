@@ -130,10 +130,7 @@ def widen_f16_rows(src, n, dst):
     """dst[:n] = f16 rows src[:n] ([capacity, heads, d] uint16) as f32: prefill over an f16 cache reads
     the f32 kernel's rows (n = kv_len: only the rows attention can see). One thread: 512 SmolLM2 rows
     take ~70 us, where a parallel region measured slower whenever the other core was busy."""
-    for j in range(n):
-        for kh in range(src.shape[1]):
-            for i in range(src.shape[2]):
-                dst[j, kh, i] = f16_to_f32(src[j, kh, i])
+    _widen_rows(src, 0, n, dst)
 
 
 _LOG2E = np.float32(1.4426950408889634)
