@@ -29,7 +29,7 @@ from graphir.backends.gpu import kernels
 from graphir.errors import BackendError
 from graphir.ops import OPS
 
-TOL = 1e-4  # max |got - want| <= TOL * max |want|, per tensor (o and the new state)
+TOL = 1e-5  # max |got - want| <= TOL * max |want|, per tensor (o and the new state)
 
 
 # ---------------------------------------------------------------- cases and the reference
