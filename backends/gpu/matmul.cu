@@ -303,6 +303,8 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #define FOR_EACH_GEMV1_CFG(M, name, F) \
     M(name, F, g32r2, 128, 32, 2, 4)   \
     M(name, F, g32r4, 128, 32, 4, 2)   \
+    M(name, F, g32r8, 256, 32, 8, 1)   \
+    M(name, F, g64r2, 128, 64, 2, 2)   \
     M(name, F, g128r1, 128, 128, 1, 4)
 #define DEFINE_GEMV1V2_CFG(name, F, cfg, T, G, NR, UN)                                                     \
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
