@@ -147,7 +147,7 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
 
 
 def main_variants(cp, rng, args, bw: float) -> None:
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, GEMV1_V3, _row_bytes
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_KERNEL, GEMV1_V3, _row_bytes, short_float_rows
 
     shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
     fmts = args.formats.split(",")
@@ -163,11 +163,11 @@ def main_variants(cp, rng, args, bw: float) -> None:
             rows.append((fmt, shape, us, pct))
             print(f"  {fmt} {shape[0]}x{shape[1]}: " + ", ".join(f"{v} {t:.2f}us" for v, t in us.items())
                   + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    print(f"\n% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = 1; * = best, [ ] = current GEMV1_KERNEL")
+    print(f"\n% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = 1; * = best, [ ] = current choice")
     print(f"{'format':7} {'shape':>13} " + " ".join(f"{v:>9}" for v in variants))
     for fmt, shape, _us, pct in rows:
         best = max((v for v in pct if pct[v] == pct[v]), key=lambda v: pct[v], default=None)
-        cur = GEMV1_KERNEL.get(fmt, "gemv1")
+        cur = short_float_rows(fmt, shape[0], _row_bytes(fmt, shape[1])) or GEMV1_KERNEL.get(fmt, "gemv1")
         cells = []
         for v in variants:
             if v not in pct:

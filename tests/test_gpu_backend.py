@@ -55,6 +55,28 @@ def test_collapse_refuses_too_many_axes():
         layout.collapse((2, 3, 4), (1, 100, 1000), 2, "gather")
 
 
+@pytest.mark.parametrize("fmt,shape,cfg", [
+    ("bf16", (151936, 1024), "g32r2"),  # Qwen3-0.6B's LM head: many 2 KiB rows
+    ("bf16", (4096, 1024), "g64r2"),
+    ("f32", (49152, 576), "g32r2"),  # SmolLM2's LM head in f32
+    ("f32", (3072, 576), "g64r2"),
+    ("bf16", (2047, 1024), "g128r1"),  # too few rows
+    ("bf16", (1024, 2048), "g128r1"),
+    ("f16", (151936, 1184), "g128r1"),  # rows over SHORT_ROW_BYTES
+    ("bf16", (151936, 4096), "g128r1"),
+])
+def test_decode_gemv_geometry_follows_the_rows(fmt, shape, cfg):
+    """Float weights of many short rows take a geometry of several rows a warp (matmul.short_float_rows);
+    the rest keep GEMV1_KERNEL's; an explicit variant wins; quantized formats never take the float rule."""
+    from graphir.backends.gpu import matmul as mm
+
+    n_out, n_in = shape
+    assert mm.gemv_kernel(fmt, n_in, 1, 0, n_out=n_out)[0] == f"gemv1v2_{fmt}_{cfg}"
+    assert mm.gemv_kernel(fmt, n_in, 1, 0, "g128r1", n_out=n_out)[0] == f"gemv1v2_{fmt}_g128r1"
+    assert mm.gemv_kernel(fmt, n_in, 2, 0, n_out=n_out)[0] == f"gemv_{fmt}"  # two tokens: not the m == 1 rule
+    assert mm.gemv_kernel("q4_0", n_in, 1, 0, n_out=n_out) == mm.gemv_kernel("q4_0", n_in, 1, 0, n_out=1)
+
+
 def test_auto_backend_is_gpu_only_with_a_device():
     assert resolve_backend("auto") == ("gpu" if HAS_GPU else "cpu")
     assert resolve_backend("cpu") == "cpu"

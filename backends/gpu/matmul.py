@@ -5,7 +5,8 @@ mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every wei
     `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call) reads the weight's blocks once
     for all m tokens and dequantizes in registers. Capturable. At m == 1 the kernel is the variant
     GEMV1_KERNEL names for the format (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; `gemv1v3_<fmt>_<cfg>`
-    for q8_0 / q4_0 / q4_k, staged through shared memory; "gemv1" keeps `gemv1_<fmt>`).
+    for q8_0 / q4_0 / q4_k, staged through shared memory; "gemv1" keeps `gemv1_<fmt>`), or for float
+    weights of many short rows the geometry `short_float_rows` picks.
   - prefill (more tokens), 2-D Param weight: `dequant_<fmt>` writes the weight as f32 into one
     scratch buffer shared by every Program of the weight store, then cuBLAS (`cupy.matmul`), as
     one HostLibraryCall (never captured). f32 weights go straight to cuBLAS.
@@ -118,7 +119,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
         return []
     if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
         _check_fmt(w.dtype, "mul_mat_swiglu")
-        name, _, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr)
+        name, _, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr, n_out=w.shape[0])
         if name.startswith("gemv1v2_") and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES:
             cfg = name.rsplit("_", 1)[1]
             x2, steps = x.reshape(1, w.shape[1]), []
@@ -145,20 +146,21 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         buf = lw.scratch((m, n_in))
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
-    name, threads, rows = gemv_kernel(w.dtype, n_in, m, w.raw.data.ptr)
+    name, threads, rows = gemv_kernel(w.dtype, n_in, m, w.raw.data.ptr, n_out=n_out)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
     return steps
 
 
-def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None) -> tuple[str, int, int]:
-    """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of a weight at
-    device address `w_ptr`. `variant` (a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1") overrides GEMV1_KERNEL;
-    cases a variant cannot take (float rows not whole 8-value pieces; unaligned rows for the
-    wide-load formats) fall back to gemv1_<fmt>."""
+def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None,
+                n_out: int = 0) -> tuple[str, int, int]:
+    """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of an [n_out, n_in]
+    weight at device address `w_ptr`. `variant` (a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1") overrides
+    the choice (GEMV1_KERNEL, and short_float_rows for float formats); cases a variant cannot take (float
+    rows not whole 8-value pieces; unaligned rows for the wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
-    cfg = variant or GEMV1_KERNEL.get(fmt, "gemv1")
+    cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
     ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
     if not ok or not _v2_fits(fmt, n_in, w_ptr):
         return f"gemv1_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
@@ -167,6 +169,23 @@ def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = N
         return f"gemv1v3_{fmt}_{cfg[2:]}", threads, rows
     threads, rows = GEMV1_CONFIGS[cfg]
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
+
+
+# Float rows of at most this many bytes (Qwen3-0.6B's d_model 1024 in bf16, SmolLM2's 576 in f32) give
+# g128r1 one 16-byte load a lane and a block a row: the LM head's 151,936 blocks ran at 39.6 % of copy
+# bandwidth. Warps of several rows each keep more bytes in flight. H200, 2026-12-01, `bench_gpu_gemv.py
+# --variants` (% of copy bandwidth, g128r1 -> the pick): bf16 151936x1024 39.6 -> g32r2 99.8, 4096x1024
+# 32.5 -> g64r2 41.5; f32 49152x576 43.8 -> g32r2 91.9, 3072x576 34.9 -> g64r2 38.9. Fewer rows stay on
+# g128r1 (bf16 1024x2048 29.4 vs g64r2 18.5; f32 960x576 19.7 vs 16.9).
+SHORT_ROW_BYTES = 2304
+SHORT_ROWS_MANY, SHORT_ROWS_VOCAB = 2048, 32768
+
+
+def short_float_rows(fmt: str, n_out: int, row_bytes: int) -> str | None:
+    """The m == 1 geometry for a float weight of short rows, None where GEMV1_KERNEL's applies."""
+    if fmt not in FLOATS or row_bytes > SHORT_ROW_BYTES or n_out < SHORT_ROWS_MANY:
+        return None
+    return "g32r2" if n_out >= SHORT_ROWS_VOCAB else "g64r2"
 
 
 def _v2_fits(fmt: str, n_in: int, w_ptr: int) -> bool:
