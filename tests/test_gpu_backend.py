@@ -116,6 +116,10 @@ REL = 1e-3  # of max |logit|: gpu vs reference (f32 math, different summation or
 TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
 
 
+def host(a) -> np.ndarray:
+    return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
 def assert_close(ours: np.ndarray, ref: np.ndarray, rel: float, what: str) -> None:
     assert ours.shape == ref.shape, what
     err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
@@ -133,6 +137,35 @@ def test_tiny_models_gpu_equal_reference(spec, passes):
     assert_close(gpu.logits(ids), ref.logits(ids), REL, f"{spec} prefill")
     for t in (7, 200, 65):
         assert_close(gpu.feed([t]), ref.feed([t]), REL, f"{spec} decode at {gpu.n_past}")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("passes", ["default", "default,kv-f16"])
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:llama-tiny"])
+def test_q_k_v_writes_run_as_one_launch_bitwise(spec, passes, monkeypatch):
+    """Each attention layer's q rope, K cache write and V cache write run as one qkv_* launch
+    (lowering.merge_kv_writes) with bitwise the logits and KV caches of three launches
+    (GRAPHIR_NO_KV_MERGE=1): a prefill, decode steps, and a 4-token call (V read strided in place)."""
+    ids = list(np.random.default_rng(1).integers(0, 256, 21))
+    runs = {}
+    for merge in (True, False):
+        monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "0" if merge else "1")
+        model = graphir.load(spec, backend="gpu", passes=passes, ctx=64)
+        outs = [model.logits(ids)] + [model.feed([t]) for t in (7, 200, 65)] + [model.feed([3, 4, 5, 6])]
+        names = [s.name for _, prog, _ in model.programs._programs.values() for s in prog._steps]
+        runs[merge] = ([host(o) for o in outs], {k: host(v) for k, v in model._state.items()}, names)
+    (merged, merged_state, merged_names), (three, three_state, three_names) = runs[True], runs[False]
+    kernel = "qkv_norm_rope" if "qwen3" in spec else "qkv_rope"
+    assert any(nm.startswith(kernel) for nm in merged_names), sorted(set(merged_names))
+    assert not any(nm.startswith("qkv_") for nm in three_names)
+    # every decode step's two layers took it: no V write was left as its own launch there
+    assert merged_names.count("set_rows_f16" if "kv-f16" in passes else "set_rows_f32") < three_names.count(
+        "set_rows_f16" if "kv-f16" in passes else "set_rows_f32")
+    for i, (a, b) in enumerate(zip(merged, three)):
+        np.testing.assert_array_equal(a, b, err_msg=f"call {i}")
+    for k in three_state:
+        np.testing.assert_array_equal(merged_state[k], three_state[k], err_msg=f"state {k}")
 
 
 @pytest.fixture(scope="module")

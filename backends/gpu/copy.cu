@@ -1,5 +1,6 @@
-// Data movement: strided gathers (views, permutes, casts), concat, and the in-place State writes
-// (set_rows into the KV cache, assign). Types: f32, f16 (u16 bits), i32.
+// Data movement: strided gathers (views, permutes, casts, and assign's State copy) and concat.
+// Types: f32, f16 (u16 bits), i32. (set_rows, the KV cache row write, is in rope.cu beside the roped
+// K writes it is launched with.)
 #include "common.cuh"
 
 DEVICE float load_f32(const float* p, long long i) { return p[i]; }
@@ -65,24 +66,3 @@ DEFINE_COPY(copy_i32_f16, int, u16, load_i32, f32_to_f16)
 DEFINE_CONCAT(concat_b4, unsigned int)
 DEFINE_CONCAT(concat_b2, u16)
 
-// dst[rows[t], :] = src[t, :] for src [n_tok, row] f32 into an f32 or f16 State [cap, row].
-// A row outside 0..cap-1 is reported and not written.
-#define DEFINE_SET_ROWS(name, D, STORE)                                                                          \
-    extern "C" __global__ void name(D* dst, const float* __restrict__ src, const int* __restrict__ rows,         \
-                                    int n_tok, long long row, int cap, int* errflag, int code) {                 \
-        PDL_ENTRY();                                                                                             \
-        const long long n = n_tok * row;                                                                         \
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;                              \
-             i += (long long)gridDim.x * blockDim.x) {                                                           \
-            const int t = (int)(i / row);                                                                        \
-            const int r = rows[t];                                                                               \
-            if (r < 0 || r >= cap) {                                                                             \
-                report_error(errflag, code, r);                                                                  \
-                continue;                                                                                        \
-            }                                                                                                    \
-            dst[(long long)r * row + (i - (long long)t * row)] = STORE(src[i]);                                  \
-        }                                                                                                        \
-    }
-
-DEFINE_SET_ROWS(set_rows_f32, float, keep_f)
-DEFINE_SET_ROWS(set_rows_f16, u16, f32_to_f16)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from graphir import flags
 from graphir.builder import contiguous_strides
 from graphir.errors import BackendError
 from graphir.ir import Node, toposort
@@ -274,7 +275,8 @@ def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
     cap = cache.shape[0]
     if not (_is_row_weight(w, head_dim) and head_dim <= 1024):  # the unfused rules, through scratch
         roped = lw.scratch(x.shape)
-        return norm_rope_steps(lw, n, 1, x, w, pos, roped, p) + _set_rows(lw, n, [cache, roped, rows], None, p)
+        steps = norm_rope_steps(lw, n, 1, x, w, pos, roped, p)
+        return steps + set_rows_steps(lw, cache, roped, rows, contiguous_strides(roped.shape))
     code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
                        "the KV capacity)")
     args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
@@ -282,6 +284,67 @@ def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
             *_head_strides(x, input_strides(lw, n, 1)))
     return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", n_tok * n_heads, cdiv(head_dim, 32) * 32,
                    args, shared=4 * head_dim)]
+
+
+# ---------------------------------------------------------------- q, k and v of a layer in one launch
+# (q kernel, K cache kernel, V cache kernel) -> the rope.cu kernel running the three side by side
+QKV_KERNELS = {
+    (q, f"{k}_{kv}", f"set_rows_{kv}"): f"{name}_{kv}"
+    for kv in ("f32", "f16")
+    for q, k, name in (("rms_norm_mul_rope_f32", "rms_norm_mul_rope_set_rows", "qkv_norm_rope"),
+                       ("rope_f32", "rope_set_rows", "qkv_rope"))
+}
+
+
+def merge_kv_writes(node_steps: list[tuple[Node, list]]) -> list:
+    """The Program's steps, with each attention layer's q rope, K cache write and V cache write (three
+    nodes in a row, one kernel each) as one launch of rope.cu's qkv_* kernel: three launch-to-launch
+    gaps become one. The three must not read anything another of them writes (they read one q|k|v
+    product and write q, the K cache and the V cache). GRAPHIR_NO_KV_MERGE=1 keeps three launches."""
+    if flags.enabled("GRAPHIR_NO_KV_MERGE"):
+        return [s for _, steps in node_steps for s in steps]
+    out: list = []
+    i = 0
+    while i < len(node_steps):
+        merged = _merged_qkv(node_steps[i:i + 3])
+        if merged is not None:
+            out.append(merged)
+            i += 3
+        else:
+            out += node_steps[i][1]
+            i += 1
+    return out
+
+
+def _merged_qkv(trio: list[tuple[Node, list]]) -> Launch | None:
+    if len(trio) < 3 or any(len(steps) != 1 or not isinstance(steps[0], Launch) for _, steps in trio):
+        return None
+    (q, [lq]), (k, [lk]), (v, [lv]) = trio
+    name = QKV_KERNELS.get((lq.name, lk.name, lv.name))
+    if name is None or lq.block != lk.block or len(lq.block) != 1 or not _independent([q, k, v]):
+        return None
+    threads = lq.block[0]
+    nv = cdiv(lv.grid[0] * lv.block[0], threads)  # V's grid-stride loop, at least as many threads as its own launch
+    return Launch("rope.cu", name, lq.grid[0] + lk.grid[0] + nv, threads,
+                  lq.args + lk.args + lv.args + (i32(lq.grid[0]), i32(lk.grid[0])), shared=max(lq.shared, lk.shared))
+
+
+def _independent(nodes: list[Node]) -> bool:
+    """No node of `nodes` reads (through views) another's result or the State another writes."""
+    ids = {id(n) for n in nodes}
+    writers = [n for n in nodes if OPS[n.op].writes]
+    written = {id(n.src[0]) for n in writers}
+    if len(written) < len(writers):  # two of them write one State
+        return False
+    for n in nodes:
+        stack = list(n.src)
+        while stack:
+            x = stack.pop()
+            if id(x) in ids or (id(x) in written and not (OPS[n.op].writes and x is n.src[0])):
+                return False
+            if OPS[x.op].view:
+                stack += x.src
+    return True
 
 
 # ---------------------------------------------------------------- data movement
@@ -352,12 +415,22 @@ def _join(lw: Lowering, n: Node, xs: list, y: Any, axis: int) -> list:
 
 
 def _set_rows(lw, n, ins, outs, p):
-    dst, src, rows = ins[0], dev(ins[1]), ins[2]
+    return set_rows_steps(lw, ins[0], dev(ins[1]), ins[2], input_strides(lw, n, 1))
+
+
+def set_rows_steps(lw: Lowering, dst: Any, src: Any, rows: Any, strides: tuple[int, ...]) -> list:
+    """dst[rows[t]] = src[t], src read through `strides` (row-strided: V in place in a stacked q|k|v
+    product); its outer axes are collapsed to two for the kernel."""
+    if not src.size:
+        return []
     cap = dst.shape[0]
     row = dst.size // cap if cap else 0
+    inner = src.shape[-1] if src.ndim > 1 else src.size
+    dims, outer = collapse(src.shape[:-1], strides[:-1], 2, "set_rows src") if src.ndim > 1 else ([1, 1], [0, 0])
     code = lw.code_arg(f"set_rows: row index out of range 0..{cap - 1} (got {{value}})")
-    args = (dst, src, rows, i32(src.shape[0]), np.int64(row), i32(cap), lw.errflag, code)
-    return [Launch("copy.cu", f"set_rows_{tname(dst)}", grid_for(max(src.size, 1)), BLOCK, args)] if src.size else []
+    args = (dst, src, rows, i32(src.shape[0]), np.int64(row), i32(cap), lw.errflag, code, i32(inner), i32(dims[1]),
+            np.int64(outer[0]), np.int64(outer[1]))
+    return [Launch("rope.cu", f"set_rows_{tname(dst)}", grid_for(src.size), BLOCK, args)]
 
 
 RULES: dict[str, Callable] = {
@@ -417,6 +490,7 @@ F16_INPUTS: dict[str, tuple[int, ...]] = {
 ROW_STRIDED_INPUTS: dict[str, dict[int, int]] = {
     "rms_norm_mul_rope": {0: 2}, "rms_norm_mul_rope_set_rows": {1: 2},  # x [n_tok, n_heads, head_dim]
     "rope": {0: 2}, "rope_set_rows": {1: 2},
+    "set_rows": {1: 2},  # src [n_tok, ...]: V of a stacked q|k|v product
     "mul_sigmoid": {1: 2},  # the gate b, up to 2 collapsed outer axes
 }
 F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})
@@ -453,4 +527,4 @@ def lower_node(lw: Lowering, n: Node, ins: list, outs: list | None) -> list:
     return pre + rule(lw, n, ins, outs, n.params.as_dict()) + post
 
 
-__all__ = ["RULES", "lower_node", "has_rule"]
+__all__ = ["RULES", "lower_node", "has_rule", "merge_kv_writes"]

@@ -42,7 +42,7 @@ from . import pdl
 from .device import cupy, stream
 from .launch import GpuParam, Launch, Lowering, dev
 from .layout import view_layout, views_to_copy
-from .lowering import lower_node
+from .lowering import lower_node, merge_kv_writes
 from .recurrent import inplace_state
 
 INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
@@ -164,7 +164,7 @@ class GpuProgram:
         self.lw = Lowering(self.weights)  # a rebind must not keep the last binding's scratch alive
         self._code_node = {}
         env: dict[int, Any] = {}
-        steps: list[Any] = []
+        node_steps: list[tuple[Node, list]] = []
         for i, n in enumerate(self.order):
             d = OPS[n.op]
             if n.is_leaf:
@@ -187,9 +187,9 @@ class GpuProgram:
                     outs[1] = env[id(self._inplace[id(n)])]
                 self.lw.code = i + 1
                 self._code_node[i + 1] = n
-                steps += lower_node(self.lw, n, ins, outs)
+                node_steps.append((n, lower_node(self.lw, n, ins, outs)))
                 env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
-        self._steps = steps
+        self._steps = steps = merge_kv_writes(node_steps)
         self._capturable = all(getattr(step, "capturable", False) for step in steps)
         self._outputs = {name: dev(env[id(n)]) for name, n in self.graph.outputs.items()}
         self._outputs_host = {name: pinned(v.shape, v.dtype) for name, v in self._outputs.items()}
