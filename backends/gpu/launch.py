@@ -35,7 +35,7 @@ def cdiv(a: int, b: int) -> int:
 class Launch:
     """One kernel launch, every argument fixed. `capturable`: may run inside CUDA-graph capture."""
 
-    __slots__ = ("kernel", "grid", "block", "args", "shared", "name")
+    __slots__ = ("kernel", "grid", "block", "args", "shared", "name", "parts")
     capturable = True
 
     def __init__(self, file: str, name: str, grid: int | tuple[int, ...], block: int | tuple[int, ...],
@@ -49,8 +49,13 @@ class Launch:
                 raise TypeError(f"kernel {name}: pass sizes as np.int32/np.float32, got {type(a).__name__} {a!r}")
         self.args = tuple(args)
         self.shared = shared
+        self.parts: tuple[str, ...] = ()  # the kernels a merged launch runs side by side (lowering.merge_kv_writes)
         if min(self.grid) <= 0:
             raise ValueError(f"kernel {name}: empty grid {self.grid}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({' + '.join(self.parts)})" if self.parts else self.name
 
     def __call__(self) -> None:
         self.kernel(self.grid, self.block, self.args, shared_mem=self.shared)

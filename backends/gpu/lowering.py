@@ -325,8 +325,10 @@ def _merged_qkv(trio: list[tuple[Node, list]]) -> Launch | None:
         return None
     threads = lq.block[0]
     nv = cdiv(lv.grid[0] * lv.block[0], threads)  # V's grid-stride loop, at least as many threads as its own launch
-    return Launch("rope.cu", name, lq.grid[0] + lk.grid[0] + nv, threads,
-                  lq.args + lk.args + lv.args + (i32(lq.grid[0]), i32(lk.grid[0])), shared=max(lq.shared, lk.shared))
+    merged = Launch("rope.cu", name, lq.grid[0] + lk.grid[0] + nv, threads,
+                    lq.args + lk.args + lv.args + (i32(lq.grid[0]), i32(lk.grid[0])), shared=max(lq.shared, lk.shared))
+    merged.parts = (lq.name, lk.name, lv.name)
+    return merged
 
 
 def _independent(nodes: list[Node]) -> bool:

@@ -43,7 +43,7 @@ def launches(program: GpuProgram) -> list[tuple[Any, ...]]:
     out = []
     for step in program._steps:
         if isinstance(step, Launch):
-            out.append((step.name, step.grid, step.block, step.shared,
+            out.append((step.label, step.grid, step.block, step.shared,
                         tuple(_arg_role(a, inputs) for a in step.args)))
         else:
             out.append((getattr(step, "name", type(step).__name__),))
