@@ -136,12 +136,19 @@ def _row_norm(kernel: str) -> Callable:
     return rule
 
 
+NORM_REGS_THREADS = 256  # add_rms_norm_mul_v<NV>_f32: rows up to 1,024 columns take 1 float4 a thread, 4,096 take 4
+
+
 def _add_rms_norm_mul(lw, n, ins, outs, p):
     a, b, w = dev(ins[0]), dev(ins[1]), dev(ins[2])
     y_norm, y_sum = outs
     rows, ncols = _rows(a)
     if a.shape == b.shape and _is_row_weight(w, ncols):
         args = (a, b, w, y_norm, y_sum, i32(ncols), f32(p["eps"]))
+        nv = cdiv(ncols, 4 * NORM_REGS_THREADS)
+        if ncols % 4 == 0 and nv <= 8 and all(t.data.ptr % 16 == 0 for t in (a, b, w, y_norm, y_sum)):
+            nv = 1 << (nv - 1).bit_length()  # the kernels are 1, 2, 4 and 8 float4 a thread
+            return [Launch("norm.cu", f"add_rms_norm_mul_v{nv}_f32", rows, cdiv(cdiv(ncols // 4, nv), 32) * 32, args)]
         return [Launch("norm.cu", "add_rms_norm_mul_f32", rows, row_block(ncols), args)]
     # other broadcasts: the same math from the unfused kernels
     normed = lw.scratch(a.shape)
