@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CU
 FORMATS = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 FLOATS = ("f32", "f16", "bf16")
-TOKENS = [1, 3, 8, 9, 16, 17, 33]  # GEMV_MAX_TOKENS is 16: 17 and 33 take the dequant + cuBLAS path
+TOKENS = [1, 2, 3, 5, 8, 9, 16, 17, 33]  # float weights: gemvm2/4/8 up to 8; 17 and 33 take dequant + cuBLAS
 
 
 def _shapes(fmt: str) -> list[tuple[int, int]]:

@@ -168,6 +168,97 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
 FOR_EACH_QUANT(DEFINE_GEMV)
 FOR_EACH_FLOAT(DEFINE_GEMV)
 
+// ---------------------------------------------------------------- 2..8 tokens, float weights
+// gemvm<M>_<fmt> (f32, f16, bf16): a speculative verify call's GEMV, M = 2, 4 or 8 tokens (m <= M run).
+// gemv_<fmt> gives a 32-lane group 2 rows, so each x value it loads (m tokens' worth, 4 bytes each)
+// serves 2 weights: at 4 tokens x's traffic through L1 is 8x the bf16 weight's, and the call cost 11.0 us
+// against 2.9-3.8 us for the same Qwen3-0.6B weights at one token (H200, 2026-12-01). Here a group of
+// GEMVM_G lanes owns GEMVM_NR rows: x's traffic per weight drops by GEMVM_NR / 2, and a row's units are
+// spread over GEMVM_G lanes so short rows still keep NR loads a lane in flight. Float rows of whole
+// 8-value pieces only (matmul.py routes the rest to gemv_<fmt>).
+#ifndef GEMVM_G
+#define GEMVM_G 64
+#endif
+#ifndef GEMVM_NR
+#define GEMVM_NR 4
+#endif
+#define GEMVM_THREADS 128
+
+template <class F, int M>
+DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
+                       float* __restrict__ Y, int n_out, int n_in, int m) {
+    static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
+    constexpr int G = GEMVM_G, NR = GEMVM_NR, GROUPS = GEMVM_THREADS / G;
+    __shared__ float part[GROUPS][G / 32][NR][M];
+    const int lane = threadIdx.x % G, grp = threadIdx.x / G;
+    const int row0 = (blockIdx.x * GROUPS + grp) * NR;  // every thread reaches the barrier below
+    const u8* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
+        const int o = row0 + r < n_out ? row0 + r : n_out - 1;
+        wr[r] = W + (long long)o * row_bytes;
+    }
+    float acc[NR][M];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
+    const int units = n_in / 8;
+    for (int u = lane; u < units; u += G) {
+        typename F::U q[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) q[r] = F::load(wr[r] + (long long)u * F::BB, 0);
+        float v[NR][8], one = 1.0f;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) F::decode(q[r], 0, 0, v[r], one, one, nullptr);
+        const float* xb = X + (long long)u * 8;
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+            if (t < m) {
+                const F4 a = ldx(xb + (long long)t * n_in), c = ldx(xb + (long long)t * n_in + 4);
+#pragma unroll
+                for (int r = 0; r < NR; ++r) dot8<true>(a, c, v[r], 1.0f, 1.0f, acc[r][t]);
+            }
+        }
+    }
+    const int warp = lane / 32;
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+            const float s = sum32(acc[r][t]);
+            if (threadIdx.x % 32 == 0) part[grp][warp][r][t] = s;
+        }
+    __syncthreads();
+    for (int i = lane; i < NR * M; i += G) {  // the group's warps' sums, in warp order
+        const int r = i / M, t = i % M;
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < G / 32; ++k) s += part[grp][k][r][t];
+        if (t < m && row0 + r < n_out) Y[(long long)t * n_out + row0 + r] = s;
+    }
+}
+#define DEFINE_GEMVM(name, F)                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm2_##name(                             \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_impl<F, 2>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm4_##name(                             \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_impl<F, 4>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm8_##name(                             \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_impl<F, 8>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
+    }
+FOR_EACH_FLOAT(DEFINE_GEMVM)
+
 // ---------------------------------------------------------------- m == 1 GEMV, version 2
 // gemv1v2_<fmt>_<cfg>: the decode step's GEMV with a tunable geometry, for the benchmark to pick
 // per format (matmul.py GEMV1_KERNEL). A block of T threads holds T/G groups of G lanes; a group
