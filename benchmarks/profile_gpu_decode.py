@@ -42,7 +42,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="convert the weights on load (graphir.load's dtype=)")
     ap.add_argument("--verify", type=int, default=0, help="profile the greedy verify call of this many tokens "
                     "(graphir/speculative.py) instead of the decode step")
+    ap.add_argument("--gemvm", default=None, help="the 2..8-token float GEMV geometry (backends/gpu/matmul.py "
+                    "GEMVM_CONFIGS) a verify call takes")
     args = ap.parse_args()
+    if args.gemvm:
+        from graphir.backends.gpu import matmul
+
+        matmul.GEMVM_KERNEL = args.gemvm
     if args.verify:
         profile_verify(args)
         return

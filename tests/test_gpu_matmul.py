@@ -252,6 +252,36 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
 
 
+def _gemvm_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS
+
+    return [(fmt, cfg, m, shape) for fmt in FLOATS for cfg in GEMVM_CONFIGS for m in (2, 3, 8)
+            for shape in [(1, 8), (7, 1000), (511, 136), (33, 2048)]]
+
+
+@pytest.mark.parametrize("fmt,cfg,m,shape", _gemvm_cases(), ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in
+                                                                 _gemvm_cases()])
+def test_gemvm_variants(fmt, cfg, m, shape, rng, monkeypatch):
+    """Every 2..8-token float GEMV geometry (matmul.py GEMVM_CONFIGS; profile_gpu_decode.py --verify picks
+    the default) at 1, 7, 33 and 511 rows (partial blocks of every geometry) and rows of 1, 17, 125 and 256
+    units, against the f64 product; m = 3 runs the 4-token kernel with a token unused."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    monkeypatch.setattr(mm, "GEMVM_KERNEL", cfg)
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, shape)
+    gp, weights = _param(fmt, raw, shape)
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    y_dev = cp.full((m, n_out), np.nan, np.float32)
+    steps = mm.lower_mul_mat(Lowering(weights), None, [gp, cp.asarray(x)], [y_dev], {})
+    assert steps[-1].name == f"gemvm{1 << (m - 1).bit_length()}_{fmt}_{cfg}"
+    for s in steps:
+        s()
+    _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
+
+
 # ---------------------------------------------------------------- get_rows
 def _get_rows_cases() -> list[tuple[str, int, int]]:
     cases = []

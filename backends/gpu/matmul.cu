@@ -173,22 +173,16 @@ FOR_EACH_FLOAT(DEFINE_GEMV)
 // gemv_<fmt> gives a 32-lane group 2 rows, so each x value it loads (m tokens' worth, 4 bytes each)
 // serves 2 weights: at 4 tokens x's traffic through L1 is 8x the bf16 weight's, and the call cost 11.0 us
 // against 2.9-3.8 us for the same Qwen3-0.6B weights at one token (H200, 2026-12-01). Here a group of
-// GEMVM_G lanes owns GEMVM_NR rows: x's traffic per weight drops by GEMVM_NR / 2, and a row's units are
-// spread over GEMVM_G lanes so short rows still keep NR loads a lane in flight. Float rows of whole
-// 8-value pieces only (matmul.py routes the rest to gemv_<fmt>).
-#ifndef GEMVM_G
-#define GEMVM_G 64
-#endif
-#ifndef GEMVM_NR
-#define GEMVM_NR 4
-#endif
+// G lanes owns NR rows: x's traffic per weight drops by NR / 2, and a row's units are spread over G
+// lanes so short rows still keep NR loads a lane in flight. Float rows of whole 8-value pieces only
+// (matmul.py routes the rest to gemv_<fmt>). gemvm<M>_<fmt>_<cfg>, cfg = g<G>r<NR> (matmul.py GEMVM_CONFIGS).
 #define GEMVM_THREADS 128
 
-template <class F, int M>
+template <class F, int M, int G, int NR>
 DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                        float* __restrict__ Y, int n_out, int n_in, int m) {
     static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
-    constexpr int G = GEMVM_G, NR = GEMVM_NR, GROUPS = GEMVM_THREADS / G;
+    constexpr int GROUPS = GEMVM_THREADS / G;
     __shared__ float part[GROUPS][G / 32][NR][M];
     const int lane = threadIdx.x % G, grp = threadIdx.x / G;
     const int row0 = (blockIdx.x * GROUPS + grp) * NR;  // every thread reaches the barrier below
@@ -238,25 +232,20 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
         if (t < m && row0 + r < n_out) Y[(long long)t * n_out + row0 + r] = s;
     }
 }
-#define DEFINE_GEMVM(name, F)                                                                              \
-    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm2_##name(                             \
+#define DEFINE_GEMVM_M(name, F, M, cfg, G, NR)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm##M##_##name##_##cfg(                 \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemvm_impl<F, 2>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm4_##name(                             \
-        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
-        int n_out, int n_in, int m) {                                                                      \
-        PDL_ENTRY();                                                                                       \
-        gemvm_impl<F, 4>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvm8_##name(                             \
-        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
-        int n_out, int n_in, int m) {                                                                      \
-        PDL_ENTRY();                                                                                       \
-        gemvm_impl<F, 8>(W, row_bytes, X, Y, n_out, n_in, m);                                              \
+        gemvm_impl<F, M, G, NR>(W, row_bytes, X, Y, n_out, n_in, m);                                       \
     }
+#define DEFINE_GEMVM_CFG(name, F, cfg, G, NR) \
+    DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) DEFINE_GEMVM_M(name, F, 8, cfg, G, NR)
+#define DEFINE_GEMVM(name, F)                   \
+    DEFINE_GEMVM_CFG(name, F, g32r4, 32, 4)     \
+    DEFINE_GEMVM_CFG(name, F, g32r8, 32, 8)     \
+    DEFINE_GEMVM_CFG(name, F, g64r4, 64, 4)     \
+    DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)
 FOR_EACH_FLOAT(DEFINE_GEMVM)
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 2

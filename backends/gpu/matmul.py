@@ -2,7 +2,7 @@
 
 mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
-    `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call; `gemvm<2|4|8>_<fmt>` for 2..8
+    `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call; `gemvm<2|4|8>_<fmt>_<cfg>` for 2..8
     tokens of a float weight) reads the weight's blocks once for all m tokens and dequantizes in
     registers. Capturable. At m == 1 the kernel is the variant GEMV1_KERNEL names for the format
     (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; `gemv1v3_<fmt>_<cfg>` for q8_0 / q4_0 / q4_k, staged through
@@ -38,10 +38,12 @@ GEMV_SMALL_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: gemv_<fmt> up to this many t
 GEMV_MAX_TOKENS = 2 * GEMV_SMALL_TOKENS
 GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
 GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
-# 2..8 tokens of a float weight: gemvm<M>_<fmt> (matmul.cu GEMVM_THREADS, GEMVM_G lanes x GEMVM_NR rows a group)
+# 2..8 tokens of a float weight: gemvm<M>_<fmt>_<cfg> (matmul.cu, GEMVM_THREADS a block), cfg g<G>r<NR>:
+# groups of G lanes owning NR rows each -> rows per block.
 GEMVM_MAX_TOKENS = 8
 GEMVM_THREADS = 128
-GEMVM_ROWS_PER_BLOCK = GEMVM_THREADS // 64 * 4
+GEMVM_CONFIGS = {"g32r4": 16, "g32r8": 32, "g64r4": 8, "g128r2": 2}
+GEMVM_KERNEL = "g64r4"
 SCRATCH_KEY = ("gpu", "dequant_scratch")
 
 # m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
@@ -166,7 +168,7 @@ def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = N
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
             bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8
-            return f"gemvm{bucket}_{fmt}", GEMVM_THREADS, GEMVM_ROWS_PER_BLOCK
+            return f"gemvm{bucket}_{fmt}_{GEMVM_KERNEL}", GEMVM_THREADS, GEMVM_CONFIGS[GEMVM_KERNEL]
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
     ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
