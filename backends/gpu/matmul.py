@@ -43,7 +43,10 @@ GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_
 GEMVM_MAX_TOKENS = 8
 GEMVM_THREADS = 128
 GEMVM_CONFIGS = {"g32r4": 16, "g32r8": 32, "g64r4": 8, "g128r2": 2}
-GEMVM_KERNEL = "g64r4"
+# Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
+# `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
+# 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ).
+GEMVM_KERNEL = "g128r2"
 SCRATCH_KEY = ("gpu", "dequant_scratch")
 
 # m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
