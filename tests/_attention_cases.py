@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from _gpu_helpers import host
 from graphir.backends.registry import get_backend
 
 from graphir import g
@@ -26,10 +27,6 @@ def attention_graph(op: str, n_q, hq, cap, hk, d, dv, kvdtype, scale, window, st
     node = getattr(g, op)(g.input("q", (n_q, hq, d)), k, v, g.input("pos", (n_q,), "i32"), g.input("len", (1,), "i32"),
                           scale=scale, window=window)
     return Graph({"out": node})
-
-
-def host(x) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 class AttentionCase:

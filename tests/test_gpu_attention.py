@@ -14,7 +14,8 @@ import functools
 
 import numpy as np
 import pytest
-from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, attention_graph, host
+from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, attention_graph
+from _gpu_helpers import host
 from graphir.backends.gpu import attention
 from graphir.backends.registry import get_backend
 

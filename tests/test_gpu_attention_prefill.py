@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner, host
+from _attention_cases import GARBAGE, AttentionCase, GraphRunner, RuleRunner
+from _gpu_helpers import host
 from graphir.backends.registry import get_backend
 
 import graphir

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _gpu_helpers import HAS_GPU, gpu_only
+from _gpu_helpers import HAS_GPU, assert_rel_close, gpu_only, host
 from graphir.backends.gpu import layout
 from graphir.backends.gpu.lowering import has_rule
 from graphir.backends.registry import get_backend, resolve_backend
@@ -119,16 +119,6 @@ REL = 1e-3  # of max |logit|: gpu vs reference (f32 math, different summation or
 TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
 
 
-def host(a) -> np.ndarray:
-    return np.asarray(a.get() if hasattr(a, "get") else a)
-
-
-def assert_close(ours: np.ndarray, ref: np.ndarray, rel: float, what: str) -> None:
-    assert ours.shape == ref.shape, what
-    err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
-    assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel} * max |logit| {scale:.3g}"
-
-
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("passes", ["", "default"])
@@ -137,9 +127,9 @@ def test_tiny_models_gpu_equal_reference(spec, passes):
     gpu = graphir.load(spec, backend="gpu", passes=passes, ctx=64)
     ref = graphir.load(spec, backend="reference", passes="", ctx=64)
     ids = list(np.random.default_rng(0).integers(0, 256, 45))  # prefill chunks 32 + 8 + 5 x 1
-    assert_close(gpu.logits(ids), ref.logits(ids), REL, f"{spec} prefill")
+    assert_rel_close(gpu.logits(ids), ref.logits(ids), REL, f"{spec} prefill")
     for t in (7, 200, 65):
-        assert_close(gpu.feed([t]), ref.feed([t]), REL, f"{spec} decode at {gpu.n_past}")
+        assert_rel_close(gpu.feed([t]), ref.feed([t]), REL, f"{spec} decode at {gpu.n_past}")
 
 
 @pytest.mark.gpu
@@ -186,7 +176,7 @@ def smol_gpu():
 def test_smollm2_logits_gpu_equal_reference(smol_gpu):
     ref = graphir.load("smollm2-135m", backend="reference", passes="")
     ids = smol_gpu.tokenizer.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    assert_close(smol_gpu.logits(ids), ref.logits(ids), REL, "smollm2 prefill")
+    assert_rel_close(smol_gpu.logits(ids), ref.logits(ids), REL, "smollm2 prefill")
 
 
 @pytest.mark.gpu
