@@ -125,7 +125,7 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
     ys = [cp.zeros((1, n_out), np.float32) for _ in range(copies)]
     out = {}
     for var in ["gemv1", *GEMV1_CONFIGS, *GEMV1_V3]:
-        name, threads, rows = gemv_kernel(fmt, n_in, 1, dev.data.ptr, var)
+        name, threads, rows = gemv_kernel(fmt, n_out, n_in, 1, dev.data.ptr, var)
         if var != "gemv1" and not name.startswith("gemv1v"):
             continue  # this shape falls back to gemv1
         steps = [Launch("matmul.cu", name, cdiv(n_out, rows), threads,

@@ -71,13 +71,13 @@ def test_decode_gemv_geometry_follows_the_rows(fmt, shape, cfg):
     from graphir.backends.gpu import matmul as mm
 
     n_out, n_in = shape
-    assert mm.gemv_kernel(fmt, n_in, 1, 0, n_out=n_out)[0] == f"gemv1v2_{fmt}_{cfg}"
-    assert mm.gemv_kernel(fmt, n_in, 1, 0, "g128r1", n_out=n_out)[0] == f"gemv1v2_{fmt}_g128r1"
+    assert mm.gemv_kernel(fmt, n_out, n_in, 1, 0)[0] == f"gemv1v2_{fmt}_{cfg}"
+    assert mm.gemv_kernel(fmt, n_out, n_in, 1, 0, "g128r1")[0] == f"gemv1v2_{fmt}_g128r1"
     cfg_m = mm.GEMVM_KERNEL
-    assert mm.gemv_kernel(fmt, n_in, 2, 0, n_out=n_out)[0] == f"gemvm2_{fmt}_{cfg_m}"  # two tokens: not the m == 1 rule
-    assert mm.gemv_kernel(fmt, n_in, 5, 0, n_out=n_out)[0] == f"gemvm8_{fmt}_{cfg_m}"
-    assert mm.gemv_kernel(fmt, n_in - 4, 5, 0, n_out=n_out)[0] == f"gemv_{fmt}"  # rows not of whole 8-value units
-    assert mm.gemv_kernel("q4_0", n_in, 1, 0, n_out=n_out) == mm.gemv_kernel("q4_0", n_in, 1, 0, n_out=1)
+    assert mm.gemv_kernel(fmt, n_out, n_in, 2, 0)[0] == f"gemvm2_{fmt}_{cfg_m}"  # two tokens: not the m == 1 rule
+    assert mm.gemv_kernel(fmt, n_out, n_in, 5, 0)[0] == f"gemvm8_{fmt}_{cfg_m}"
+    assert mm.gemv_kernel(fmt, n_out, n_in - 4, 5, 0)[0] == f"gemv_{fmt}"  # rows not of whole 8-value units
+    assert mm.gemv_kernel("q4_0", n_out, n_in, 1, 0) == mm.gemv_kernel("q4_0", 1, n_in, 1, 0)
 
 
 def test_auto_backend_is_gpu_only_with_a_device():

@@ -129,7 +129,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
         return []
     if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
         _check_fmt(w.dtype, "mul_mat_swiglu")
-        name, _, _ = gemv_kernel(w.dtype, w.shape[1], 1, w.raw.data.ptr, n_out=w.shape[0])
+        name, _, _ = gemv_kernel(w.dtype, w.shape[0], w.shape[1], 1, w.raw.data.ptr)
         if name.startswith("gemv1v2_") and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES:
             cfg = name.rsplit("_", 1)[1]
             x2, steps = x.reshape(1, w.shape[1]), []
@@ -156,14 +156,14 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         buf = lw.scratch((m, n_in))
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
-    name, threads, rows = gemv_kernel(w.dtype, n_in, m, w.raw.data.ptr, n_out=n_out)
+    name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
     return steps
 
 
-def gemv_kernel(fmt: str, n_in: int, m: int, w_ptr: int, variant: str | None = None,
-                n_out: int = 0) -> tuple[str, int, int]:
+def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
+                variant: str | None = None) -> tuple[str, int, int]:
     """(kernel name, threads per block, rows per block) of the GEMV for `m` tokens of an [n_out, n_in]
     weight at device address `w_ptr`. `variant` (a GEMV1_CONFIGS or GEMV1_V3 key, or "gemv1") overrides
     the choice (GEMV1_KERNEL, and short_float_rows for float formats); cases a variant cannot take (float
