@@ -242,8 +242,6 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
 #define DEFINE_GEMVM_CFG(name, F, cfg, G, NR) \
     DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) DEFINE_GEMVM_M(name, F, 8, cfg, G, NR)
 #define DEFINE_GEMVM(name, F)                   \
-    DEFINE_GEMVM_CFG(name, F, g32r4, 32, 4)     \
-    DEFINE_GEMVM_CFG(name, F, g32r8, 32, 8)     \
     DEFINE_GEMVM_CFG(name, F, g64r4, 64, 4)     \
     DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)
 FOR_EACH_FLOAT(DEFINE_GEMVM)
@@ -383,7 +381,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #define FOR_EACH_GEMV1_CFG(M, name, F) \
     M(name, F, g32r2, 128, 32, 2, 4)   \
     M(name, F, g32r4, 128, 32, 4, 2)   \
-    M(name, F, g32r8, 256, 32, 8, 1)   \
     M(name, F, g64r2, 128, 64, 2, 2)   \
     M(name, F, g128r1, 128, 128, 1, 4)
 #define DEFINE_GEMV1V2_CFG(name, F, cfg, T, G, NR, UN)                                                     \

@@ -42,16 +42,17 @@ GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_
 # groups of G lanes owning NR rows each -> rows per block.
 GEMVM_MAX_TOKENS = 8
 GEMVM_THREADS = 128
-GEMVM_CONFIGS = {"g32r4": 16, "g32r8": 32, "g64r4": 8, "g128r2": 2}
+GEMVM_CONFIGS = {"g64r4": 8, "g128r2": 2}
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
 # `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
-# 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ).
+# 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ); the two
+# 32-lane geometries were dropped after that run.
 GEMVM_KERNEL = "g128r2"
 SCRATCH_KEY = ("gpu", "dequant_scratch")
 
 # m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
 # block), mirroring FOR_EACH_GEMV1_CFG (T threads; T/G groups of G lanes, NR rows per group).
-GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g32r8": (256, 64), "g64r2": (128, 4), "g128r1": (128, 1)}
+GEMV1_CONFIGS = {"g32r2": (128, 8), "g32r4": (128, 16), "g64r2": (128, 4), "g128r1": (128, 1)}
 # Version-3 m == 1 kernels (matmul.cu gemv1v3_<fmt>_<cfg>: x and 2-byte-aligned blocks staged in
 # shared memory, ~3 instructions per weight): cfg -> (threads, rows per block), for V3_FORMATS.
 GEMV1_V3 = {"v3r2": (128, 8), "v3r4": (128, 16)}
@@ -108,7 +109,7 @@ def lower_mul_mat(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
 
 # m == 1 mul_mat_swiglu (matmul.cu gemv1sw_<fmt>_<cfg>): cfg -> (threads, outputs per block). The cfg's
 # groups in gate/up pairs, each pair NR outputs; g128r1 (one group a block) runs two groups a block.
-GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g32r8": (256, 32), "g64r2": (128, 2), "g128r1": (256, 1)}
+GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g64r2": (128, 2), "g128r1": (256, 1)}
 # Stacked gate|up weights up to this size take the fused kernel; larger ones the plain GEMV then
 # swiglu_halves_f32. H200, 2026-12-01 (profile_gpu_decode.py): Qwen3-8B's 201 MB gate|up took 48.3-49.3 us
 # fused (either pairing of rows) against ~44.3 us for the plain GEMV + 1.6 us for the activation. Below
