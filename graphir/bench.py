@@ -51,7 +51,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,26 +245,31 @@ def _prefill_s(model: Model, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_step_device_s(model: Model) -> float:
-    """Device seconds of one decode step: the captured launches of generate()'s step replayed alone."""
+def best_replay_s(replay: Callable[[Any], None], s: Any, reps: int = 20, rounds: int = 3) -> float:
+    """Device seconds a `replay(s)`: `reps` calls back to back between two CUDA events on stream s, the
+    best of `rounds` (what the GPU needs, without the host's launch gaps or one disturbed round)."""
     import cupy as cp
 
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    best = float("inf")
+    for _ in range(rounds):
+        start.record(s)
+        for _ in range(reps):
+            replay(s)
+        stop.record(s)
+        stop.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps)
+    return best
+
+
+def _decode_step_device_s(model: Model) -> float:
+    """Device seconds of one decode step: the captured launches of generate()'s step replayed alone."""
     from graphir.backends.gpu.device import stream
 
     program = model._program(1, False, sampler=True)
     if not program.captured:
         return float("nan")
-    s = stream()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    best = float("inf")
-    for _ in range(3):
-        start.record(s)
-        for _ in range(20):
-            program.replay_once(s)
-        stop.record(s)
-        stop.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / 20)
-    return best
+    return best_replay_s(program.replay_once, stream())
 
 
 NEW_PROCESS = """

@@ -160,8 +160,6 @@ def collective_step_s(model: Any) -> tuple[float, dict[str, int]]:
     kernels): captured into a CUDA graph of their own and replayed 20 times back to back, best of 3
     (every rank replays, or the calls would wait forever; the peer kernels' epochs advance alike on
     every rank, so the step's own graph stays in step afterwards). With the step's path counts."""
-    import cupy as cp
-
     from graphir.backends.gpu.device import stream
 
     program = model._program(1, False, sampler=True)
@@ -177,14 +175,6 @@ def collective_step_s(model: Any) -> tuple[float, dict[str, int]]:
                 call()
         finally:
             graph = s.end_capture()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
         graph.launch(s)  # warm-up
-        best = float("inf")
-        for _ in range(3):
-            start.record(s)
-            for _ in range(20):
-                graph.launch(s)
-            stop.record(s)
-            stop.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3 / 20)
+        best = B.best_replay_s(graph.launch, s)
     return best, counts

@@ -25,6 +25,7 @@ from graphir.backends.gpu import kernels, lowering, nccl, p2p
 from graphir.backends.gpu.launch import Launch, Lowering
 
 from graphir import g
+from graphir.bench import best_replay_s
 from graphir.errors import BackendError
 from graphir.ir import Graph
 
@@ -231,6 +232,16 @@ def _lower(graph: Graph):
     return get_backend("gpu").lower(graph, None)  # no State: bound (every rule run) here
 
 
+def _lower_both(graph: Graph, comm) -> tuple:
+    """graph lowered on the peer path, and again with the peers detached (NCCL)."""
+    on_peers = _lower(graph)
+    peers, comm.peers = comm.peers, None
+    try:
+        return on_peers, _lower(graph)
+    finally:
+        comm.peers = peers
+
+
 def _paths(program) -> list[str]:
     return ["p2p" if p2p.is_p2p_step(s) else "nccl" for s in program._steps
             if p2p.is_p2p_step(s) or isinstance(s, nccl.NcclCall)]
@@ -239,13 +250,7 @@ def _paths(program) -> list[str]:
 def _job_sites(rank: int, comm, sizes, extra) -> dict:
     """The sites graph on the peer path and (peers detached while lowering) on NCCL, called in turn:
     launched, captured on the second call, replayed from the third."""
-    graph = _sites_graph(sizes, extra)
-    on_peers = _lower(graph)
-    peers, comm.peers = comm.peers, None
-    try:
-        on_nccl = _lower(graph)
-    finally:
-        comm.peers = peers
+    on_peers, on_nccl = _lower_both(_sites_graph(sizes, extra), comm)
     everything = sizes + extra
     outs, nccl_outs = [], []
     for call in range(REPLAYS):
@@ -351,36 +356,20 @@ CHAIN = 72  # Qwen3-8B's all-reduces a decode step
 def _job_time_per_call(rank: int, comm) -> dict:
     """A chain of 72 all-reduces of 4096 f32 (y_k = all_reduce(y_{k-1})), peer path and NCCL, each captured
     and replayed 20 times back to back: device microseconds per all-reduce, best of 3."""
-    import cupy as cp
     from graphir.backends.gpu.device import stream
 
     y = g.input("x", (1, 4096))
     for _ in range(CHAIN):
         y = g.all_reduce(y, ranks=2)
-    graph = Graph({"y": y})
-    on_peers = _lower(graph)
-    peers, comm.peers = comm.peers, None
-    try:
-        on_nccl = _lower(graph)
-    finally:
-        comm.peers = peers
+    on_peers, on_nccl = _lower_both(Graph({"y": y}), comm)
     feeds = {"x": np.random.default_rng(rank).uniform(-1, 1, (1, 4096)).astype(np.float32)}
     result = {}
     for name, program in (("p2p", on_peers), ("nccl", on_nccl)):
         for _ in range(3):
             out = program(feeds)["y"]
         s = stream()
-        best = float("inf")
         with s:
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            for _ in range(3):
-                start.record(s)
-                for _ in range(20):
-                    program.replay_once(s)
-                stop.record(s)
-                stop.synchronize()
-                best = min(best, cp.cuda.get_elapsed_time(start, stop) * 1e3 / 20 / CHAIN)
-        result[name] = (best, out)
+            result[name] = (best_replay_s(program.replay_once, s) * 1e6 / CHAIN, out)
     return result
 
 
