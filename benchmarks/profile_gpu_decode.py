@@ -42,8 +42,10 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="convert the weights on load (graphir.load's dtype=)")
     ap.add_argument("--verify", type=int, default=0, help="profile the greedy verify call of this many tokens "
                     "(graphir/speculative.py) instead of the decode step")
-    ap.add_argument("--gemvm", default=None, help="the 2..8-token float GEMV geometry (backends/gpu/matmul.py "
+    ap.add_argument("--gemvm", default=None, help="the 2..16-token float GEMV geometry (backends/gpu/matmul.py "
                     "GEMVM_CONFIGS) a verify call takes")
+    ap.add_argument("--min-chunk", default="", help="decode attention's MIN_CHUNK values to time the captured "
+                    "step at too, e.g. '64,32,16' (backends/gpu/attention.py; each lowers the step again)")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
@@ -96,9 +98,39 @@ def main() -> None:
     for what, us in rows:
         print(f"{what:<34} {us:9.1f}")
     print(f"graph time per kernel: {graph_us / steps:.2f} us; host time per token: {feed_us - graph_us:.1f} us")
+    if args.min_chunk:
+        sweep_min_chunk(model, settings, [int(v) for v in args.min_chunk.split(",")], args.tokens)
 
     if args.kernels:
         kernel_table(program, args.kernels)
+
+
+def sweep_min_chunk(model, settings, values: list[int], n: int) -> None:
+    """The captured decode step lowered again at each decode-attention MIN_CHUNK (rows a split at least),
+    at the model's current context (a few tokens longer each time)."""
+    from graphir.backends.gpu import attention
+    from graphir.backends.gpu.device import stream
+
+    shipped = attention.MIN_CHUNK
+    s = stream()
+    try:
+        for v in values:
+            attention.MIN_CHUNK = v
+            model.programs.clear()
+            model._decode_sample(3, settings)
+            model._decode_sample(3, settings)  # captured on its second call
+            program = model._program(1, False, sampler=True)
+            assert program.captured, "decode Program not captured"
+
+            def graph_only(program=program) -> None:
+                program._graph_exec.launch(s)
+                s.synchronize()
+
+            print(f"decode attention MIN_CHUNK {v:4d}: captured graph alone {per_call_us(graph_only, n):8.1f} us "
+                  f"(context {model.n_past})")
+    finally:
+        attention.MIN_CHUNK = shipped
+        model.programs.clear()
 
 
 def profile_verify(args) -> None:

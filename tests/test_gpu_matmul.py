@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CU
 FORMATS = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 FLOATS = ("f32", "f16", "bf16")
-TOKENS = [1, 2, 3, 5, 8, 9, 16, 17, 33]  # float weights: gemvm2/4/8 up to 8; 17 and 33 take dequant + cuBLAS
+TOKENS = [1, 2, 3, 5, 8, 9, 16, 17, 33]  # float weights: gemvm2/4/8/16 up to 16; 17 and 33 take dequant + cuBLAS
 
 
 def _shapes(fmt: str) -> list[tuple[int, int]]:
@@ -255,16 +255,17 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
 def _gemvm_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
     from graphir.backends.gpu.matmul import GEMVM_CONFIGS
 
-    return [(fmt, cfg, m, shape) for fmt in FLOATS for cfg in GEMVM_CONFIGS for m in (2, 3, 8)
+    return [(fmt, cfg, m, shape) for fmt in FLOATS for cfg in GEMVM_CONFIGS for m in (2, 3, 8, 11, 16)
             for shape in [(1, 8), (7, 1000), (511, 136), (33, 2048)]]
 
 
 @pytest.mark.parametrize("fmt,cfg,m,shape", _gemvm_cases(), ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in
                                                                  _gemvm_cases()])
 def test_gemvm_variants(fmt, cfg, m, shape, rng, monkeypatch):
-    """Every 2..8-token float GEMV geometry (matmul.py GEMVM_CONFIGS; profile_gpu_decode.py --verify picks
+    """Every 2..16-token float GEMV geometry (matmul.py GEMVM_CONFIGS; profile_gpu_decode.py --verify picks
     the default) at 1, 7, 33 and 511 rows (partial blocks of every geometry) and rows of 1, 17, 125 and 256
-    units, against the f64 product; m = 3 runs the 4-token kernel with a token unused."""
+    units, against the f64 product; m = 3 runs the 4-token kernel with a token unused, m = 11 the 16-token
+    one with five."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering

@@ -1061,7 +1061,8 @@ def test_rms_norm_mul_rope(mode, hd, n_dims, rng):
 
 
 @covers("add_rms_norm_mul", "item")
-@pytest.mark.parametrize("shape", [(1, 4), (7, 511)])
+# gpu: 4 and 4096 columns take the register kernels (1 and 4 float4 a thread), 511 the generic one
+@pytest.mark.parametrize("shape", [(1, 4), (7, 511), (3, 4096)])
 @pytest.mark.parametrize("eps", [1e-5, 1e-6])
 def test_add_rms_norm_mul_where_eps_matters(shape, eps, rng):
     a, b = small_for_eps(rng, shape, eps / 2), small_for_eps(rng, shape, eps / 2)  # mean square of a + b ~ eps

@@ -168,8 +168,8 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
 FOR_EACH_QUANT(DEFINE_GEMV)
 FOR_EACH_FLOAT(DEFINE_GEMV)
 
-// ---------------------------------------------------------------- 2..8 tokens, float weights
-// gemvm<M>_<fmt> (f32, f16, bf16): a speculative verify call's GEMV, M = 2, 4 or 8 tokens (m <= M run).
+// ---------------------------------------------------------------- 2..16 tokens, float weights
+// gemvm<M>_<fmt> (f32, f16, bf16): a speculative verify call's GEMV, M = 2, 4, 8 or 16 tokens (m <= M run).
 // gemv_<fmt> gives a 32-lane group 2 rows, so each x value it loads (m tokens' worth, 4 bytes each)
 // serves 2 weights: at 4 tokens x's traffic through L1 is 8x the bf16 weight's, and the call cost 11.0 us
 // against 2.9-3.8 us for the same Qwen3-0.6B weights at one token (H200, 2026-12-01). Here a group of
@@ -239,8 +239,9 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
         PDL_ENTRY();                                                                                       \
         gemvm_impl<F, M, G, NR>(W, row_bytes, X, Y, n_out, n_in, m);                                       \
     }
-#define DEFINE_GEMVM_CFG(name, F, cfg, G, NR) \
-    DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) DEFINE_GEMVM_M(name, F, 8, cfg, G, NR)
+#define DEFINE_GEMVM_CFG(name, F, cfg, G, NR)                                   \
+    DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) \
+    DEFINE_GEMVM_M(name, F, 8, cfg, G, NR) DEFINE_GEMVM_M(name, F, 16, cfg, G, NR)
 #define DEFINE_GEMVM(name, F)                   \
     DEFINE_GEMVM_CFG(name, F, g64r4, 64, 4)     \
     DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)

@@ -2,8 +2,8 @@
 
 mul_mat(w, x) = x @ w^T with f32 activations and f32 accumulation, for every weight format:
   - decode (m = prod(x.shape[:-1]) <= GEMV_MAX_TOKENS rows of x), 2-D Param weight: our GEMV
-    `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call; `gemvm<2|4|8>_<fmt>_<cfg>` for 2..8
-    tokens of a float weight) reads the weight's blocks once for all m tokens and dequantizes in
+    `gemv_<fmt>` (`gemv16_<fmt>` above 8 tokens: a 16-token verify call; `gemvm<2|4|8|16>_<fmt>_<cfg>` for
+    2..16 tokens of a float weight) reads the weight's blocks once for all m tokens and dequantizes in
     registers. Capturable. At m == 1 the kernel is the variant GEMV1_KERNEL names for the format
     (`gemv1v2_<fmt>_<cfg>`, a tuned geometry; `gemv1v3_<fmt>_<cfg>` for q8_0 / q4_0 / q4_k, staged through
     shared memory; "gemv1" keeps `gemv1_<fmt>`), or for float weights of many short rows the geometry
@@ -38,9 +38,9 @@ GEMV_SMALL_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: gemv_<fmt> up to this many t
 GEMV_MAX_TOKENS = 2 * GEMV_SMALL_TOKENS
 GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
 GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
-# 2..8 tokens of a float weight: gemvm<M>_<fmt>_<cfg> (matmul.cu, GEMVM_THREADS a block), cfg g<G>r<NR>:
+# 2..16 tokens of a float weight: gemvm<M>_<fmt>_<cfg> (matmul.cu, GEMVM_THREADS a block), cfg g<G>r<NR>:
 # groups of G lanes owning NR rows each -> rows per block.
-GEMVM_MAX_TOKENS = 8
+GEMVM_MAX_TOKENS = 16
 GEMVM_THREADS = 128
 GEMVM_CONFIGS = {"g64r4": 8, "g128r2": 2}
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
@@ -171,7 +171,7 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     rows not whole 8-value pieces; unaligned rows for the wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
-            bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8
+            bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8 / gemvm16
             return f"gemvm{bucket}_{fmt}_{GEMVM_KERNEL}", GEMVM_THREADS, GEMVM_CONFIGS[GEMVM_KERNEL]
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
