@@ -411,12 +411,47 @@ def test_mul_mat_swiglu_decode_kernel(fmt, cfg, shape, rng, monkeypatch):
     _check_swiglu(fused.get(), x.get(), dequantize(raw, fmt, wshape))
 
 
+def _swiglu_verify_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
+    return [(fmt, cfg, m, shape) for fmt, cfg, m, shape in _gemvm_cases() if fmt != "f16" or m == 11]
+
+
+@pytest.mark.parametrize("fmt,cfg,m,shape", _swiglu_verify_cases(),
+                         ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in _swiglu_verify_cases()])
+def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
+    """The 2..16-token fused kernel (gemvmsw<M>_<fmt>_<cfg>) for every float geometry at 1, 7, 33 and 511
+    outputs: equal bit for bit to the unfused gpu path (gemvm of the same geometry, then swiglu_split_f32
+    on its halves), and to the f64 formula within the products' error bound."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+    from graphir.backends.gpu.lowering import RULES
+
+    monkeypatch.setattr(mm, "GEMVM_KERNEL", cfg)
+    half, n_in = shape
+    wshape = (2 * half, n_in)
+    raw = _raw(rng, fmt, wshape)
+    gp, weights = _param(fmt, raw, wshape)
+    lw = Lowering(weights)
+    x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+    fused = cp.full((m, half), np.nan, np.float32)
+    steps = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
+    assert [s.name for s in steps] == [f"gemvmsw{1 << (m - 1).bit_length()}_{fmt}_{cfg}"]
+    both, unfused = cp.full((m, 2 * half), np.nan, np.float32), cp.full((m, half), np.nan, np.float32)
+    steps += mm.lower_mul_mat(lw, None, [gp, x], [both], {})
+    steps += RULES["swiglu_split"](lw, None, [both[:, :half], both[:, half:]], [unfused], {})
+    for s in steps:
+        s()
+    np.testing.assert_array_equal(fused.get(), unfused.get())
+    _check_swiglu(fused.get(), x.get(), dequantize(raw, fmt, wshape))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q8_0", "q4_k", "q6_k", "f32"])
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
 def test_mul_mat_swiglu_formats(fmt, m, rng):
     """Through the backend at every token count (1: the fused kernel, or for the v3 formats the GEMV
-    then swiglu_halves_f32; 3-16 the GEMV, 17 dequant + cuBLAS, both then swiglu_halves_f32), 7
-    outputs of 3 super-blocks: against the reference and the f64 formula."""
+    then swiglu_halves_f32; 3-16 the fused gemvmsw kernel for float weights, the GEMV then
+    swiglu_halves_f32 for quantized ones; 17 dequant + cuBLAS then swiglu_halves_f32), 7 outputs of 3
+    super-blocks: against the reference and the f64 formula."""
     n_in = 768 if fmt in K_QUANTS else 96
     wshape = (14, n_in)
     raw = _raw(rng, fmt, wshape)

@@ -55,9 +55,13 @@ LOG2E = 1.4426950408889634
 # Decode grid: TARGET_BLOCKS blocks when every split is busy; None: one wave of the decode kernel
 # (SM count x its resident blocks per SM, from its register count), so no SM idles through a second,
 # partial wave. MIN_CHUNK: rows per split at least, so a block's fixed cost (kv_len and q loads,
-# merge, partial write of GB*dv floats, combine reads) stays small next to its rows.
+# merge, partial write of GB*dv floats, combine reads) stays small next to its rows. It only decides
+# short contexts (below n_split x MIN_CHUNK keys), where a split's rows are walked one step after
+# another: fewer rows a split, fewer dependent steps. H200, 2026-12-01, captured decode step at ~335
+# keys (`profile_gpu_decode.py MODEL --min-chunk 64,32,16,8`), us: Qwen3-0.6B 948.5 / 902.4 / 888.3 /
+# 914.9, Qwen3-8B 4,598.8 / 4,537.0 / 4,515.9 / -, SmolLM2 f32 764.9 / 741.1 / 746.6 / 769.3.
 TARGET_BLOCKS: int | None = None
-MIN_CHUNK = 64
+MIN_CHUNK = 16
 
 
 def _kv_name(a: Any) -> str:

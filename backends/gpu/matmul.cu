@@ -178,19 +178,23 @@ FOR_EACH_FLOAT(DEFINE_GEMV)
 // (matmul.py routes the rest to gemv_<fmt>). gemvm<M>_<fmt>_<cfg>, cfg = g<G>r<NR> (matmul.py GEMVM_CONFIGS).
 #define GEMVM_THREADS 128
 
-template <class F, int M, int G, int NR>
+// SW (mul_mat_swiglu, gemvmsw<M>_<fmt>_<cfg>): W holds 2 * n_out rows, gate rows then up rows; a group's
+// first NR / 2 rows are gate rows, its last NR / 2 the same outputs' up rows, and only
+// Y[t, o] = silu(gate) * up is stored, in elementwise.cu's swiglu_halves_f32 expression.
+template <class F, int M, int G, int NR, bool SW = false>
 DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                        float* __restrict__ Y, int n_out, int n_in, int m) {
     static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
-    constexpr int GROUPS = GEMVM_THREADS / G;
+    static_assert(!SW || NR % 2 == 0, "a swiglu group reads gate/up row pairs");
+    constexpr int GROUPS = GEMVM_THREADS / G, OUT = SW ? NR / 2 : NR;  // outputs a group
     __shared__ float part[GROUPS][G / 32][NR][M];
     const int lane = threadIdx.x % G, grp = threadIdx.x / G;
-    const int row0 = (blockIdx.x * GROUPS + grp) * NR;  // every thread reaches the barrier below
+    const int row0 = (blockIdx.x * GROUPS + grp) * OUT;  // every thread reaches the barrier below
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
-        const int o = row0 + r < n_out ? row0 + r : n_out - 1;
-        wr[r] = W + (long long)o * row_bytes;
+        const int i = row0 + r % OUT, o = i < n_out ? i : n_out - 1;
+        wr[r] = W + (long long)(SW && r >= OUT ? n_out + o : o) * row_bytes;
     }
     float acc[NR][M];
 #pragma unroll
@@ -224,11 +228,17 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
             if (threadIdx.x % 32 == 0) part[grp][warp][r][t] = s;
         }
     __syncthreads();
-    for (int i = lane; i < NR * M; i += G) {  // the group's warps' sums, in warp order
+    for (int i = lane; i < OUT * M; i += G) {  // the group's warps' sums, in warp order
         const int r = i / M, t = i % M;
         float s = 0.0f;
 #pragma unroll
         for (int k = 0; k < G / 32; ++k) s += part[grp][k][r][t];
+        if constexpr (SW) {
+            float up = 0.0f;
+#pragma unroll
+            for (int k = 0; k < G / 32; ++k) up += part[grp][k][r + OUT][t];
+            s = s / (1.0f + expf(-s)) * up;
+        }
         if (t < m && row0 + r < n_out) Y[(long long)t * n_out + row0 + r] = s;
     }
 }
@@ -238,6 +248,12 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
         gemvm_impl<F, M, G, NR>(W, row_bytes, X, Y, n_out, n_in, m);                                       \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvmsw##M##_##name##_##cfg(               \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_impl<F, M, G, NR, true>(W, row_bytes, X, Y, n_out, n_in, m);                                 \
     }
 #define DEFINE_GEMVM_CFG(name, F, cfg, G, NR)                                   \
     DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) \

@@ -114,35 +114,41 @@ GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g64r2": (128, 2), "g128r1": (
 # swiglu_halves_f32. H200, 2026-12-01 (profile_gpu_decode.py): Qwen3-8B's 201 MB gate|up took 48.3-49.3 us
 # fused (either pairing of rows) against ~44.3 us for the plain GEMV + 1.6 us for the activation. Below
 # the limit a launch is the larger cost (Qwen3-0.6B's 12.6 MB gate|up: its step went 1,383 -> 1,267 us
-# with this and the norm-rope cache write fused; the two were not measured apart).
+# with this and the norm-rope cache write fused; the two were not measured apart). The 2..16-token
+# gemvmsw kernels keep the same limit (not measured apart).
 SW_MAX_BYTES = 32 << 20
 
 
 def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
-    """mul_mat_swiglu(w, x): at m == 1, where the format's decode GEMV is a gemv1v2 geometry and the
-    weight at most SW_MAX_BYTES, one kernel (gemv1sw_<fmt>_<cfg>) that stores silu(gate) * up from its
-    two accumulators; otherwise the stacked product into scratch (mul_mat's own path) and
-    swiglu_halves_f32 over it."""
+    """mul_mat_swiglu(w, x): one kernel that stores silu(gate) * up from its gate and up sums where the
+    weight is at most SW_MAX_BYTES and its decode GEMV has a swiglu twin: at m == 1 a gemv1v2 geometry
+    (gemv1sw_<fmt>_<cfg>), at 2..16 tokens of a float weight gemvm (gemvmsw<M>_<fmt>_<cfg>); otherwise the
+    stacked product into scratch (mul_mat's own path) and swiglu_halves_f32 over it."""
     w, x, y = ins[0], ins[1], outs[0]
     half = y.shape[-1]
     m = math.prod(x.shape[:-1])
     if m == 0 or half == 0:
         return []
-    if isinstance(w, GpuParam) and len(w.shape) == 2 and m == 1 and x.dtype == np.float32:
+    if (isinstance(w, GpuParam) and len(w.shape) == 2 and m <= GEMVM_MAX_TOKENS and x.dtype == np.float32
+            and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES):
         _check_fmt(w.dtype, "mul_mat_swiglu")
-        name, _, _ = gemv_kernel(w.dtype, w.shape[0], w.shape[1], 1, w.raw.data.ptr)
-        if name.startswith("gemv1v2_") and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES:
-            cfg = name.rsplit("_", 1)[1]
-            x2, steps = x.reshape(1, w.shape[1]), []
+        name, threads, rows = gemv_kernel(w.dtype, w.shape[0], w.shape[1], m, w.raw.data.ptr)
+        if name.startswith("gemv1v2_"):
+            fused = name.replace("gemv1v2_", "gemv1sw_", 1)
+            threads, rows = GEMV1_SW[name.rsplit("_", 1)[1]]
+        elif name.startswith("gemvm"):
+            fused, rows = name.replace("gemvm", "gemvmsw", 1), rows // 2  # outputs a block: half its rows
+        else:
+            fused = None
+        if fused:
+            x2, steps = x.reshape(m, w.shape[1]), []
             if x2.data.ptr % 16:
                 buf = lw.scratch(x2.shape)
                 steps.append(copy_launch(x2, buf, what="aligned x"))
                 x2 = buf
-            fused = name.replace("gemv1v2_", "gemv1sw_", 1)
-            threads, rows = GEMV1_SW[cfg]
             return steps + [Launch("matmul.cu", fused, cdiv(half, rows), threads,
-                                   (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(1, half),
-                                    i32(half), i32(w.shape[1]), i32(1)))]
+                                   (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(m, half),
+                                    i32(half), i32(w.shape[1]), i32(m)))]
     both = lw.scratch(y.shape[:-1] + (2 * half,))
     steps = lower_mul_mat(lw, n, [w, x], [both], p)
     return steps + [Launch("elementwise.cu", "swiglu_halves_f32", min(cdiv(m * half, 256), _MAX_GRID), 256,

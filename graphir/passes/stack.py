@@ -80,7 +80,7 @@ def _stack(group: list[Node], rw: Rewriter) -> Node:
                                     "view per original")
 @dataclass(frozen=True)
 class StackProjections:
-    max_rows: int = 8  # decode and small verify calls; the GPU's mat-vec takes up to 8 rows
+    max_rows: int = 16  # decode and verify calls: the GPU's mat-vec takes up to 16 rows (its GEMV_MAX_TOKENS)
 
     def __call__(self, graph: Graph) -> Graph:
         return rewrite(graph, [(lambda mm, rw: _group(mm, rw, self.max_rows), _stack)])
