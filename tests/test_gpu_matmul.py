@@ -419,12 +419,11 @@ def _swiglu_verify_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
                          ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in _swiglu_verify_cases()])
 def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
     """The 2..16-token fused kernel (gemvmsw<M>_<fmt>_<cfg>) for every float geometry at 1, 7, 33 and 511
-    outputs: equal bit for bit to the unfused gpu path (gemvm of the same geometry, then swiglu_split_f32
-    on its halves), and to the f64 formula within the products' error bound."""
+    outputs: equal bit for bit to the unfused gpu path (the op lowered above SW_MAX_BYTES: gemvm of the same
+    geometry, then swiglu_halves_f32), and to the f64 formula within the products' error bound."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
-    from graphir.backends.gpu.lowering import RULES
 
     monkeypatch.setattr(mm, "GEMVM_KERNEL", cfg)
     half, n_in = shape
@@ -435,11 +434,13 @@ def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
     x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
     fused = cp.full((m, half), np.nan, np.float32)
     steps = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
-    assert [s.name for s in steps] == [f"gemvmsw{1 << (m - 1).bit_length()}_{fmt}_{cfg}"]
-    both, unfused = cp.full((m, 2 * half), np.nan, np.float32), cp.full((m, half), np.nan, np.float32)
-    steps += mm.lower_mul_mat(lw, None, [gp, x], [both], {})
-    steps += RULES["swiglu_split"](lw, None, [both[:, :half], both[:, half:]], [unfused], {})
-    for s in steps:
+    bucket = 1 << (m - 1).bit_length()
+    assert [s.name for s in steps] == [f"gemvmsw{bucket}_{fmt}_{cfg}"]
+    unfused = cp.full((m, half), np.nan, np.float32)
+    monkeypatch.setattr(mm, "SW_MAX_BYTES", 0)
+    plain = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [unfused], {})
+    assert [s.name for s in plain] == [f"gemvm{bucket}_{fmt}_{cfg}", "swiglu_halves_f32"]
+    for s in steps + plain:
         s()
     np.testing.assert_array_equal(fused.get(), unfused.get())
     _check_swiglu(fused.get(), x.get(), dequantize(raw, fmt, wshape))
