@@ -481,18 +481,14 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
 // ---------------------------------------------------------------- combine
 // out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q). The splits are spread
 // over CSG thread groups (each a run of 4-element column vectors), so the partials are read with
-// CSG x unroll loads in flight instead of one split after another. At a decode step's few splits
-// the kernel is a chain of dependent loads, so everything that does not wait on the softmax weights
-// is issued as soon as kv_len is known: each split's max and sum (kept in shared memory for the
-// weights) and the first column run's partial rows of the first CSG x COMBINE_PRE splits.
-#define ATTN_COMBINE_PRE 4
+// CSG x unroll loads in flight instead of one split after another.
 extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
              const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
              int min_chunk) {
     PDL_ENTRY();
-    constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW, PRE = ATTN_COMBINE_PRE;
-    __shared__ float w[ATTN_MAX_SPLITS], l_split[ATTN_MAX_SPLITS];
+    constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
+    __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     __shared__ vf4 sm[CSG][CW];
     const int tid = threadIdx.x, cl = tid % CW, sg = tid / CW;
@@ -506,57 +502,35 @@ attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
     const int chunk = split_chunk(L, n_split, min_chunk);
     const int na = cdiv_i(L, chunk);  // <= n_split
     const long long base = row * n_split;
-    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
-    const int nvec = (dv + 3) / 4;
-    vf4 pre[PRE];  // empty splits' acc is never written (may hold anything): used only where its weight is not 0
-#pragma unroll
-    for (int k = 0; k < PRE; ++k) {
-        const int s = sg + k * CSG, e = cl * 4;
-        pre[k] = zero4();
-        if (s < na && cl < nvec) {
-            const float* src = part_acc + (base + s) * dv;
-            pre[k] = vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
-        }
-    }
     float M = NEG_INF;
-    for (int s = tid; s < na; s += NT) {
-        const float m = part_m[base + s];
-        w[s] = m, l_split[s] = part_l[base + s];
-        M = fmaxf(M, m);
-    }
-    M = block_max(M, red);  // its barriers also publish w[] and l_split[]
+    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
+    M = block_max(M, red);
     if (M == NEG_INF) {  // no visible key for this query
         for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
         return;
     }
     float ls = 0.0f;
     for (int s = tid; s < na; s += NT) {
-        const float ws = exp2f(w[s] - M);  // 0 for empty splits (m = -inf)
-        ls += ws != 0.0f ? ws * l_split[s] : 0.0f;
-        w[s] = ws;  // only this thread reads and writes w[s] here
+        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
+        w[s] = ws;
+        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
     }
     ls = block_sum(ls, red);  // its barriers also publish w[]
     const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
+    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
+    const int nvec = (dv + 3) / 4;
     for (int c0 = 0; c0 < nvec; c0 += CW) {  // block-uniform trip count (barriers inside)
         const int cv = c0 + cl, e = cv * 4;
         vf4 a = zero4();
         if (cv < nvec) {
-#pragma unroll
-            for (int k = 0; k < PRE; ++k) {
-                const int s = sg + k * CSG;
-                if (s < na) {
-                    const float* src = part_acc + (base + s) * dv;
-                    const vf4 x = c0 == 0 ? pre[k] : vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
-                    const float ws = w[s];
-                    if (ws != 0.0f) a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
-                }
-            }
 #pragma unroll 8
-            for (int s = sg + PRE * CSG; s < na; s += CSG) {
+            for (int s = sg; s < na; s += CSG) {
                 const float ws = w[s];
                 const float* src = part_acc + (base + s) * dv;
                 const vf4 x = vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
-                if (ws != 0.0f) a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
+                if (ws != 0.0f) {  // empty splits' acc is never written (may hold anything)
+                    a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
+                }
             }
         }
         sm[sg][cl] = a;
