@@ -256,3 +256,59 @@ def test_vocab_sized_reductions_and_lookups_equal_reference():
     node = g.get_rows(g.input("t", table.shape), g.input("ids", (4,), "i32"))
     out = get_backend("gpu").lower(Graph({"o": node}), None)({"t": table, "ids": ids})["o"]
     np.testing.assert_array_equal(out, table[ids])
+
+
+# ---------------------------------------------------------------- 16-byte elementwise kernels (GPU suite)
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 (nearest even, the reference's rounding) as its 16-bit patterns."""
+    from graphir.ops.fused import bf16_round
+
+    return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("n", [1, 3, 7, 511, 1025, 4096])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cast_bf16_kernels(n, offset):
+    """cast_f32_bf16_v4 (aligned src and dst) and cast_f32_bf16 (offset by one element: not 16-byte aligned)
+    against the reference's rounding, ties to even and the n % 4 tail included."""
+    import cupy as cp
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu import matmul as mm
+
+    x = np.random.default_rng(n).standard_normal(n + 1).astype(np.float32)
+    x[:2] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8][: min(2, n + 1)]  # exact ties: round down to 1, up to 1 + 2^-6
+    src = cp.asarray(x)[offset:offset + n]
+    dst = cp.full(n + 1, 0xFFFF, np.uint16)[offset:offset + n]
+    name, grid = mm._cast_bf16(src, dst)
+    assert name == ("cast_f32_bf16_v4" if offset == 0 else "cast_f32_bf16")
+    kernels.get("matmul.cu", name)((grid,), (256,), (src, dst, np.int64(n)))
+    np.testing.assert_array_equal(dst.get(), _bf16_bits(x[offset:offset + n]))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("n", [1, 3, 7, 511, 1025, 4096])
+def test_swiglu_split_kernels(n):
+    """swiglu_split_v4_f32 (a, b, y 16-byte aligned) and swiglu_split_f32 (the same values one element into
+    their buffers: not aligned) bit for bit equal, and against the f64 formula; the n % 4 tail included."""
+    import cupy as cp
+    from graphir.backends.gpu.launch import Lowering
+    from graphir.backends.gpu.lowering import RULES
+
+    rng = np.random.default_rng(n)
+    a, b = (rng.standard_normal(n) * 3).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    outs = []
+    for off, kernel in ((0, "swiglu_split_v4_f32"), (1, "swiglu_split_f32")):
+        da, db = cp.zeros(n + 1, np.float32), cp.zeros(n + 1, np.float32)
+        da[off:off + n], db[off:off + n] = cp.asarray(a), cp.asarray(b)
+        y = cp.full(n + 1, np.nan, np.float32)[off:off + n]
+        steps = RULES["swiglu_split"](Lowering(None), None, [da[off:off + n], db[off:off + n]], [y], {})
+        assert [s.name for s in steps] == [kernel]
+        for s in steps:
+            s()
+        outs.append(y.get())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    a64 = a.astype(np.float64)
+    np.testing.assert_allclose(outs[0], a64 / (1 + np.exp(-a64)) * b, rtol=2e-6, atol=2e-6)

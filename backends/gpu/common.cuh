@@ -26,6 +26,13 @@
 
 typedef unsigned short u16;
 typedef unsigned char u8;
+// Four floats / four 16-bit values as one 16-byte / 8-byte access (hiprtc has no float4 without its headers).
+struct alignas(16) f32x4 {
+    float x, y, z, w;
+};
+struct alignas(8) u16x4 {
+    u16 x, y, z, w;
+};
 
 #if defined(__HIPCC__)
 #define SHFL_XOR(v, lane) __shfl_xor((v), (lane))

@@ -18,7 +18,8 @@ DEVICE float rope_elem(const float* head, int j, int n_dims, int neox, double an
         first = 2 * i;
         second = 2 * i + 1;
     }
-    const double c = cos(ang), s = sin(ang);
+    double s, c;
+    sincos(ang, &s, &c);  // one range reduction for both
     const double a = head[first], b = head[second];
     return (float)(j == first ? a * c - b * s : a * s + b * c);
 }
