@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite in one command, on a machine with a CUDA (or ROCm) GPU and the project installed
-# (pip install -e '.[gpu,test]'): the GPU tests, compute-sanitizer on the op tests, the kernel and
+# (pip install -e '.[gpu,test]'): the GPU tests, compute-sanitizer on the op tests, planted kernel bugs, the kernel and
 # model benchmarks, then a short table. Usage: bash benchmarks/gpu_suite.sh [quick]
 # Writes logs to ${OUT:-/tmp/gpu_suite}.
 set -uo pipefail
@@ -28,6 +28,7 @@ if command -v compute-sanitizer >/dev/null && [ -z "$QUICK" ]; then
             python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_ops.py -k "gpu"
     done
 fi
+[ -z "$QUICK" ] && run planted-bugs python3 benchmarks/gpu_planted_bugs.py
 run bench-gemv python3 benchmarks/bench_gpu_gemv.py ${QUICK:+--quick}
 run bench-attention python3 benchmarks/bench_gpu_attention.py ${QUICK:+--quick}
 run bench-attention-prefill python3 benchmarks/bench_gpu_attention_prefill.py

@@ -1,0 +1,101 @@
+"""Plant plausible bugs in the GPU kernels and check that the GPU tests catch each one.
+
+    python benchmarks/gpu_planted_bugs.py [N ...]      # all bugs, or only the numbered ones
+
+Each bug is one textual edit of a kernel source (an off-by-one, a dropped eps, a swapped stride), applied to
+a copy of this tree laid out as installed (backends/ and models/ inside graphir/) under /tmp; the tests
+named with it then run against the copy, with its own graph cache (compiled kernels are keyed on their
+source). A line per bug: CAUGHT (the tests failed), MISSED (they passed: the tests cannot see this bug),
+NOT RUN (every test skipped: no GPU) or the pytest exit status; the script exits 1 if any bug was not
+caught. An edit whose text is no longer in the source stops the script: update the bug with the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (what, kernel source, text, its buggy replacement, test files, pytest -k)
+BUGS = [
+    ("add_rms_norm_mul register kernel drops eps", "norm.cu",
+     "const float inv = 1.0f / sqrtf(ss / (float)ncols + eps);\n#pragma unroll",
+     "const float inv = 1.0f / sqrtf(ss / (float)ncols);\n#pragma unroll",
+     "tests/test_ops.py", "add_rms_norm_mul and gpu"),
+    ("add_rms_norm_mul register kernel skips a row's last float4", "norm.cu",
+     "        if (c < n4) {\n            const row4 x", "        if (c < n4 - 1) {\n            const row4 x",
+     "tests/test_ops.py", "add_rms_norm_mul and gpu"),
+    ("gemvm drops its last warp's partial sum", "matmul.cu",
+     "for (int k = 0; k < G / 32; ++k) s += part[grp][k][r][t];",
+     "for (int k = 0; k < G / 32 - 1; ++k) s += part[grp][k][r][t];",
+     "tests/test_gpu_matmul.py", "gemvm"),
+    ("gemvmsw reads the up rows one row late", "matmul.cu",
+     "wr[r] = W + (long long)(SW && r >= OUT ? n_out + o : o) * row_bytes;",
+     "wr[r] = W + (long long)(SW && r >= OUT ? n_out + o + (o + 1 < n_out) : o) * row_bytes;",
+     "tests/test_gpu_matmul.py", "swiglu_verify"),
+    ("merged q/K/V kernel starts V's elements a block late", "rope.cu",
+     "(long long)(blockIdx.x - (b0)) * blockDim.x + threadIdx.x,",
+     "(long long)(blockIdx.x - (b0) + 1) * blockDim.x + threadIdx.x,",
+     "tests/test_gpu_backend.py", "q_k_v_writes or tiny_models"),
+    ("set_rows reads the token stride as the head stride", "rope.cu",
+     "STORE(src[o0 * s0 + (o - o0 * d1) * s1 + (i - o * inner)])",
+     "STORE(src[o0 * s1 + (o - o0 * d1) * s1 + (i - o * inner)])",
+     "tests/test_gpu_backend.py tests/test_verify.py", "tiny_models or gpu"),
+    ("attn_combine drops the last partial split", "attention.cu",
+     "const int na = cdiv_i(L, chunk);", "const int na = L / chunk;",
+     "tests/test_gpu_attention.py", "decode"),
+    ("the 16-byte bf16 cast drops the n % 4 tail", "matmul.cu",
+     "if (first < n - 4 * n4) y[4 * n4 + first] = f32_to_bf16(x[4 * n4 + first]);",
+     "if (first < n - 4 * n4 - 1) y[4 * n4 + first] = f32_to_bf16(x[4 * n4 + first]);",
+     "tests/test_gpu_backend.py", "cast"),
+    ("the 16-byte swiglu swaps gate and up", "elementwise.cu",
+     "silu_mul(x.x, u.x), silu_mul(x.y, u.y)", "silu_mul(u.x, x.x), silu_mul(x.y, u.y)",
+     "tests/test_gpu_backend.py", "swiglu_split"),
+]
+
+
+def planted_tree(i: int, source: str, old: str, new: str) -> Path:
+    """This tree copied to /tmp/graphir_plant<i>, laid out as installed, with one edit in backends/gpu/source."""
+    d = Path(f"/tmp/graphir_plant{i}")
+    shutil.rmtree(d, ignore_errors=True)
+    skip = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".snap*", ".whl", ".gpu_carry", "*.egg-info",
+                                  ".pytest_cache", ".ruff_cache")
+    shutil.copytree(ROOT, d, ignore=skip)
+    for pkg in ("backends", "models"):
+        if not (d / "graphir" / pkg).exists():
+            shutil.copytree(d / pkg, d / "graphir" / pkg)
+    for base in (d, d / "graphir"):
+        p = base / "backends" / "gpu" / source
+        text = p.read_text()
+        if text.count(old) != 1:
+            sys.exit(f"bug {i}: its text occurs {text.count(old)} times in backends/gpu/{source}, not once")
+        p.write_text(text.replace(old, new))
+    return d
+
+
+def main() -> None:
+    only = set(sys.argv[1:])
+    missed = 0
+    for i, (what, source, old, new, tests, k) in enumerate(BUGS):
+        if only and str(i) not in only:
+            continue
+        d = planted_tree(i, source, old, new)
+        t0 = time.time()
+        env = dict(os.environ, PYTHONPATH=str(d), GRAPHIR_CACHE_DIR=f"{d}/.cache")  # kernels: keyed on source
+        r = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider {tests} -k '{k}'", shell=True,
+                           cwd=d, env=env, capture_output=True, text=True)
+        last = (r.stdout.strip().splitlines() or ["?"])[-1]
+        ran = " passed" in last or " failed" in last  # all skipped (no GPU) proves nothing
+        verdict = {1: "CAUGHT", 0: "MISSED"}.get(r.returncode, f"pytest exit {r.returncode}") if ran else "NOT RUN"
+        print(f"{i}: {verdict:7s} {what}: {last} ({time.time() - t0:.0f} s)", flush=True)
+        missed += verdict not in ("CAUGHT", "NOT RUN")
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
