@@ -30,6 +30,19 @@ def per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def graph_alone(program):
+    """A call that launches the Program's captured graph (as it is when called) and waits for it."""
+    from graphir.backends.gpu.device import stream
+
+    s = stream()
+
+    def launch_and_wait() -> None:
+        program._graph_exec.launch(s)
+        s.synchronize()
+
+    return launch_and_wait
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -55,7 +68,6 @@ def main() -> None:
         profile_verify(args)
         return
     from graphir.backends.gpu import pdl
-    from graphir.backends.gpu.device import stream
 
     from graphir.generate import Settings
 
@@ -71,12 +83,7 @@ def main() -> None:
     feeds = {"tokens": np.array([3], np.int32), "pos": np.array([n], np.int32), "kv_idx": np.array([n], np.int32),
              "kv_len": np.array([n + 1], np.int32), "sampling": settings.row()[None]}
     call_us = per_call_us(lambda: program(feeds, model._state), args.tokens)
-    s = stream()
-
-    def graph_only() -> None:
-        program._graph_exec.launch(s)
-        s.synchronize()
-
+    graph_only = graph_alone(program)
     graph_us = per_call_us(graph_only, args.tokens)
     rows = [("Model decode step (whole step)", feed_us), ("Program call", call_us),
             ("captured graph alone (launch+sync)", graph_us)]
@@ -109,10 +116,8 @@ def sweep_min_chunk(model, settings, values: list[int], n: int) -> None:
     """The captured decode step lowered again at each decode-attention MIN_CHUNK (rows a split at least),
     at the model's current context (a few tokens longer each time)."""
     from graphir.backends.gpu import attention
-    from graphir.backends.gpu.device import stream
 
     shipped = attention.MIN_CHUNK
-    s = stream()
     try:
         for v in values:
             attention.MIN_CHUNK = v
@@ -121,13 +126,8 @@ def sweep_min_chunk(model, settings, values: list[int], n: int) -> None:
             model._decode_sample(3, settings)  # captured on its second call
             program = model._program(1, False, sampler=True)
             assert program.captured, "decode Program not captured"
-
-            def graph_only(program=program) -> None:
-                program._graph_exec.launch(s)
-                s.synchronize()
-
-            print(f"decode attention MIN_CHUNK {v:4d}: captured graph alone {per_call_us(graph_only, n):8.1f} us "
-                  f"(context {model.n_past})")
+            us = per_call_us(graph_alone(program), n)
+            print(f"decode attention MIN_CHUNK {v:4d}: captured graph alone {us:8.1f} us (context {model.n_past})")
     finally:
         attention.MIN_CHUNK = shipped
         model.programs.clear()
@@ -136,7 +136,6 @@ def sweep_min_chunk(model, settings, values: list[int], n: int) -> None:
 def profile_verify(args) -> None:
     """A b-token greedy verify call at position --prompt: the whole call, the Program call, its captured
     graph alone (when every step can be captured), and the kernel table."""
-    from graphir.backends.gpu.device import stream
 
     from graphir import speculative as sp
 
@@ -153,13 +152,7 @@ def profile_verify(args) -> None:
           f"{len(steps)} steps, captured: {program.captured}; steps that cannot be captured: {others or 'none'}")
     rows = [("verify() whole call", per_call_us(lambda: sp.verify(model, tokens, greedy=True), args.tokens))]
     if program.captured:
-        s = stream()
-
-        def graph_only() -> None:
-            program._graph_exec.launch(s)
-            s.synchronize()
-
-        rows.append(("captured graph alone (launch+sync)", per_call_us(graph_only, args.tokens)))
+        rows.append(("captured graph alone (launch+sync)", per_call_us(graph_alone(program), args.tokens)))
     for what, us in rows:
         print(f"{what:<34} {us:9.1f} us")
     if args.kernels:

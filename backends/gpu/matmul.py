@@ -314,11 +314,10 @@ def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> 
     # share (x's arena slot stays live, unwritten, until its last reader has run)
     key = ("bf16 x", id(n.src[1]) if n is not None else id(x))
     steps = []
-    if key not in lw.shared:
-        lw.shared[key] = lw.scratch((m, n_in), np.uint16)
-        xb = lw.shared[key]
+    xb = lw.shared.get(key)
+    if xb is None:
+        xb = lw.shared[key] = lw.scratch((m, n_in), np.uint16)
         steps.append(Launch("matmul.cu", *_cast_bf16(x2, xb), 256, (x2, xb, np.int64(m * n_in))))
-    xb = lw.shared[key]
     if w.dtype == "bf16":
         def weight_ptr() -> int:
             return w.raw.data.ptr
