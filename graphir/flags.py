@@ -10,6 +10,7 @@
 | GRAPHIR_NO_PDL=1        | captured gpu graphs: each kernel starts after the last one ends (no PDL) |
 | GRAPHIR_NO_QUEUE=1      | gpu generate(): each decode step waits for the host (no step queued ahead) |
 | GRAPHIR_NO_KV_MERGE=1   | gpu Programs launch q rope, the K and the V cache writes as three kernels, not one |
+| GRAPHIR_NO_BF16_TWINS=1 | gpu Programs: a prefill GEMM's x is written as f32 and cast to bf16 (no bf16 twin) |
 | GRAPHIR_REQUIRE_KERNEL_COMPILERS=1 | the kernel-compile tests fail, not skip, without NVRTC or hipcc (CI) |
 | GRAPHIR_NO_PRECOMPILE=1 | cpu backend, cold numba cache: no helper process compiles matmul kernels meanwhile |
 | GRAPHIR_NO_GRAPH_CACHE=1 | models run their pass pipelines every time instead of reading earlier results from disk |
@@ -31,6 +32,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_NO_PDL": "captured gpu graphs without programmatic dependent launch (each kernel waits for the last)",
     "GRAPHIR_NO_QUEUE": "gpu generate() runs one decode step at a time, none queued ahead of the host",
     "GRAPHIR_NO_KV_MERGE": "gpu Programs launch each layer's q rope, K and V cache writes as three kernels",
+    "GRAPHIR_NO_BF16_TWINS": "gpu Programs write each prefill GEMM's x in f32 and cast it, not as bf16 by its producer",
     "GRAPHIR_REQUIRE_KERNEL_COMPILERS": "kernel-compile tests fail without NVRTC or hipcc",
     "GRAPHIR_NO_PRECOMPILE": "cpu backend: this process compiles every kernel itself, with no helper process",
     "GRAPHIR_NO_GRAPH_CACHE": "run pass pipelines every time; never read or write passed graphs on disk",

@@ -163,6 +163,75 @@ def test_q_k_v_writes_run_as_one_launch_bitwise(spec, passes, monkeypatch):
         np.testing.assert_array_equal(merged_state[k], three_state[k], err_msg=f"state {k}")
 
 
+def _prefill_graph(spec: str, n: int, passes: str) -> Graph:
+    from graphir.passes import run_pipeline
+    model = graphir.load(spec, backend="reference")
+    return run_pipeline(model.graph("prefill", n, last_only=True), passes)
+
+
+def test_bf16_twins_go_to_results_only_gemms_read():
+    """matmul.bf16_x_readers (no GPU needed): a prefill's norm, swiglu and attention results, read only by
+    mul_mat_bf16 as x, get bf16 twins; the residual sum (read by the next add) and the logits' input
+    (an f32 mul_mat at last_only) do not."""
+    from graphir.backends.gpu.matmul import bf16_x_readers
+    graph = _prefill_graph("random:qwen3-tiny", 37, "default,gemm-bf16,attn-bf16")
+    readers = bf16_x_readers(graph, layout.views_to_copy(graph))
+    by_op: dict[tuple[str, int], int] = {}
+    for n in graph.nodes():
+        for k in range(3):
+            if (id(n), k) in readers:
+                assert all(u.op == "mul_mat_bf16" for u in readers[(id(n), k)])
+                by_op[(n.op, k)] = by_op.get((n.op, k), 0) + 1
+    layers = 2
+    assert by_op.get(("swiglu_split", 0)) == layers and by_op.get(("flash_attn_bf16", 0)) == layers
+    # each layer's ffn norm and the next layer's attention norm; the output norm feeds the f32 head
+    assert by_op.get(("add_rms_norm_mul", 0)) == 2 * layers - 1
+    assert ("add_rms_norm_mul", 1) not in by_op
+
+
+def test_bf16_twin_refused_where_another_op_reads_the_result():
+    """A result that a GEMM and an elementwise op both read, or that is a graph output, keeps its f32."""
+    from graphir.backends.gpu.matmul import bf16_x_readers
+    x = g.input("x", (20, 8))
+    w = g.param("w", (5, 8))
+    shared = g.silu(x)
+    only_gemm = g.silu(g.exp(x))
+    out = g.silu(g.neg(x))
+    graph = Graph({"a": g.mul_mat_bf16(w, shared), "b": g.exp(shared), "c": g.mul_mat_bf16(w, only_gemm),
+                   "d": g.mul_mat_bf16(w, out), "e": out})
+    readers = bf16_x_readers(graph, layout.views_to_copy(graph))
+    assert (id(only_gemm), 0) in readers
+    assert (id(shared), 0) not in readers and (id(out), 0) not in readers
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:llama-tiny"])
+def test_bf16_twins_bitwise(spec, monkeypatch):
+    """Prefill GEMM inputs written as bf16 by their producers (add_rms_norm_mul, swiglu_split, attention)
+    give bitwise the logits and KV caches of f32 results cast by cast_f32_bf16 (GRAPHIR_NO_BF16_TWINS=1),
+    at 37 tokens (above gemm-bf16's 17 rows) and then a 513-token call."""
+    ids = list(np.random.default_rng(2).integers(0, 256, 37))
+    long = list(np.random.default_rng(3).integers(0, 256, 513))
+    runs = {}
+    for twins in (True, False):
+        monkeypatch.setenv("GRAPHIR_NO_BF16_TWINS", "0" if twins else "1")
+        model = graphir.load(spec, backend="gpu", passes="default,gemm-bf16,attn-bf16", ctx=1024)
+        outs = [model.logits(ids), model.feed(long)]
+        names = [s.name for _, prog, _ in model.programs._programs.values() for s in prog._steps]
+        runs[twins] = ([host(o) for o in outs], {k: host(v) for k, v in model._state.items()}, names)
+    (got, got_state, got_names), (want, want_state, want_names) = runs[True], runs[False]
+    casts = [sum(nm.startswith("cast_f32_bf16") for nm in names) for names in (got_names, want_names)]
+    assert casts[0] < casts[1], casts
+    assert any(nm.startswith("add_rms_norm_mul_v") and nm.endswith("_bf16") for nm in got_names), set(got_names)
+    assert "swiglu_split_v4_bf16" in got_names
+    assert not any(nm.endswith("_bf16") and nm.startswith(("add_rms", "swiglu")) for nm in want_names)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"call {i}")
+    for k in want_state:
+        np.testing.assert_array_equal(got_state[k], want_state[k], err_msg=f"state {k}")
+
+
 @pytest.fixture(scope="module")
 def smol_gpu():
     if not HAS_GPU:

@@ -101,14 +101,32 @@ extern "C" __global__ void swiglu_split_f32(const float* __restrict__ a, const f
 
 // The same with 16-byte accesses (a, b, y 16-byte aligned; the last n % 4 values one a thread): a prefill's
 // [4096, 12288] halves reached ~60 % of copy bandwidth with one float a thread (H200, 2026-12-01).
+// swiglu_split_v4_bf16 stores y as bf16 bits (8-byte aligned): the bf16 twin a prefill GEMM reads
+// (matmul.py bf16_twin), f32_to_bf16 of the values the f32 kernel stores.
 DEVICE float silu_mul(float x, float u) { return x / (1.0f + expf(-x)) * u; }
-extern "C" __global__ void swiglu_split_v4_f32(const float* __restrict__ a, const float* __restrict__ b,
-                                               float* __restrict__ y, long long n) {
-    PDL_ENTRY();
+DEVICE void store4(float* y, long long i, f32x4 v) { ((f32x4*)y)[i] = v; }
+DEVICE void store4(u16* y, long long i, f32x4 v) {
+    ((u16x4*)y)[i] = u16x4{f32_to_bf16(v.x), f32_to_bf16(v.y), f32_to_bf16(v.z), f32_to_bf16(v.w)};
+}
+DEVICE void store1(float* y, long long i, float v) { y[i] = v; }
+DEVICE void store1(u16* y, long long i, float v) { y[i] = f32_to_bf16(v); }
+
+template <typename OUT>
+DEVICE void swiglu_split_v4(const float* __restrict__ a, const float* __restrict__ b, OUT* __restrict__ y, long long n) {
     const long long n4 = n / 4, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long i = first; i < n4; i += (long long)gridDim.x * blockDim.x) {
         const f32x4 x = ((const f32x4*)a)[i], u = ((const f32x4*)b)[i];
-        ((f32x4*)y)[i] = f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)};
+        store4(y, i, f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)});
     }
-    if (first < n - 4 * n4) y[4 * n4 + first] = silu_mul(a[4 * n4 + first], b[4 * n4 + first]);
+    if (first < n - 4 * n4) store1(y, 4 * n4 + first, silu_mul(a[4 * n4 + first], b[4 * n4 + first]));
+}
+extern "C" __global__ void swiglu_split_v4_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                               float* __restrict__ y, long long n) {
+    PDL_ENTRY();
+    swiglu_split_v4<float>(a, b, y, n);
+}
+extern "C" __global__ void swiglu_split_v4_bf16(const float* __restrict__ a, const float* __restrict__ b,
+                                                u16* __restrict__ y, long long n) {
+    PDL_ENTRY();
+    swiglu_split_v4<u16>(a, b, y, n);
 }

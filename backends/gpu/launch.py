@@ -131,6 +131,8 @@ class Lowering:
         self.messages: dict[int, str] = {}  # error code -> message template ({value} is the bad value)
         # values rules share within one binding, keyed by what they derive from (e.g. a node's bf16 copy)
         self.shared: dict[Any, Any] = {}
+        # (id(node), result k) -> the mul_mat_bf16 nodes that alone read it (matmul.bf16_twin); set by the Program
+        self.bf16_readers: dict[tuple[int, int], list] = {}
 
     def scratch(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         """A device buffer owned by the Program, for temporaries of one node (fixed address)."""

@@ -90,8 +90,9 @@ def _scale(lw, n, ins, outs, p):
 def _swiglu_split(lw, n, ins, outs, p):
     a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
     if all(t.data.ptr % 16 == 0 for t in (a, b, y)):  # 16-byte accesses, 4 values a thread
-        return [Launch("elementwise.cu", "swiglu_split_v4_f32", grid_for(a.size // 4), BLOCK,
-                       (a, b, y, np.int64(a.size)))]
+        yb = matmul.bf16_twin(lw, n, 0, y)  # only GEMMs read y: write it as their bf16 x
+        return [Launch("elementwise.cu", "swiglu_split_v4_f32" if yb is None else "swiglu_split_v4_bf16",
+                       grid_for(a.size // 4), BLOCK, (a, b, y if yb is None else yb, np.int64(a.size)))]
     return [Launch("elementwise.cu", "swiglu_split_f32", grid_for(a.size), BLOCK, (a, b, y, np.int64(a.size)))]
 
 
@@ -151,7 +152,11 @@ def _add_rms_norm_mul(lw, n, ins, outs, p):
         nv = cdiv(ncols, 4 * NORM_REGS_THREADS)
         if ncols % 4 == 0 and nv <= 8 and all(t.data.ptr % 16 == 0 for t in (a, b, w, y_norm, y_sum)):
             nv = 1 << (nv - 1).bit_length()  # the kernels are 1, 2, 4 and 8 float4 a thread
-            return [Launch("norm.cu", f"add_rms_norm_mul_v{nv}_f32", rows, cdiv(cdiv(ncols // 4, nv), 32) * 32, args)]
+            yb = matmul.bf16_twin(lw, n, 0, y_norm)  # only GEMMs read the normed rows: write their bf16 x
+            if yb is not None:
+                args = (a, b, w, yb, y_sum, i32(ncols), f32(p["eps"]))
+            return [Launch("norm.cu", f"add_rms_norm_mul_v{nv}_{'f32' if yb is None else 'bf16'}", rows,
+                           cdiv(cdiv(ncols // 4, nv), 32) * 32, args)]
         return [Launch("norm.cu", "add_rms_norm_mul_f32", rows, row_block(ncols), args)]
     # other broadcasts: the same math from the unfused kernels
     normed = lw.scratch(a.shape)

@@ -43,9 +43,16 @@ struct alignas(16) row4 {  // four columns, one 16-byte load (hiprtc has no floa
     float x, y, z, w;
 };
 
-template <int NV>
+// y_norm's four columns stored as f32, or as bf16 bits (the bf16 twin a prefill GEMM reads: matmul.py
+// bf16_twin; f32_to_bf16 of the same f32 values, as the cast kernel would round them)
+DEVICE void store_row4(float* y, int c, row4 v) { ((row4*)y)[c] = v; }
+DEVICE void store_row4(u16* y, int c, row4 v) {
+    ((u16x4*)y)[c] = u16x4{f32_to_bf16(v.x), f32_to_bf16(v.y), f32_to_bf16(v.z), f32_to_bf16(v.w)};
+}
+
+template <int NV, typename OUT>
 DEVICE void add_rms_norm_mul_regs(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ w,
-                                  float* __restrict__ y_norm, float* __restrict__ y_sum, int ncols, float eps) {
+                                  OUT* __restrict__ y_norm, float* __restrict__ y_sum, int ncols, float eps) {
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     const long long off = (long long)blockIdx.x * ncols;
     const int n4 = ncols / 4;
@@ -68,21 +75,23 @@ DEVICE void add_rms_norm_mul_regs(const float* __restrict__ a, const float* __re
     for (int k = 0; k < NV; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         if (c < n4)
-            ((row4*)(y_norm + off))[c] = row4{s[k].x * inv * wv[k].x, s[k].y * inv * wv[k].y, s[k].z * inv * wv[k].z,
-                                              s[k].w * inv * wv[k].w};
+            store_row4(y_norm + off, c, row4{s[k].x * inv * wv[k].x, s[k].y * inv * wv[k].y, s[k].z * inv * wv[k].z,
+                                             s[k].w * inv * wv[k].w});
     }
 }
-#define DEFINE_ADD_RMS_NORM_MUL_REGS(NV)                                                                            \
-    extern "C" __global__ void add_rms_norm_mul_v##NV##_f32(const float* __restrict__ a, const float* __restrict__ b, \
-                                                          const float* __restrict__ w, float* __restrict__ y_norm,  \
-                                                          float* __restrict__ y_sum, int ncols, float eps) {        \
+// add_rms_norm_mul_v<NV>_f32 (y_norm f32) and add_rms_norm_mul_v<NV>_bf16 (y_norm bf16 bits)
+#define DEFINE_ADD_RMS_NORM_MUL_REGS(NV, SUF, OUT)                                                                  \
+    extern "C" __global__ void add_rms_norm_mul_v##NV##_##SUF(const float* __restrict__ a, const float* __restrict__ b, \
+                                                            const float* __restrict__ w, OUT* __restrict__ y_norm,  \
+                                                            float* __restrict__ y_sum, int ncols, float eps) {      \
         PDL_ENTRY();                                                                                                \
-        add_rms_norm_mul_regs<NV>(a, b, w, y_norm, y_sum, ncols, eps);                                              \
+        add_rms_norm_mul_regs<NV, OUT>(a, b, w, y_norm, y_sum, ncols, eps);                                         \
     }
-DEFINE_ADD_RMS_NORM_MUL_REGS(1)
-DEFINE_ADD_RMS_NORM_MUL_REGS(2)
-DEFINE_ADD_RMS_NORM_MUL_REGS(4)
-DEFINE_ADD_RMS_NORM_MUL_REGS(8)
+#define DEFINE_ADD_RMS_NORM_MUL_OUTS(NV) DEFINE_ADD_RMS_NORM_MUL_REGS(NV, f32, float) DEFINE_ADD_RMS_NORM_MUL_REGS(NV, bf16, u16)
+DEFINE_ADD_RMS_NORM_MUL_OUTS(1)
+DEFINE_ADD_RMS_NORM_MUL_OUTS(2)
+DEFINE_ADD_RMS_NORM_MUL_OUTS(4)
+DEFINE_ADD_RMS_NORM_MUL_OUTS(8)
 
 // y = rms_norm(x) * w * silu(z): Qwen3.5's gated output norm, one head's row per block
 extern "C" __global__ void rms_norm_mul_gate_f32(const float* __restrict__ x, const float* __restrict__ w,

@@ -43,6 +43,7 @@ from .device import cupy, stream
 from .launch import GpuParam, Launch, Lowering, dev
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node, merge_kv_writes
+from .matmul import bf16_x_readers
 from .recurrent import inplace_state
 
 INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
@@ -68,6 +69,7 @@ class GpuProgram:
         self.ids = graph.ids()
         self.folded = fold_params(graph, self.weights)
         self.copies = views_to_copy(graph)
+        self.bf16_readers = bf16_x_readers(graph, self.copies)
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
         self._init_inputs()
@@ -162,6 +164,7 @@ class GpuProgram:
             print(f"graphir gpu: Program {self.graph.meta.get('phase', '')} rebinds to new State buffers; its "
                   f"captured graph is dropped and captured again on the second call", file=sys.stderr)
         self.lw = Lowering(self.weights)  # a rebind must not keep the last binding's scratch alive
+        self.lw.bf16_readers = self.bf16_readers
         self._code_node = {}
         env: dict[int, Any] = {}
         node_steps: list[tuple[Node, list]] = []
