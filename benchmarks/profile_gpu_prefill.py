@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--passes", default="default,gemm-bf16,attn-bf16")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--ctx", type=int, default=0, help="KV capacity (default: --tokens; `graphir bench` runs at the "
+                                                       "model's own ctx)")
     args = ap.parse_args()
     import cupy as cp
     from graphir.backends.gpu.device import stream
@@ -30,7 +32,7 @@ def main() -> None:
 
     from graphir.passes import run_pipeline
 
-    model = graphir.load(args.model, backend="gpu", passes=args.passes, ctx=args.tokens)
+    model = graphir.load(args.model, backend="gpu", passes=args.passes, ctx=args.ctx or args.tokens)
     graph = run_pipeline(model.graph("prefill", args.tokens, last_only=True), args.passes)
     gpu = get_backend("gpu")
     program, state = gpu.lower(graph, model.weights), gpu.new_state(graph)
