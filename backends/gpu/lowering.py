@@ -255,15 +255,35 @@ def _rms_norm_mul_rope(lw, n, ins, outs, p):
     return norm_rope_steps(lw, n, 0, dev(ins[0]), dev(ins[1]), ins[2], outs[0], p)
 
 
+# The norm-rope kernels (rope.cu): a lane group of 32 per head row, 8 rows a block; a lane holds at most
+# 4 units of 2 columns in registers, so head_dim <= 256 (wider heads take rms_norm, then rope).
+NORM_ROPE_THREADS = 256
+NORM_ROPE_ROWS = NORM_ROPE_THREADS // 32
+NORM_ROPE_MAX_HEAD = 256
+
+
+def _fused_norm_rope(w: Any, head_dim: int) -> bool:
+    return _is_row_weight(w, head_dim) and head_dim <= NORM_ROPE_MAX_HEAD
+
+
+def _norm_rope_geometry(n_tok: int, n_heads: int, n_dims: int) -> tuple[int, int, int]:
+    """(blocks, tokens a block, shared bytes) of a norm-rope launch. A block takes tb tokens and
+    hb = min(n_heads, rows // tb) heads of each (tb > 1 only for fewer heads than rows, e.g. 4 KV
+    heads: its 8 lane groups then take 2 tokens), plus a cos/sin table of its tokens (doubles)."""
+    tb = max(1, NORM_ROPE_ROWS // n_heads)
+    hb = min(n_heads, NORM_ROPE_ROWS // tb)
+    return cdiv(n_tok, tb) * cdiv(n_heads, hb), tb, 16 * tb * (n_dims // 2)
+
+
 def norm_rope_steps(lw: Lowering, n: Node, xi: int, x: Any, w: Any, pos: Any, y: Any, p: dict) -> list:
     """y = rope(rms_norm(x) * w), x being n's input xi (read in place through its strides)."""
     n_tok, n_heads, head_dim = x.shape
-    if _is_row_weight(w, head_dim) and head_dim <= 1024:  # one kernel: a block per head row
-        threads = cdiv(head_dim, 32) * 32
-        args = (x, w, pos, _inv_freq(lw, p), y, i32(n_heads), i32(head_dim), i32(p["n_dims"]),
+    if _fused_norm_rope(w, head_dim):  # one kernel: a lane group per head row
+        blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
+        args = (x, w, pos, _inv_freq(lw, p), y, i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
                 i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]),
-                *_head_strides(x, input_strides(lw, n, xi)))
-        return [Launch("rope.cu", "rms_norm_mul_rope_f32", n_tok * n_heads, threads, args, shared=4 * head_dim)]
+                *_head_strides(x, input_strides(lw, n, xi)), i32(tb))
+        return [Launch("rope.cu", "rms_norm_mul_rope_f32", blocks, NORM_ROPE_THREADS, args, shared=shared)]
     x, steps = contiguous_input(lw, n, xi, x)  # the unfused kernels read contiguous rows
     if _is_row_weight(w, x.shape[-1]):
         steps += [rms_norm_launch(x, w, y, p["eps"])]
@@ -281,24 +301,26 @@ def _rope_set_rows(lw, n, ins, outs, p):
     args = (cache, x, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
             i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), i32(cap), lw.errflag, code,
             *_head_strides(x, input_strides(lw, n, 1)))
-    return [Launch("rope.cu", f"rope_set_rows_{tname(cache)}", grid_for(x.size), BLOCK, args)]
+    work = n_tok * n_heads * (p["n_dims"] // 2 + head_dim - p["n_dims"])  # a thread per pair or pass-through column
+    return [Launch("rope.cu", f"rope_set_rows_{tname(cache)}", grid_for(work), BLOCK, args)]
 
 
 def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
     cache, x, w, pos, rows = ins[0], dev(ins[1]), dev(ins[2]), ins[3], ins[4]
     n_tok, n_heads, head_dim = x.shape
     cap = cache.shape[0]
-    if not (_is_row_weight(w, head_dim) and head_dim <= 1024):  # the unfused rules, through scratch
+    if not _fused_norm_rope(w, head_dim):  # the unfused rules, through scratch
         roped = lw.scratch(x.shape)
         steps = norm_rope_steps(lw, n, 1, x, w, pos, roped, p)
         return steps + set_rows_steps(lw, cache, roped, rows, contiguous_strides(roped.shape))
     code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
                        "the KV capacity)")
-    args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
+    blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
+    args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
             i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code,
-            *_head_strides(x, input_strides(lw, n, 1)))
-    return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", n_tok * n_heads, cdiv(head_dim, 32) * 32,
-                   args, shared=4 * head_dim)]
+            *_head_strides(x, input_strides(lw, n, 1)), i32(tb))
+    return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", blocks, NORM_ROPE_THREADS, args,
+                   shared=shared)]
 
 
 # ---------------------------------------------------------------- q, k and v of a layer in one launch

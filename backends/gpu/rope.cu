@@ -1,53 +1,54 @@
 // Rotary position embedding, and the KV cache row writes (roped K, and set_rows for V). The angle
 // pos * freq_scale * inv_freq[i] is formed and rotated in double precision, as the op table's
 // reference does: at position 4000 an f32 angle is already off by ~2e-4 rad, more than the 1e-5 the
-// tests allow; rope is a tiny share of a step.
+// tests allow. Each pair's sincos is computed once (FP64 is ~1/2 of the FP32 rate on an H200 at best,
+// and a double sincos is dozens of DFMAs): per pair in the span kernels, per (token, pair) in the
+// norm-rope kernels, whose blocks share one token's table in shared memory.
 #include "common.cuh"
 
-// The rotation of element j of a head (j < n_dims). Pairs: neox (i, i + half), norm (2i, 2i + 1).
-// Returns the rotated value of element j, reading its partner from `head`.
-DEVICE float rope_elem(const float* head, int j, int n_dims, int neox, double ang) {
-    const int half = n_dims / 2;
-    int i, first, second;
-    if (neox) {
-        i = j < half ? j : j - half;
-        first = i;
-        second = i + half;
-    } else {
-        i = j / 2;
-        first = 2 * i;
-        second = 2 * i + 1;
-    }
-    double s, c;
-    sincos(ang, &s, &c);  // one range reduction for both
-    const double a = head[first], b = head[second];
-    return (float)(j == first ? a * c - b * s : a * s + b * c);
+// The pair (a, b) rotated by the angle whose cosine and sine are c and s: (a c - b s, a s + b c).
+DEVICE void rotate_pair(double a, double b, double c, double s, float* r0, float* r1) {
+    *r0 = (float)(a * c - b * s);
+    *r1 = (float)(a * s + b * c);
 }
 
-DEVICE int pair_index(int j, int n_dims, int neox) {
-    const int half = n_dims / 2;
-    return neox ? (j < half ? j : j - half) : j / 2;
+// The columns of rotation pair i of a head: neox (i, i + half), norm (2i, 2i + 1).
+DEVICE void pair_cols(int i, int half, int neox, int* first, int* second) {
+    *first = neox ? i : 2 * i;
+    *second = neox ? i + half : 2 * i + 1;
 }
 
-// Each kernel below is a DEVICE body run over its whole grid: the `_rows` bodies take one head row per
-// block (row = the block's index), the `_span` bodies a grid-stride loop (first = the thread's index,
-// step = the threads of the grid). The qkv_* kernels at the end run three bodies side by side in one
-// launch, each over its own range of blocks.
+DEVICE void put(float* p, float v) { *p = v; }
+DEVICE void put(u16* p, float v) { *p = f32_to_f16(v); }
+
+// Each kernel below is a DEVICE body run over its whole grid: the `_span` bodies a grid-stride loop
+// (first = the thread's index, step = the threads of the grid), the norm-rope `_block` bodies one block
+// of head rows each (NORM_ROPE_ROWS below). The qkv_* kernels at the end run three bodies side by side
+// in one launch, each over its own range of blocks.
+
+// Work item g of a span body over x [n_tok, n_heads, head_dim]: one per rotation pair and one per
+// pass-through element (dims past n_dims) of each head. Sets th = t * n_heads + h and k (k < half: pair
+// k, else element n_dims + k - half).
+DEVICE void span_item(long long g, int n_heads, int head_dim, int n_dims, int* t, long long* th, int* k) {
+    const int per_head = n_dims / 2 + (head_dim - n_dims);
+    *k = (int)(g % per_head);
+    *th = g / per_head;
+    *t = (int)(*th / n_heads);
+}
 
 // y[t, h, j] for x [n_tok, n_heads, head_dim], y contiguous; head (t, h) of x starts at
 // x + t * x_tok + h * x_head (a row-strided view read in place, e.g. q of a stacked q|k|v product).
-// y may alias x (in-place rope after a fused norm, x then contiguous): one thread owns both
-// elements of a pair, reading both before writing either.
+// y may alias x (in-place rope after a norm, x then contiguous): one thread owns both elements of a
+// pair, reading both before writing either.
 DEVICE void rope_span(const float* x, const int* __restrict__ pos, const double* __restrict__ inv_freq, float* y,
                       int n_tok, int n_heads, int head_dim, int n_dims, int neox, double freq_scale, long long x_tok,
                       long long x_head, long long first, long long step) {
     const int half = n_dims / 2;
-    const int per_head = half + (head_dim - n_dims);  // one thread per pair, one per pass-through element
-    const long long n = (long long)n_tok * n_heads * per_head;
+    const long long n = (long long)n_tok * n_heads * (half + head_dim - n_dims);
     for (long long g = first; g < n; g += step) {
-        const int k = (int)(g % per_head);
-        const long long th = g / per_head;  // t * n_heads + h
-        const int t = (int)(th / n_heads);
+        int t, k;
+        long long th;
+        span_item(g, n_heads, head_dim, n_dims, &t, &th, &k);
         const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;
         float* yh = y + th * head_dim;
         if (k >= half) {  // dims past n_dims pass through
@@ -55,12 +56,14 @@ DEVICE void rope_span(const float* x, const int* __restrict__ pos, const double*
             yh[j] = xh[j];
             continue;
         }
-        const int first_j = neox ? k : 2 * k, second = neox ? k + half : 2 * k + 1;
-        const double ang = (double)pos[t] * freq_scale * inv_freq[k];
-        const float r0 = rope_elem(xh, first_j, n_dims, neox, ang);
-        const float r1 = rope_elem(xh, second, n_dims, neox, ang);
-        yh[first_j] = r0;
-        yh[second] = r1;
+        int j0, j1;
+        pair_cols(k, half, neox, &j0, &j1);
+        double s, c;
+        sincos((double)pos[t] * freq_scale * inv_freq[k], &s, &c);
+        float r0, r1;
+        rotate_pair(xh[j0], xh[j1], c, s, &r0, &r1);
+        yh[j0] = r0;
+        yh[j1] = r1;
     }
 }
 
@@ -73,109 +76,182 @@ extern "C" __global__ void rope_f32(const float* x, const int* __restrict__ pos,
     rope_span(x, pos, inv_freq, y, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, x_tok, x_head, SPAN_ARGS);
 }
 
-// Head row th of x normed (rms_norm * w) into `normed` (shared, head_dim floats); returns after the
-// barrier that publishes it. blockDim >= head_dim.
-DEVICE void norm_head(const float* x, const float* __restrict__ w, int n_heads, int head_dim, float eps,
-                      long long x_tok, long long x_head, long long th, float* red, float* normed) {
-    const int t = (int)(th / n_heads), j = threadIdx.x;
-    const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;
-    const float v = j < head_dim ? xh[j] : 0.0f;
-    const float ss = block_sum(v * v, red);
-    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
-    if (j < head_dim) normed[j] = v * inv * w[j];
-    __syncthreads();
+// cache[rows[t], :] = rope(x, pos)[t] for x [n_tok, n_heads, head_dim], roped K written straight into
+// the cache (f32 or f16 bits); head (t, h) of x starts at x + t * x_tok + h * x_head (K read in place
+// from a stacked q|k|v product). A row outside 0..cap-1 is reported, never written.
+template <typename T>
+DEVICE void rope_set_rows_span(T* cache, const float* __restrict__ x, const int* __restrict__ pos,
+                               const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok,
+                               int n_heads, int head_dim, int n_dims, int neox, double freq_scale, int cap,
+                               int* errflag, int code, long long x_tok, long long x_head, long long first,
+                               long long step) {
+    const int half = n_dims / 2;
+    const long long n = (long long)n_tok * n_heads * (half + head_dim - n_dims);
+    for (long long g = first; g < n; g += step) {
+        int t, k;
+        long long th;
+        span_item(g, n_heads, head_dim, n_dims, &t, &th, &k);
+        const int r = rows[t];
+        if (r < 0 || r >= cap) {
+            report_error(errflag, code, r);
+            continue;
+        }
+        const float* xh = x + t * x_tok + (th - (long long)t * n_heads) * x_head;
+        T* ch = cache + ((long long)r * n_heads + (th - (long long)t * n_heads)) * head_dim;
+        if (k >= half) {
+            const int j = n_dims + (k - half);
+            put(ch + j, xh[j]);
+            continue;
+        }
+        int j0, j1;
+        pair_cols(k, half, neox, &j0, &j1);
+        double s, c;
+        sincos((double)pos[t] * freq_scale * inv_freq[k], &s, &c);
+        float r0, r1;
+        rotate_pair(xh[j0], xh[j1], c, s, &r0, &r1);
+        put(ch + j0, r0);
+        put(ch + j1, r1);
+    }
 }
 
-// Element j of the normed head row th, roped (j < n_dims) or passed through.
-DEVICE float roped_normed(const float* normed, const int* __restrict__ pos, const double* __restrict__ inv_freq,
-                          int n_heads, int n_dims, int neox, double freq_scale, long long th, int j) {
-    if (j >= n_dims) return normed[j];
-    const int t = (int)(th / n_heads);
-    return rope_elem(normed, j, n_dims, neox, (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)]);
-}
-
+// ---------------------------------------------------------------- q/k norm and rope, a lane group per head row
 // y[t, h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]) for x [n_tok, n_heads, head_dim] and w [head_dim]:
-// the q/k norm of Qwen3-style attention and its rotation in one pass, one block per head row
-// (blockDim >= head_dim). Head (t, h) of x starts at x + t * x_tok + h * x_head: q read in place
-// from the projection (Qwen3.5 interleaves q and its gate per head; Qwen3 stacks q|k|v); y contiguous.
-// The normed row waits in shared memory for its rotation partners; the arithmetic is that of
-// rms_norm_f32 followed by rope_f32, so the two paths agree bitwise.
-DEVICE void norm_rope_rows(const float* x, const float* __restrict__ w, const int* __restrict__ pos,
-                           const double* __restrict__ inv_freq, float* y, int n_heads, int head_dim, int n_dims,
-                           int neox, double freq_scale, float eps, long long x_tok, long long x_head, long long th,
-                           float* red, float* normed) {
-    norm_head(x, w, n_heads, head_dim, eps, x_tok, x_head, th, red, normed);
-    const int j = threadIdx.x;
-    if (j < head_dim) y[th * head_dim + j] = roped_normed(normed, pos, inv_freq, n_heads, n_dims, neox, freq_scale, th, j);
+// the q/k norm of Qwen3-style attention and its rotation in one pass (the rms in f32, the normed value
+// v * inv * w[j] in f32, rotated in double). Head (t, h) of x starts at x + t * x_tok + h * x_head: q read
+// in place from the projection (Qwen3.5 interleaves q and its gate per head; Qwen3 stacks q|k|v).
+//
+// A block is blockDim / 32 lane groups of 32 (a warp on CUDA, half a wavefront on gfx9), each one head
+// row; the row's sum of squares is reduced by shuffles within its group, never through shared memory.
+// A block takes tb consecutive tokens (lowering: tb > 1 only when n_heads is below the groups) and
+// hb = min(n_heads, groups / tb) heads of each; blocks run over token groups, then head groups. The block
+// first fills a table of the cos and sin of its tokens' angles (shared, 16 * tb * half bytes), so a
+// (token, pair) angle's sincos is computed once a block rather than once an element: the FP64 work of
+// a row was 2 * half sincos, it is half * tb / rows-in-the-block.
+//
+// Lane l of a group holds units u = l + 32 k (k < NORM_ROPE_UNITS) in registers: unit u < half is
+// rotation pair u, unit u >= half the pass-through element n_dims + 2 (u - half) and the next one (when
+// < head_dim). Hence head_dim <= 2 * 32 * NORM_ROPE_UNITS = 256; lowering.py takes the unfused kernels
+// for wider heads. (Keep both numbers in step with lowering.py.)
+#define NORM_ROPE_GROUP 32
+#define NORM_ROPE_UNITS 4
+// Every norm-rope launch has 256 threads (8 rows a block; lowering.py NORM_ROPE_THREADS). Six blocks an SM
+// keep 48 warps' row loads in flight: at most 40 registers (sm_90, NVRTC 13: 44-46 without the bound,
+// 4-8 bytes of spill with it).
+#define NORM_ROPE_THREADS 256
+#if defined(__HIPCC__)
+#define NORM_ROPE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS)
+#else
+#define NORM_ROPE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS, 6)
+#endif
+
+// Sum over the 32 lanes of a lane group (the XOR partners of offsets < 32 stay inside it in any wave size).
+DEVICE float group_sum(float v) {
+#pragma unroll
+    for (int o = NORM_ROPE_GROUP / 2; o > 0; o >>= 1) v += SHFL_XOR(v, o);
+    return v;
 }
 
-extern "C" __global__ void rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
+// The columns of unit u (above): neox pairs (u, u + half), else (2u, 2u + 1), which is also where the
+// pass-through unit u >= half starts (n_dims + 2 (u - half) = 2u).
+DEVICE void unit_cols(int u, int half, int neox, int* ja, int* jb) {
+    const bool split = neox && u < half;
+    *ja = split ? u : 2 * u;
+    *jb = *ja + (split ? half : 1);
+}
+
+// The body of block b: y rows (rows == nullptr: y [n_tok, n_heads, head_dim] contiguous), or K cache rows
+// (cache[rows[t], h, :], f32 or f16 bits; a row outside 0..cap-1 is reported, never written). `cs` is the
+// block's dynamic shared memory. Every thread reaches the one __syncthreads; a group with no row, or
+// whose KV row is out of range, returns after it.
+template <typename T>
+DEVICE void norm_rope_block(T* out, const int* __restrict__ rows, int cap, int* errflag, int code, const float* x,
+                            const float* __restrict__ w, const int* __restrict__ pos,
+                            const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim, int n_dims,
+                            int neox, double freq_scale, float eps, long long x_tok, long long x_head, int tb, int b,
+                            double* cs) {
+    const int groups = blockDim.x / NORM_ROPE_GROUP, g = threadIdx.x / NORM_ROPE_GROUP;
+    const int lane = threadIdx.x % NORM_ROPE_GROUP;
+    const int hb = min(n_heads, groups / tb), n_hg = (n_heads + hb - 1) / hb;
+    const int t0 = b / n_hg * tb, tt = g / hb, t = t0 + tt, h = b % n_hg * hb + g % hb;
+    const bool has_row = tt < tb && t < n_tok && h < n_heads;
+    const int half = n_dims / 2, n_units = half + (head_dim - n_dims + 1) / 2;
+
+    // the row, its sum of squares and its normed values (loads issued before the table's FP64 work)
+    const float* xh = x + t * x_tok + h * x_head;  // read only when has_row
+    float va[NORM_ROPE_UNITS], vb[NORM_ROPE_UNITS], ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        va[k] = has_row && u < n_units ? xh[ja] : 0.0f;
+        vb[k] = has_row && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
+        ss += va[k] * va[k] + vb[k] * vb[k];
+    }
+    for (int i = threadIdx.x; i < tb * half; i += blockDim.x) {  // cs[2 it half + k] = cos, then half sines
+        const int it = i / half, k = i - it * half;
+        if (t0 + it < n_tok) {
+            double s, c;
+            sincos((double)pos[t0 + it] * freq_scale * inv_freq[k], &s, &c);
+            cs[2 * it * half + k] = c;
+            cs[(2 * it + 1) * half + k] = s;
+        }
+    }
+    ss = group_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    const int r = has_row && rows ? rows[t] : 0;
+    if (has_row) {
+#pragma unroll
+        for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+            const int u = lane + NORM_ROPE_GROUP * k;
+            int ja, jb;
+            unit_cols(u, half, neox, &ja, &jb);
+            if (u < n_units) va[k] = va[k] * inv * w[ja];
+            if (u < n_units && jb < head_dim) vb[k] = vb[k] * inv * w[jb];
+        }
+    }
+    __syncthreads();  // the table is filled
+    if (!has_row) return;
+    if (rows && (r < 0 || r >= cap)) {
+        if (lane == 0) report_error(errflag, code, r);
+        return;
+    }
+    T* yh = out + ((long long)(rows ? r : t) * n_heads + h) * head_dim;
+    const double* c = cs + 2 * tt * half;
+#pragma unroll
+    for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        if (u >= n_units) break;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        if (u < half) {
+            float r0, r1;
+            rotate_pair(va[k], vb[k], c[u], c[half + u], &r0, &r1);
+            put(yh + ja, r0);
+            put(yh + jb, r1);
+        } else {
+            put(yh + ja, va[k]);
+            if (jb < head_dim) put(yh + jb, vb[k]);
+        }
+    }
+}
+
+extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
                                                  const int* __restrict__ pos, const double* __restrict__ inv_freq,
-                                                 float* y, int n_heads, int head_dim, int n_dims, int neox,
-                                                 double freq_scale, float eps, long long x_tok, long long x_head) {
+                                                 float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox,
+                                                 double freq_scale, float eps, long long x_tok, long long x_head,
+                                                 int tb) {
     PDL_ENTRY();
-    __shared__ float red[MAX_THREADS / WARP_SIZE];
-    extern __shared__ float normed[];  // head_dim floats
-    norm_rope_rows(x, w, pos, inv_freq, y, n_heads, head_dim, n_dims, neox, freq_scale, eps, x_tok, x_head,
-                   blockIdx.x, red, normed);
+    extern __shared__ double rope_cs[];  // 2 * tb * half
+    norm_rope_block(y, (const int*)nullptr, 0, (int*)nullptr, 0, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,
+                    neox, freq_scale, eps, x_tok, x_head, tb, blockIdx.x, rope_cs);
 }
 
-DEVICE float store_f32(float v) { return v; }
-
-// The KV cache writes, per cache type (f32 or f16 bits): rope_set_rows_span: cache[rows[t], :] =
-// rope(x, pos)[t] for x [n_tok, n_heads, head_dim], roped K written straight into the cache; head (t, h)
-// of x starts at x + t * x_tok + h * x_head (K read in place from a stacked q|k|v product). A row outside
-// 0..cap-1 is reported, never written.
-#define DEFINE_KV_BODIES(SUF, T, STORE)                                                                            \
-    DEVICE void rope_set_rows_span_##SUF(T* cache, const float* __restrict__ x, const int* __restrict__ pos,       \
-                                         const int* __restrict__ rows, const double* __restrict__ inv_freq,        \
-                                         int n_tok, int n_heads, int head_dim, int n_dims, int neox,               \
-                                         double freq_scale, int cap, int* errflag, int code, long long x_tok,      \
-                                         long long x_head, long long first, long long step) {                      \
-        const long long row_elems = (long long)n_heads * head_dim;                                                 \
-        const long long n = n_tok * row_elems;                                                                     \
-        for (long long g = first; g < n; g += step) {                                                              \
-            const int t = (int)(g / row_elems);                                                                    \
-            const long long e = g % row_elems;                                                                     \
-            const int j = (int)(e % head_dim);                                                                     \
-            const int r = rows[t];                                                                                 \
-            if (r < 0 || r >= cap) {                                                                               \
-                report_error(errflag, code, r);                                                                    \
-                continue;                                                                                          \
-            }                                                                                                      \
-            const float* xh = x + t * x_tok + (e / head_dim) * x_head;                                             \
-            float v = xh[j];                                                                                       \
-            if (j < n_dims) {                                                                                      \
-                const double ang = (double)pos[t] * freq_scale * inv_freq[pair_index(j, n_dims, neox)];            \
-                v = rope_elem(xh, j, n_dims, neox, ang);                                                           \
-            }                                                                                                      \
-            cache[(long long)r * row_elems + e] = STORE(v);                                                        \
-        }                                                                                                          \
-    }                                                                                                              \
-    /* cache[rows[t], h, :] = rope(rms_norm(x[t, h, :]) * w, pos[t]): the norm-rope row written straight into   \
-       the KV cache (Qwen3's K), same arithmetic, so it equals rms_norm_mul_rope_f32 followed by set_rows bit \
-       for bit (f32 cache). A row outside 0..cap-1 is reported, never written. */                               \
-    DEVICE void norm_rope_set_rows_rows_##SUF(T* cache, const float* x, const float* __restrict__ w,               \
-                                              const int* __restrict__ pos, const int* __restrict__ rows,           \
-                                              const double* __restrict__ inv_freq, int n_heads, int head_dim,      \
-                                              int n_dims, int neox, double freq_scale, float eps, int cap,         \
-                                              int* errflag, int code, long long x_tok, long long x_head,           \
-                                              long long th, float* red, float* normed) {                           \
-        norm_head(x, w, n_heads, head_dim, eps, x_tok, x_head, th, red, normed);                                   \
-        const int t = (int)(th / n_heads), j = threadIdx.x;                                                        \
-        const int r = rows[t];                                                                                     \
-        if (r < 0 || r >= cap) {                                                                                   \
-            if (j == 0) report_error(errflag, code, r);                                                            \
-            return;                                                                                                \
-        }                                                                                                          \
-        if (j >= head_dim) return;                                                                                 \
-        const float out = roped_normed(normed, pos, inv_freq, n_heads, n_dims, neox, freq_scale, th, j);           \
-        cache[(long long)r * n_heads * head_dim + (th - (long long)t * n_heads) * head_dim + j] = STORE(out);     \
-    }                                                                                                              \
-    /* dst[rows[t], :] = src[t, :] for src [n_tok, ...] f32 into an f32 or f16 State [cap, ...] (set_rows).     \
-       src is row-strided: element c of outer index o (its axes but the last, flattened) is at                \
-       src[(o / d1) * s0 + (o % d1) * s1 + c], c < inner (lowering.py collapses the outer axes to two).        \
-       A row outside 0..cap-1 is reported and not written. */                                                  \
+// dst[rows[t], :] = src[t, :] for src [n_tok, ...] f32 into an f32 or f16 State [cap, ...] (set_rows).
+// src is row-strided: element c of outer index o (its axes but the last, flattened) is at
+// src[(o / d1) * s0 + (o % d1) * s1 + c], c < inner (lowering.py collapses the outer axes to two).
+// A row outside 0..cap-1 is reported and not written.
+#define DEFINE_SET_ROWS_SPAN(SUF, T, STORE)                                                                        \
     DEVICE void set_rows_span_##SUF(T* dst, const float* __restrict__ src, const int* __restrict__ rows,           \
                                     int n_tok, long long row, int cap, int* errflag, int code, int inner, int d1,  \
                                     long long s0, long long s1, long long first, long long step) {                 \
@@ -191,10 +267,13 @@ DEVICE float store_f32(float v) { return v; }
             dst[(long long)r * row + (i - (long long)t * row)] = STORE(src[o0 * s0 + (o - o0 * d1) * s1 + (i - o * inner)]); \
         }                                                                                                          \
     }
+DEVICE float store_f32(float v) { return v; }
+DEFINE_SET_ROWS_SPAN(f32, float, store_f32)
+DEFINE_SET_ROWS_SPAN(f16, u16, f32_to_f16)
 
-DEFINE_KV_BODIES(f32, float, store_f32)
-DEFINE_KV_BODIES(f16, u16, f32_to_f16)
-
+// The KV cache kernels, per cache type: rope_set_rows (above), rms_norm_mul_rope_set_rows (the norm-rope
+// rows written straight into the cache: Qwen3's K, the body of rms_norm_mul_rope_f32, so it equals that
+// kernel followed by set_rows bit for bit with an f32 cache), set_rows.
 #define DEFINE_KV_KERNELS(SUF, T)                                                                                  \
     extern "C" __global__ void rope_set_rows_##SUF(T* cache, const float* __restrict__ x, const int* __restrict__ pos, \
                                                    const int* __restrict__ rows, const double* __restrict__ inv_freq, \
@@ -202,18 +281,18 @@ DEFINE_KV_BODIES(f16, u16, f32_to_f16)
                                                    double freq_scale, int cap, int* errflag, int code,             \
                                                    long long x_tok, long long x_head) {                            \
         PDL_ENTRY();                                                                                               \
-        rope_set_rows_span_##SUF(cache, x, pos, rows, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, \
-                                 cap, errflag, code, x_tok, x_head, SPAN_ARGS);                                    \
+        rope_set_rows_span(cache, x, pos, rows, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, cap, \
+                           errflag, code, x_tok, x_head, SPAN_ARGS);                                               \
     }                                                                                                              \
-    extern "C" __global__ void rms_norm_mul_rope_set_rows_##SUF(                                                   \
+    extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_set_rows_##SUF(                                                   \
         T* cache, const float* x, const float* __restrict__ w, const int* __restrict__ pos,                         \
-        const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_heads, int head_dim, int n_dims,  \
-        int neox, double freq_scale, float eps, int cap, int* errflag, int code, long long x_tok, long long x_head) { \
+        const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim,   \
+        int n_dims, int neox, double freq_scale, float eps, int cap, int* errflag, int code, long long x_tok,      \
+        long long x_head, int tb) {                                                                                \
         PDL_ENTRY();                                                                                               \
-        __shared__ float red[MAX_THREADS / WARP_SIZE];                                                             \
-        extern __shared__ float normed[];                                                                          \
-        norm_rope_set_rows_rows_##SUF(cache, x, w, pos, rows, inv_freq, n_heads, head_dim, n_dims, neox,           \
-                                      freq_scale, eps, cap, errflag, code, x_tok, x_head, blockIdx.x, red, normed); \
+        extern __shared__ double rope_cs[];                                                                        \
+        norm_rope_block(cache, rows, cap, errflag, code, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,    \
+                        neox, freq_scale, eps, x_tok, x_head, tb, blockIdx.x, rope_cs);                            \
     }                                                                                                              \
     extern "C" __global__ void set_rows_##SUF(T* dst, const float* __restrict__ src, const int* __restrict__ rows, \
                                               int n_tok, long long row, int cap, int* errflag, int code, int inner, \
@@ -230,8 +309,9 @@ DEFINE_KV_KERNELS(f16, u16)
 // launch-to-launch gap of a captured graph (1.5-2.7 us apiece on an H200, Qwen3-0.6B: 188 us of a
 // 1,250 us step); here the three run side by side in one grid: blocks [0, nq) take q's body, [nq, nq + nk)
 // K's, the rest V's. The parameters are the three kernels' own, in order (lowering.py merge_kv_writes
-// concatenates their launch arguments), then nq and nk. Every body is the one its own kernel runs, so
-// the results are bitwise those of the three launches.
+// concatenates their launch arguments), then nq and nk; q and K were launched with this block size, and
+// the norm-rope bodies take their block index relative to their range. Every body is the one its own
+// kernel runs, so the results are bitwise those of the three launches.
 #define V_PARAMS(T)                                                                                                \
     T *v_dst, const float *__restrict__ v_src, const int *__restrict__ v_rows, int v_n_tok, long long v_row,      \
         int v_cap, int *v_errflag, int v_code, int v_inner, int v_d1, long long v_s0, long long v_s1
@@ -241,25 +321,25 @@ DEFINE_KV_KERNELS(f16, u16)
                         (long long)(gridDim.x - (b0)) * blockDim.x)
 
 #define DEFINE_QKV(SUF, T)                                                                                         \
-    extern "C" __global__ void qkv_norm_rope_##SUF(                                                                \
+    extern "C" __global__ void NORM_ROPE_BOUNDS qkv_norm_rope_##SUF(                                                                \
         const float* q_x, const float* __restrict__ q_w, const int* __restrict__ q_pos,                            \
-        const double* __restrict__ q_inv_freq, float* q_y, int q_n_heads, int q_head_dim, int q_n_dims, int q_neox, \
-        double q_freq_scale, float q_eps, long long q_x_tok, long long q_x_head,                                   \
+        const double* __restrict__ q_inv_freq, float* q_y, int q_n_tok, int q_n_heads, int q_head_dim,             \
+        int q_n_dims, int q_neox, double q_freq_scale, float q_eps, long long q_x_tok, long long q_x_head, int q_tb, \
         T* k_cache, const float* k_x, const float* __restrict__ k_w, const int* __restrict__ k_pos,                 \
-        const int* __restrict__ k_rows, const double* __restrict__ k_inv_freq, int k_n_heads, int k_head_dim,      \
-        int k_n_dims, int k_neox, double k_freq_scale, float k_eps, int k_cap, int* k_errflag, int k_code,         \
-        long long k_x_tok, long long k_x_head, V_PARAMS(T), int nq, int nk) {                                      \
+        const int* __restrict__ k_rows, const double* __restrict__ k_inv_freq, int k_n_tok, int k_n_heads,         \
+        int k_head_dim, int k_n_dims, int k_neox, double k_freq_scale, float k_eps, int k_cap, int* k_errflag,     \
+        int k_code, long long k_x_tok, long long k_x_head, int k_tb, V_PARAMS(T), int nq, int nk) {               \
         PDL_ENTRY();                                                                                               \
-        __shared__ float red[MAX_THREADS / WARP_SIZE];                                                             \
-        extern __shared__ float normed[];                                                                          \
+        extern __shared__ double rope_cs[];                                                                        \
         const int b = blockIdx.x;                                                                                  \
         if (b < nq)                                                                                                \
-            norm_rope_rows(q_x, q_w, q_pos, q_inv_freq, q_y, q_n_heads, q_head_dim, q_n_dims, q_neox, q_freq_scale, \
-                           q_eps, q_x_tok, q_x_head, b, red, normed);                                              \
+            norm_rope_block(q_y, (const int*)nullptr, 0, (int*)nullptr, 0, q_x, q_w, q_pos, q_inv_freq, q_n_tok,   \
+                            q_n_heads, q_head_dim, q_n_dims, q_neox, q_freq_scale, q_eps, q_x_tok, q_x_head, q_tb, \
+                            b, rope_cs);                                                                           \
         else if (b < nq + nk)                                                                                      \
-            norm_rope_set_rows_rows_##SUF(k_cache, k_x, k_w, k_pos, k_rows, k_inv_freq, k_n_heads, k_head_dim,    \
-                                          k_n_dims, k_neox, k_freq_scale, k_eps, k_cap, k_errflag, k_code, k_x_tok, \
-                                          k_x_head, b - nq, red, normed);                                          \
+            norm_rope_block(k_cache, k_rows, k_cap, k_errflag, k_code, k_x, k_w, k_pos, k_inv_freq, k_n_tok,       \
+                            k_n_heads, k_head_dim, k_n_dims, k_neox, k_freq_scale, k_eps, k_x_tok, k_x_head, k_tb, \
+                            b - nq, rope_cs);                                                                      \
         else                                                                                                       \
             V_SEGMENT(SUF, nq + nk);                                                                               \
     }                                                                                                              \
@@ -277,9 +357,9 @@ DEFINE_KV_KERNELS(f16, u16)
             rope_span(q_x, q_pos, q_inv_freq, q_y, q_n_tok, q_n_heads, q_head_dim, q_n_dims, q_neox, q_freq_scale, \
                       q_x_tok, q_x_head, (long long)b * blockDim.x + threadIdx.x, (long long)nq * blockDim.x);    \
         else if (b < nq + nk)                                                                                      \
-            rope_set_rows_span_##SUF(k_cache, k_x, k_pos, k_rows, k_inv_freq, k_n_tok, k_n_heads, k_head_dim,      \
-                                     k_n_dims, k_neox, k_freq_scale, k_cap, k_errflag, k_code, k_x_tok, k_x_head,  \
-                                     (long long)(b - nq) * blockDim.x + threadIdx.x, (long long)nk * blockDim.x);  \
+            rope_set_rows_span(k_cache, k_x, k_pos, k_rows, k_inv_freq, k_n_tok, k_n_heads, k_head_dim, k_n_dims,  \
+                               k_neox, k_freq_scale, k_cap, k_errflag, k_code, k_x_tok, k_x_head,                  \
+                               (long long)(b - nq) * blockDim.x + threadIdx.x, (long long)nk * blockDim.x);        \
         else                                                                                                       \
             V_SEGMENT(SUF, nq + nk);                                                                               \
     }
