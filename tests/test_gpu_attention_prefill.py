@@ -85,12 +85,13 @@ def _check_kernels(run, case):
 
 # ---------------------------------------------------------------- shapes
 @tensor_cores
-@pytest.mark.parametrize("n_q", [5, 7, 64, 65, 130, 511, 1025])
+@pytest.mark.parametrize("n_q", [1, 7, 33, 63, 64, 65, 127, 129, 511, 1025])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 def test_prefill_from_empty_cache(runner, n_q, group, d, kvdtype):
-    """The prompt's first chunk: positions 0..n-1, kv_len n; n not a multiple of the 64-row tiles."""
+    """The prompt's first chunk: positions 0..n-1, kv_len n; n on either side of the 16-row m-tiles, the 32 rows
+    of a warp and the 128-row blocks (16 * MT * WARPS), and of the 64-key tiles."""
     hk = 2 if n_q <= 130 else 1
     case = Case(n_q, hk * group, hk, d, d, n_q + 37, kvdtype)
     run = runner(case)
@@ -187,7 +188,7 @@ def _positions(rng, n_q, kv_len):
 @tensor_cores
 @pytest.mark.parametrize("window", [0, 5, 100])
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_arbitrary_positions_and_window(runner, window, kvdtype, d):
     """Positions need not be a run: every row masks by its own position; windows skip early tiles."""
     case = Case(150, 8, 2, d, d, 400, kvdtype, window)
@@ -200,6 +201,28 @@ def test_arbitrary_positions_and_window(runner, window, kvdtype, d):
     q, k, v = case.data(rng, 400)  # a causal chunk late in a long cache, the window far from row 0
     pos = np.arange(250, 400, dtype=np.int32)
     close_bf16(run(q, k, v, pos, 400), case.ref(q, k, v, pos, 400))
+
+
+@tensor_cores
+@pytest.mark.parametrize("n_q", [1, 33, 63, 129, 511, 1025])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [40, 300])
+def test_prefill_sliding_window(n_q, group, d, window):
+    """A prompt's chunks under a sliding window (Gemma 3's local layers, Mistral): from an empty cache, then at
+    positions past the window. Each 128-row block starts at the first key its rows see, so its key tiles start
+    off the 64-key grid, and the rows of one warp (32) see different first keys: tiles skipped, and masked at
+    both ends of a row's range."""
+    hk = 2
+    case = Case(n_q, hk * group, hk, d, d, n_q + 700, "f16", window=window)
+    run = RuleRunner(case)
+    _check_kernels(run, case)
+    rng = np.random.default_rng(n_q + window + d)
+    for start in (0, 650):
+        kv_len = start + n_q
+        q, k, v = case.data(rng, kv_len)
+        pos = np.arange(start, kv_len, dtype=np.int32)
+        close_bf16(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
 @tensor_cores
@@ -302,6 +325,126 @@ def test_without_tensor_cores_falls_back_to_f32(monkeypatch):
     pos = np.arange(30, 100, dtype=np.int32)
     want = case.ref(q, k, v, pos, 100)
     assert np.abs(run(q, k, v, pos, 100) - want).max() <= 1e-2 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------- m-tiles; the bf16 output for a GEMM
+@pytest.fixture
+def recompile(monkeypatch):
+    """recompile(*defines, **mirrors): attention_prefill.cu compiled with `defines` for the Launches lowered from
+    now on, attention.py's mirrors (TC_MT, ...) set to match; the default module again after the test."""
+    from graphir.backends.gpu import attention, kernels
+
+    def use(*defines: str, **mirrors) -> None:
+        monkeypatch.setitem(kernels.SOURCES, attention.TC_FILE, defines)
+        for name, value in mirrors.items():
+            monkeypatch.setattr(attention, name, value)
+        kernels.module.cache_clear()  # Launches made before keep their compiled kernels
+
+    yield use
+    kernels.module.cache_clear()  # monkeypatch restores SOURCES next; the module is compiled again on use
+
+
+@tensor_cores
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_two_m_tiles_bitwise_as_one(recompile, d, group):
+    """ATTN_TC_MT=2 (32 rows a warp, each K and V fragment feeding both m-tiles; Q in shared memory at d 128)
+    gives bitwise the output of ATTN_TC_MT=1 (16 rows a warp, Q in registers: the kernel before m-tiles): the
+    same products and sums of every row in the same order. Window 0, so every block's key tiles start at key 0
+    (with a window a block's tiles start at the first key its rows see, which depends on the rows it holds)."""
+    n_q, cap = 300, 700
+    case = Case(n_q, 2 * group, 2, d, d, cap, "f16")
+    two = RuleRunner(case)  # the default build
+    recompile("ATTN_TC_MT=1", TC_MT=1)
+    one = RuleRunner(case)
+    rng = np.random.default_rng(d + group)
+    for start, kv_len in ((0, n_q), (cap - n_q, cap), (37, 600)):
+        q, k, v = case.data(rng, kv_len)
+        for pos in (np.arange(start, start + n_q, dtype=np.int32), _positions(rng, n_q, kv_len)):
+            got = two(q, k, v, pos, kv_len)
+            np.testing.assert_array_equal(got, one(q, k, v, pos, kv_len), err_msg=f"start {start}, kv_len {kv_len}")
+            close_bf16(got, case.ref(q, k, v, pos, kv_len))
+
+
+def _f32_to_bf16(x):
+    """f32 -> bf16 bits as common.cuh's f32_to_bf16 (the GEMM's cast kernel): nearest even, NaN kept NaN."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+class TwinRunner(RuleRunner):
+    """The rule where only bf16 GEMMs read the output: matmul.bf16_twin hands it a uint16 buffer (0xffff, which
+    no rounding gives, until the kernel writes it). Returns (the f32 output, NaN unless written; the bits)."""
+
+    def __init__(self, case, monkeypatch):
+        import cupy as cp
+        from graphir.backends.gpu import matmul
+
+        self.twin = cp.full((case.n_q, case.hq, case.dv), 0xFFFF, np.uint16)
+        with monkeypatch.context() as m:
+            m.setattr(matmul, "bf16_twin", lambda lw, n, k, like: self.twin if like.shape == self.twin.shape else None)
+            super().__init__(case)
+
+    def __call__(self, *args):
+        out = super().__call__(*args)
+        return out, self.twin.get()
+
+
+@tensor_cores
+@pytest.mark.parametrize("n_q", [1, 65, 300])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window", [0, 37])
+def test_bf16_output_is_the_f32_output_rounded(monkeypatch, n_q, d, window):
+    """attn_prefill_bf16_d<DK>_obf16 writes f32_to_bf16 of exactly the value attn_prefill_bf16_d<DK> stores (so
+    the o-projection reads bitwise what the cast kernel would give it), every element, and leaves `out` alone."""
+    case = Case(n_q, 8, 2, d, d, n_q + 400, "f32", window=window)
+    plain, twin = RuleRunner(case), TwinRunner(case, monkeypatch)
+    dk = _kernels("f32", d, d)[1]
+    assert plain.kernels[1] == dk and twin.kernels[1] == dk + "_obf16", twin.kernels
+    rng = np.random.default_rng(n_q + d + window)
+    for kv_len in (n_q, n_q + 400):
+        q, k, v = case.data(rng, kv_len)
+        pos = np.arange(kv_len - n_q, kv_len, dtype=np.int32)
+        want = plain(q, k, v, pos, kv_len)
+        out, bits = twin(q, k, v, pos, kv_len)
+        assert np.isnan(out).all(), "the f32 output was written"
+        np.testing.assert_array_equal(bits, _f32_to_bf16(want))
+        close_bf16(want, case.ref(q, k, v, pos, kv_len))
+
+
+@tensor_cores
+def test_o_projection_reads_the_bf16_output(monkeypatch):
+    """flash_attn_bf16 -> reshape -> mul_mat_bf16 (the o-projection), through the whole backend: the attention
+    kernel writes bf16 for the GEMM (attn_prefill_bf16_d128_obf16, no cast kernel), and the product is bitwise
+    that of the f32 output cast by cast_f32_bf16 (GRAPHIR_NO_BF16_TWINS=1)."""
+    from graphir import g
+    from graphir.ir import Graph
+    from graphir.ops.fused import bf16_round
+    from graphir.weights import Weight, Weights
+
+    n_q, hq, hk, d, cap, n_out = 300, 8, 2, 128, 400, 96
+    case = Case(n_q, hq, hk, d, d, cap, "f16")
+    att = case.graph.outputs["out"]
+    wo = g.param("wo", (n_out, hq * d), "bf16")
+    graph = Graph({"y": g.mul_mat_bf16(wo, g.reshape(att, shape=(n_q, hq * d)))})
+    rng = np.random.default_rng(5)
+    w = bf16_round(rng.standard_normal((n_out, hq * d)).astype(np.float32) * 0.05)
+    weights = Weights({"wo": Weight("bf16", w.shape, (w.view(np.uint32) >> np.uint32(16)).astype(np.uint16))})
+    q, k, v = case.data(rng, cap)
+    pos = np.arange(cap - n_q, cap, dtype=np.int32)
+    runs = {}
+    for twins in (True, False):
+        monkeypatch.setenv("GRAPHIR_NO_BF16_TWINS", "0" if twins else "1")
+        program = get_backend("gpu").lower(graph, weights)
+        y = host(program(case.feeds(q, k, v, pos, cap))["y"])
+        runs[twins] = y, [getattr(st, "name", "") for st in program._steps]
+    (got, names), (want, plain_names) = runs[True], runs[False]
+    assert "attn_prefill_bf16_d128_obf16" in names and not any(nm.startswith("cast_f32_bf16") for nm in names), names
+    assert "attn_prefill_bf16_d128" in plain_names and any(nm.startswith("cast_f32_bf16") for nm in plain_names)
+    np.testing.assert_array_equal(got, want)
+    ref = bf16_round(case.ref(q, k, v, pos, cap).reshape(n_q, hq * d)).astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
 # ---------------------------------------------------------------- a whole model

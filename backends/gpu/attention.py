@@ -18,8 +18,11 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
   shared memory.
 - flash_attn_bf16 (the attn-bf16 pass; prefill): on CUDA sm_80+ `attn_kv_bf16_<kv>` rounds the K/V
   rows below kv_len into a bf16 scratch shared by every layer, then `attn_prefill_bf16_d<DK>`
-  (attention_prefill.cu) runs FlashAttention-2 on tensor cores, 16*TC_WARPS queries of one q head
-  per block; DK 256 (Qwen3.5, Gemma 3) keeps Q in dynamic shared memory above the 48 KiB default.
+  (attention_prefill.cu) runs FlashAttention-2 on tensor cores, 16*TC_MT*TC_WARPS queries of one q
+  head per block (`_tc_rows`); DK 128 (Qwen3, Llama) and 256 (Qwen3.5, Gemma 3) keep Q in dynamic
+  shared memory, with the K/V tiles past the 48 KiB default (the limit is raised). Where only bf16
+  GEMMs read the output (the o-projection: matmul.bf16_twin), `attn_prefill_bf16_d<DK>_obf16` writes
+  it as bf16 for them.
   HIP and older GPUs (and a GPU without that much shared memory a block) take the f32 kernels
   above: they compute the op without its bf16 roundings (closer to exact attention, off the op's
   reference by about them).
@@ -35,7 +38,7 @@ import numpy as np
 
 from graphir.errors import BackendError
 
-from . import kernels
+from . import kernels, matmul
 from .launch import Launch, Lowering, cdiv, f32, i32
 
 FILE = "attention.cu"
@@ -172,7 +175,11 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
 
 
 TC_FILE = "attention_prefill.cu"
-TC_WARPS = 4  # ATTN_TC_WARPS: 16 query rows per warp
+TC_WARPS = 4  # ATTN_TC_WARPS
+TC_MT = 2  # ATTN_TC_MT: m-tiles of 16 query rows per warp at head dims 64 and 128 (256: 1)
+# ATTN_TC_Q_SHARED_D64 / _D128: Q in dynamic shared memory at that head dim; None: the .cu default
+# (at 128: TC_MT > 1, where 64 registers of Q a lane make O spill)
+TC_Q_SHARED: dict[int, bool | None] = {64: False, 128: None}
 TC_MAX_HEAD_DIM = 256
 TC_BN_D256 = 32  # ATTN_TC_BN_D256: keys per K/V tile at DK 256
 KV_CONVERT_THREADS = 256  # ATTN_KV_CONVERT_THREADS
@@ -193,10 +200,26 @@ def _tc_dk(d: int, dv: int) -> int:
     return 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
 
 
+def _tc_rows(dk: int) -> int:
+    """Query rows of one attn_prefill_bf16_d<dk> block: 16 per m-tile, TC_MT m-tiles a warp below DK 256."""
+    return 16 * TC_WARPS * (1 if dk == 256 else TC_MT)
+
+
+def _tc_q_shared(dk: int) -> bool:
+    """Whether attn_prefill_bf16_d<dk> keeps Q in (dynamic) shared memory; mirrors QShared<DK>."""
+    if dk == 256:
+        return True
+    q_shared = TC_Q_SHARED.get(dk)
+    return q_shared if q_shared is not None else dk == 128 and TC_MT > 1
+
+
 def _tc_dynamic_shared(dk: int) -> int:
-    """Bytes of dynamic shared memory attn_prefill_bf16_d<dk> is launched with: at DK 256 its K and V
-    tiles and every warp's 16 Q rows, bf16 rows of DK + 8 (attention_prefill.cu); the others use static."""
-    return (2 * TC_BN_D256 + 16 * TC_WARPS) * (dk + 8) * 2 if dk == 256 else 0
+    """Bytes of dynamic shared memory attn_prefill_bf16_d<dk> is launched with, bf16 rows of DK + 8
+    (attention_prefill.cu): at DK 256 its K and V tiles and every warp's 16 Q rows; below, the block's
+    Q rows where Q is in shared memory (the K/V tiles are static)."""
+    if dk == 256:
+        return (2 * TC_BN_D256 + 16 * TC_WARPS) * (dk + 8) * 2
+    return _tc_rows(dk) * (dk + 8) * 2 if _tc_q_shared(dk) else 0
 
 
 def _tc_kernel_fits(kernel: Any, dynamic: int) -> bool:
@@ -244,16 +267,21 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
         return []
     dk = _tc_dk(d, dv)
     shared = _tc_dynamic_shared(dk)
+    name = f"attn_prefill_bf16_d{dk}"
+    if not all(_tc_kernel_fits(kernels.get(TC_FILE, kernel), shared) for kernel in (name, name + "_obf16")):
+        return lower_flash_attn(lw, n, ins, outs, p)
     pos, kv_len, out = ins[3], ins[4], outs[0]
     kvb = _kv_bf16_scratch(lw, 2 * hk * cap * dk)
     window = int(p.get("window", 0))
     window = window if 0 < window < 2**31 else 0
     code = lw.code_arg(f"flash_attn_bf16: kv_len {{value}} outside 0..{cap} (the KV capacity)")
-    attend = Launch(TC_FILE, f"attn_prefill_bf16_d{dk}", (hq, cdiv(n_q, 16 * TC_WARPS)), 32 * TC_WARPS,
-                    (q, kvb, pos, kv_len, out, i32(n_q), i32(hq), i32(hk), i32(d), i32(dv), i32(cap),
-                     f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code), shared=shared)
-    if not _tc_kernel_fits(attend.kernel, shared):
-        return lower_flash_attn(lw, n, ins, outs, p)
+    # where only bf16 GEMMs read the output, they get it as bf16 from the kernel and `out` stays unwritten
+    twin = matmul.bf16_twin(lw, n, 0, out)
+    attend = Launch(TC_FILE, name if twin is None else name + "_obf16", (hq, cdiv(n_q, _tc_rows(dk))),
+                    32 * TC_WARPS,
+                    (q, kvb, pos, kv_len, out if twin is None else twin, i32(n_q), i32(hq), i32(hk), i32(d),
+                     i32(dv), i32(cap), f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code),
+                    shared=shared)
     convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 2, KV_CONVERT_THREADS)), 2),
                      KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
     return [convert, attend]

@@ -5,17 +5,33 @@
 //                         call: the tiles below are then plain 16-byte cp.async copies (no conversion in
 //                         the hot loop, half the L2 traffic of an f32 cache) and every head dim <= DK
 //                         looks like DK. The grid covers the capacity; blocks past kv_len exit.
-//   attn_prefill_bf16_d<DK>  grid (q head, query tile): 16*WARPS query rows of one q head per block,
-//                         16 rows per warp. K/V tiles of BN rows stream through shared memory (K of the
-//                         next tile loads while P.V runs, V while Q.K^T runs); tiles outside the
-//                         block's visible rows are never loaded, a warp skips tiles outside its own,
-//                         and tiles inside every row's range skip the mask.
-//                         DK 64, 128: Q fragments in registers, K/V tiles in static shared memory.
-//                         DK 256: O alone takes 128 registers a lane, so Q waits in shared memory
-//                         (bf16, its A fragments re-read by ldmatrix every tile) and the three
-//                         buffers are dynamic shared memory: (2 * BN + 16 * WARPS) * (DK + 8) bf16,
-//                         66 KiB at BN 32 and 4 warps, above the 48 KiB default (attention.py raises
-//                         the limit).
+//   attn_prefill_bf16_d<DK>[_obf16]  grid (q head, query tile): 16*MT*WARPS query rows of one q head
+//                         per block, MT m-tiles of 16 rows per warp. K/V tiles of BN rows stream through
+//                         shared memory (K of the next tile loads while P.V runs, V while Q.K^T runs);
+//                         tiles outside the block's visible rows are never loaded, a warp skips tiles
+//                         outside its own rows' ranges, and an m-tile skips the mask on tiles inside
+//                         all of its rows' ranges. _obf16: the output as bf16 bits (f32_to_bf16 of the
+//                         f32 value the plain kernel stores, so bitwise what the cast kernel makes of
+//                         it) for the o-projection GEMM to read (matmul.bf16_twin).
+//                         DK 64: MT 2, BN 64, Q fragments in registers (sm_90: 228 registers, no spill).
+//                         DK 128: MT 2, BN 64, Q in dynamic shared memory, 16*MT*WARPS rows x (DK + 8)
+//                         bf16 (34 KiB; sm_90: 254 registers, no spill), K/V tiles in static shared memory.
+//                         DK 256: MT 1; O alone takes 128 registers a lane, so Q waits in shared memory
+//                         and the three buffers are dynamic shared memory: (2 * BN + 16 * WARPS) *
+//                         (DK + 8) bf16, 66 KiB at BN 32 and 4 warps.
+//                         Dynamic shared memory above 48 KiB needs the kernel's limit raised (attention.py).
+//
+// Why MT m-tiles a warp: every K fragment (ldmatrix.x4) and V fragment (ldmatrix.x4.trans) is 512
+// bytes of shared memory, 4 clocks of an SM's 128 bytes a clock, and feeds 2 mma per m-tile. At MT 1
+// that is 256 bytes an mma; at MT 2, 128 with Q in registers, 160 with Q in shared memory at BN 64
+// (its A fragments read once a tile: 16 ldmatrix next to 64 for K and V). The rows of a block also
+// double, halving the K/V tile loads and barriers a query row. The cost is registers: a lane holds
+// DK/4 (Q, in registers) + DK/2 (O) + BN/2 (S) per m-tile: at DK 128 and MT 2, 64 + 128 + 32..64 leave
+// too little of the 255 (BN 32: 56 bytes of spills), hence Q in shared memory there (FlashAttention-2's
+// 128 x 64 tile for this head dim). A few per-row values (key ranges) live in shared memory for the
+// same reason (WarpRanges). The per-row arithmetic is the MT 1 kernel's in the same order (a shared B
+// fragment changes no row's sums), so at the same BN the two agree bitwise where their key tiles start
+// at the same key (window 0: every block starts at key 0).
 //
 // Per warp and tile: S = Q K^T (mma m16n8k16, bf16 in, f32 out; K fragments by ldmatrix), then the
 // online softmax in f32 in the log2 domain, then O += P V (P from S's accumulator registers, V
@@ -34,10 +50,25 @@
 #include "common.cuh"
 
 #ifndef ATTN_TC_WARPS
-#define ATTN_TC_WARPS 4  // 64 query rows per block; attention.py mirrors it (TC_WARPS)
+#define ATTN_TC_WARPS 4  // attention.py mirrors it (TC_WARPS)
 #endif
-#ifndef ATTN_TC_BN
-#define ATTN_TC_BN 64  // keys per K/V tile: 2 x 64 x (DK + 8) bf16 = 34 KiB of shared memory at DK 128
+#ifndef ATTN_TC_MT
+#define ATTN_TC_MT 2  // 16-row m-tiles a warp at DK 64 and 128 (DK 256: 1); attention.py mirrors it (TC_MT)
+#endif
+// Where Q waits at DK 64 and 128: 0 registers (DK/4 a lane per m-tile), 1 shared memory (dynamic, its A
+// fragments re-read by ldmatrix every tile); attention.py mirrors both (TC_Q_SHARED).
+#ifndef ATTN_TC_Q_SHARED_D64
+#define ATTN_TC_Q_SHARED_D64 0
+#endif
+#ifndef ATTN_TC_Q_SHARED_D128
+#define ATTN_TC_Q_SHARED_D128 (ATTN_TC_MT > 1)  // MT 2: 64 registers of Q make O spill (at BN 32 too)
+#endif
+// Keys per K/V tile; 2 x BN x (DK + 8) bf16 of static shared memory (34 KiB at DK 128, BN 64).
+#ifndef ATTN_TC_BN_D64
+#define ATTN_TC_BN_D64 64
+#endif
+#ifndef ATTN_TC_BN_D128
+#define ATTN_TC_BN_D128 64
 #endif
 #ifndef ATTN_TC_BN_D256
 #define ATTN_TC_BN_D256 32  // at DK 256: a 64-key tile's scores and weights (48 registers) make O spill
@@ -52,7 +83,15 @@
 
 template <int DK>
 struct TileKeys {  // keys per K/V tile (BN) at head dim DK
-    static constexpr int value = DK > 128 ? ATTN_TC_BN_D256 : ATTN_TC_BN;
+    static constexpr int value = DK > 128 ? ATTN_TC_BN_D256 : DK > 64 ? ATTN_TC_BN_D128 : ATTN_TC_BN_D64;
+};
+template <int DK>
+struct MTiles {  // 16-row m-tiles a warp (MT) at head dim DK
+    static constexpr int value = DK > 128 ? 1 : ATTN_TC_MT;
+};
+template <int DK>
+struct QShared {  // Q in shared memory at head dim DK
+    static constexpr bool value = DK > 128 ? true : DK > 64 ? ATTN_TC_Q_SHARED_D128 : ATTN_TC_Q_SHARED_D64;
 };
 
 // ---------------------------------------------------------------- conversions
@@ -133,24 +172,27 @@ DEVICE void row_range(int p, int L, int window, int& lo, int& hi) {
     lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
 }
 
-// K or V rows j0.. of one kv head into a tile (row stride DK + 8: ldmatrix's 8 row addresses then
-// fall on distinct banks); rows at and past jhi are zero (their scores are masked, and 0 * V
-// must not meet garbage).
+// K or V rows j0.. of scratch head `head` (kv * hk + kv head) into a tile (row stride DK + 8: ldmatrix's
+// 8 row addresses then fall on distinct banks); rows at and past jhi are zero (their scores are masked,
+// and 0 * V must not meet garbage). Addresses from kvb every tile: two head pointers held through the
+// loop cost 4 registers that MT 2 does not have.
 template <int DK>
-DEVICE void load_tile(u16* tile, const u16* head, int j0, int jhi) {
-    constexpr int CH = DK / 8, LDS = DK + 8;
-    constexpr int BN = TileKeys<DK>::value;
-    static_assert(BN * CH % ATTN_TC_THREADS == 0, "a tile is whole 16-byte chunks per thread");
+DEVICE void load_tile(u16* tile, const u16* kvb, int head, int cap, int j0, int jhi) {
+    constexpr int CH = DK / 8, LDS = DK + 8, BN = TileKeys<DK>::value, STEP = ATTN_TC_THREADS / CH;
+    static_assert(ATTN_TC_THREADS % CH == 0 && BN % STEP == 0, "a tile is whole 16-byte chunks per thread");
+    const int r = threadIdx.x / CH, c = threadIdx.x % CH;  // chunk n: row r + n * STEP, column chunk c
+    const u16* src = kvb + ((long long)head * cap + j0 + r) * DK + c * 8;
+    u16* dst = tile + r * LDS + c * 8;
 #pragma unroll
-    for (int n = 0; n < BN * CH / ATTN_TC_THREADS; ++n) {
-        const int i = n * ATTN_TC_THREADS + threadIdx.x, r = i / CH, c = i % CH;
-        const bool ok = j0 + r < jhi;
-        cp_async16(tile + r * LDS + c * 8, head + (long long)(ok ? j0 + r : 0) * DK + c * 8, ok);
+    for (int n = 0; n < BN / STEP; ++n) {
+        const bool ok = j0 + r + n * STEP < jhi;
+        cp_async16(dst + n * STEP * LDS, ok ? src + n * STEP * DK : kvb, ok);
     }
 }
 
-// This warp's 16 query rows as bf16 A fragments, and S[16 rows x BN keys] = Q K^T from them.
-// Two places for Q, one interface: load() once, scores() per K tile.
+// This warp's 16*MT query rows as bf16 A fragments, and S[MT][16 rows x BN keys] = Q K^T from them:
+// each K fragment loaded feeds the mma of every m-tile. Two places for Q, one interface: load() once,
+// scores() per K tile.
 DEVICE float q_at(const float* __restrict__ q, int row, int c, int n_q, int hq, int h, int d) {
     return row < n_q && c < d ? q[((long long)row * hq + h) * d + c] : 0.0f;
 }
@@ -158,46 +200,65 @@ DEVICE float q_at(const float* __restrict__ q, int row, int c, int n_q, int hq, 
 #define TC_MEMBER __device__ __forceinline__  // DEVICE is static: not for member functions
 
 template <int DK>
-struct QInRegisters {  // DK / 4 registers a lane
-    unsigned int f[DK / 16][4];
+using TileScores = float[MTiles<DK>::value][TileKeys<DK>::value / 8][4];  // S: m-tile, n-tile of 8 keys, C
+template <int DK>
+using TileWeights = unsigned int[MTiles<DK>::value][TileKeys<DK>::value / 16][4];  // P: m-tile, 16 keys, A
+template <int DK>
+using RowAcc = float[MTiles<DK>::value][DK / 8][4];  // O: m-tile, 8 columns, C
+
+template <int DK>
+struct QInRegisters {  // DK / 4 registers a lane per m-tile
+    static constexpr int MT = MTiles<DK>::value;
+    unsigned int f[MT][DK / 16][4];
 
     TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int kc = 0; kc < DK / 16; ++kc) {
-            const int c = kc * 16 + 2 * t;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = row0 + g + (i & 1) * 8, cc = c + (i >> 1) * 8;
-                f[kc][i] = pack_bf16(q_at(q, r, cc, n_q, hq, h, d), q_at(q, r, cc + 1, n_q, hq, h, d));
+            for (int kc = 0; kc < DK / 16; ++kc) {
+                const int c = kc * 16 + 2 * t;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = row0 + mt * 16 + g + (i & 1) * 8, cc = c + (i >> 1) * 8;
+                    f[mt][kc][i] = pack_bf16(q_at(q, r, cc, n_q, hq, h, d), q_at(q, r, cc + 1, n_q, hq, h, d));
+                }
             }
-        }
     }
 
-    TC_MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+    // Each n-tile's k-steps in order. Matrices: keys 16np + 8(i/2).., columns 16ks + 8(i%2)..: B of
+    // n-tile 2np in b[0..1], of 2np + 1 in b[2..3].
+    TC_MEMBER void scores(TileScores<DK>& s, const u16* sk, int lane) const {
         constexpr int LDS = DK + 8;
 #pragma unroll
-        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        for (int np = 0; np < TileKeys<DK>::value / 16; ++np) {  // n-tiles 2np, 2np + 1
 #pragma unroll
-            for (int kc = 0; kc < DK / 32; ++kc) {  // matrices: keys nt*8.., columns kc*32 + 8i..
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][2 * np][e] = s[mt][2 * np + 1][e] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < DK / 16; ++ks) {
                 unsigned int b[4];
-                ldmatrix_x4(b, sk + (nt * 8 + (lane & 7)) * LDS + kc * 32 + (lane >> 3) * 8);
-                mma_bf16(s[nt], f[2 * kc], b[0], b[1]);
-                mma_bf16(s[nt], f[2 * kc + 1], b[2], b[3]);
+                ldmatrix_x4(b, sk + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LDS + ks * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * np], f[mt][ks], b[0], b[1]);
+                    mma_bf16(s[mt][2 * np + 1], f[mt][ks], b[2], b[3]);
+                }
             }
         }
     }
 };
 
 template <int DK>
-struct QInShared {  // the warp's own 16 rows x (DK + 8) bf16 of shared memory; 8 registers a lane
+struct QInShared {  // the warp's own 16*MT rows x (DK + 8) bf16 of shared memory; 4*MT registers a lane
+    static constexpr int MT = MTiles<DK>::value;
     u16* sq;
 
     TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
         constexpr int LDS = DK + 8, PAIRS = DK / 2;
 #pragma unroll 4
-        for (int i = lane; i < 16 * PAIRS; i += 32) {  // consecutive lanes, consecutive columns
+        for (int i = lane; i < 16 * MT * PAIRS; i += 32) {  // consecutive lanes, consecutive columns
             const int r = i / PAIRS, c = (i % PAIRS) * 2;
             ((unsigned int*)(sq + r * LDS))[c / 2] =
                 pack_bf16(q_at(q, row0 + r, c, n_q, hq, h, d), q_at(q, row0 + r, c + 1, n_q, hq, h, d));
@@ -205,46 +266,63 @@ struct QInShared {  // the warp's own 16 rows x (DK + 8) bf16 of shared memory; 
         __syncwarp();  // only this warp reads its rows
     }
 
-    // Same products in the same order as QInRegisters; k-steps outer, so each Q fragment is read once a tile.
-    TC_MEMBER void scores(float (&s)[TileKeys<DK>::value / 8][4], const u16* sk, int lane) const {
+    // Same products in the same order as QInRegisters (each n-tile's k-steps in order); k-steps outer, so
+    // each Q fragment is read once a tile and only one k-step of them (4 registers an m-tile) is held.
+    TC_MEMBER void scores(TileScores<DK>& s, const u16* sk, int lane) const {
         constexpr int LDS = DK + 8;
 #pragma unroll
-        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int kc = 0; kc < DK / 32; ++kc) {
-            // A of columns kc*32.. and kc*32+16..: matrices rows 8(i%2).., columns 8(i/2)..
-            const u16* qrow = sq + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + kc * 32 + (lane >> 4) * 8;
-            unsigned int a0[4], a1[4];
-            ldmatrix_x4(a0, qrow);
-            ldmatrix_x4(a1, qrow + 16);
+            for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+                s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt) {  // matrices: keys nt*8.., columns kc*32 + 8i..
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            unsigned int a[MT][4];  // A of columns 16ks..: matrices rows 16mt + 8(i%2).., columns 16ks + 8(i/2)..
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], sq + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < TileKeys<DK>::value / 16; ++np) {  // n-tiles 2np, 2np + 1
+                // matrices: keys 16np + 8(i/2).., columns 16ks + 8(i%2)..: B of n-tile 2np in b[0..1], 2np+1 in b[2..3]
                 unsigned int b[4];
-                ldmatrix_x4(b, sk + (nt * 8 + (lane & 7)) * LDS + kc * 32 + (lane >> 3) * 8);
-                mma_bf16(s[nt], a0, b[0], b[1]);
-                mma_bf16(s[nt], a1, b[2], b[3]);
+                ldmatrix_x4(b, sk + (np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * LDS + ks * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_bf16(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
             }
         }
     }
 };
 
-// The online softmax step of one tile for rows g (r = 0) and g + 8 (r = 1): scores to the log2
-// domain and masked, the integer running max raised, acc and sums rescaled, weights packed as bf16.
+// full: every key of the tile is in every row's range, no mask (warp-uniform); else the ranges come
+// from `ranges` (the m-tile's 16 rows, [lo, hi) each), read only then: at MT 2 registers for them,
+// or a mask computed on every tile, make O spill.
 template <int DK>
 DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&pf)[TileKeys<DK>::value / 16][4],
-                         float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int (&lo)[2],
-                         const int (&hi)[2], int j0, bool full, float scale2, int t) {
+                         float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int2* ranges, int j0, bool full,
+                         float scale2, int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale2);  // not fused into the exponent's subtraction
+    if (!full) {  // key j = j0 + 2t + k, k = 8nt + (e & 1): the row's range shifted to k, compared with constants
+        const int2 a = ranges[g], b = ranges[g + 8];
+        const int base = j0 + 2 * t, lo[2] = {a.x - base, b.x - base}, hi[2] = {a.y - base, b.y - base};
+#pragma unroll
+        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, k = nt * 8 + (e & 1);
+                if (!(k >= lo[r] && k < hi[r])) s[nt][e] = NEG_INF;
+            }
+    }
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-            float x = __fmul_rn(s[nt][e], scale2);  // not fused into the exponent's subtraction
-            if (!full && !(j >= lo[r] && j < hi[r])) x = NEG_INF;
-            s[nt][e] = x;
-            mx[r] = fmaxf(mx[r], x);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     float sub[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -272,47 +350,70 @@ DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&
     }
 }
 
-// O[16 rows x DK] += P V for this warp's rows.
+// O[MT][16 rows x DK] += P V for this warp's rows: each V fragment loaded feeds the mma of every m-tile.
 template <int DK>
-DEVICE void tile_pv(float (&o)[DK / 8][4], const unsigned int (&pf)[TileKeys<DK>::value / 16][4], const u16* sv,
-                    int lane) {
-    constexpr int LDS = DK + 8;
+DEVICE void tile_pv(RowAcc<DK>& o, const TileWeights<DK>& pf, const u16* sv, int lane) {
+    constexpr int LDS = DK + 8, MT = MTiles<DK>::value;
 #pragma unroll
     for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc)
 #pragma unroll
         for (int dp = 0; dp < DK / 16; ++dp) {  // matrices: keys kc*16 + 8(i%2).., columns dp*16 + 8(i/2)..
             unsigned int b[4];
             ldmatrix_x4_trans(b, sv + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dp * 16 + (lane >> 4) * 8);
-            mma_bf16(o[2 * dp], pf[kc], b[0], b[1]);
-            mma_bf16(o[2 * dp + 1], pf[kc], b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_bf16(o[mt][2 * dp], pf[mt][kc], b[0], b[1]);
+                mma_bf16(o[mt][2 * dp + 1], pf[mt][kc], b[2], b[3]);
+            }
         }
 }
 
+// One warp's key ranges, in shared memory: read where needed, since at MT 2 registers for them make O spill.
+template <int MT>
+struct WarpRanges {
+    int2 any;           // the union of its rows' [lo, hi): the tiles it skips
+    int2 all[MT];       // the intersection over an m-tile's rows: the tiles that skip the mask
+    int2 row[16 * MT];  // each row's [lo, hi): the mask
+};
+
+DEVICE void store_out(float* dst, float x) { *dst = x; }
+DEVICE void store_out(u16* dst, float x) { *dst = f32_to_bf16(x); }  // as the GEMM's cast kernel rounds
+
 // sk, sv: K and V tiles, BN x (DK + 8) bf16 each; qa: where this warp's Q lives (QInRegisters, QInShared).
-template <int DK, typename QA>
+// out: f32, or bf16 bits (u16) of the same values.
+template <int DK, typename QA, typename OUT>
 DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q, const u16* __restrict__ kvb,
-                            const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ out,
+                            const int* __restrict__ pos, const int* __restrict__ kv_len, OUT* __restrict__ out,
                             int n_q, int hq, int hk, int d, int dv, int cap, float scale2, int window, int* errflag,
                             int code) {
-    constexpr int BN = TileKeys<DK>::value, BIG = 0x7fffffff;
+    constexpr int BN = TileKeys<DK>::value, MT = MTiles<DK>::value, BIG = 0x7fffffff;
     __shared__ int blo, bhi;
+    __shared__ WarpRanges<MT> ranges[ATTN_TC_WARPS];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.x, kvh = h / (hq / hk);
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * 16 * ATTN_TC_WARPS;  // the latest (longest) query tiles first
-    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * 16 * MT * ATTN_TC_WARPS;  // the latest (longest) query tiles first
+    const int w0 = q0 + warp * 16 * MT;  // the warp's first row; m-tile mt holds rows w0 + 16mt..
 
     const int L = kv_len[0];
     const bool bad = L < 0 || L > cap;
     if (bad && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) report_error(errflag, code, L);
-    int lo[2] = {0, 0}, hi[2] = {0, 0};
-    int ulo = BIG, uhi = 0, ilo = 0, ihi = BIG;  // the warp's rows: union and intersection of their ranges
+    int ulo = BIG, uhi = 0;  // the warp's rows: union of their ranges
+    int ilo[MT], ihi[MT];    // an m-tile's rows: intersection of their ranges
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (bad || row[r] >= n_q) continue;
-        row_range(pos[row[r]], L, window, lo[r], hi[r]);
-        if (lo[r] < hi[r]) ulo = min(ulo, lo[r]), uhi = max(uhi, hi[r]);
-        ilo = max(ilo, lo[r]), ihi = min(ihi, hi[r]);  // a row that sees nothing empties it
+    for (int mt = 0; mt < MT; ++mt) {
+        ilo[mt] = 0, ihi[mt] = BIG;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = mt * 16 + g + r * 8;
+            int lo = 0, hi = 0;
+            if (!bad && w0 + i < n_q) {
+                row_range(pos[w0 + i], L, window, lo, hi);
+                if (lo < hi) ulo = min(ulo, lo), uhi = max(uhi, hi);
+                ilo[mt] = max(ilo[mt], lo), ihi[mt] = min(ihi[mt], hi);  // a row that sees nothing empties it
+            }
+            if (t == 0) ranges[warp].row[i] = make_int2(lo, hi);  // rows past n_q: empty
+        }
     }
     if (tid == 0) blo = BIG, bhi = 0;
     __syncthreads();
@@ -320,56 +421,72 @@ DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q
 #pragma unroll
     for (int o = 16; o >= 4; o >>= 1) {  // lanes 4 apart hold other rows (xor 1, 2: the same rows)
         ulo = min(ulo, SHFL_XOR(ulo, o)), uhi = max(uhi, SHFL_XOR(uhi, o));
-        ilo = max(ilo, SHFL_XOR(ilo, o)), ihi = min(ihi, SHFL_XOR(ihi, o));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ilo[mt] = max(ilo[mt], SHFL_XOR(ilo[mt], o)), ihi[mt] = min(ihi[mt], SHFL_XOR(ihi[mt], o));
     }
-    __syncthreads();
+    if (lane == 0) {
+        ranges[warp].any = make_int2(ulo, uhi);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ranges[warp].all[mt] = make_int2(ilo[mt], ihi[mt]);
+    }
+    __syncthreads();  // and ranges written
     const int jlo = blo, jhi = bhi;  // the keys any row of the block sees (empty when kv_len is bad)
 
-    qa.load(q, q0 + warp * 16, n_q, hq, h, d, lane);  // rounded to bf16
-    float o[DK / 8][4];
+    qa.load(q, w0, n_q, hq, h, d, lane);  // rounded to bf16
+    RowAcc<DK> o;
+    float m[MT][2], l[MT][2];
 #pragma unroll
-    for (int nt = 0; nt < DK / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < DK / 8; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+        m[mt][0] = m[mt][1] = NEG_INF, l[mt][0] = l[mt][1] = 0.0f;
+    }
 
-    const u16* kh = kvb + (long long)kvh * cap * DK;
-    const u16* vh = kvb + ((long long)hk + kvh) * cap * DK;
-    const int n_tiles = jhi > jlo ? (jhi - jlo + BN - 1) / BN : 0;
-    if (n_tiles > 0) load_tile<DK>(sk, kh, jlo, jhi);
+    if (jlo < jhi) load_tile<DK>(sk, kvb, kvh, cap, jlo, jhi);
     cp_async_commit();
-    for (int it = 0; it < n_tiles; ++it) {
-        const int j0 = jlo + it * BN;
+    for (int j0 = jlo; j0 < jhi; j0 += BN) {
         cp_async_wait_all();
         __syncthreads();  // K landed for everyone; every warp is done with the previous V tile
-        load_tile<DK>(sv, vh, j0, jhi);
+        load_tile<DK>(sv, kvb, hk + kvh, cap, j0, jhi);
         cp_async_commit();
-        const bool busy = j0 < uhi && j0 + BN > ulo;  // warp-uniform: a tile none of its rows sees is skipped
-        unsigned int pf[BN / 16][4];
+        const int2 any = ranges[warp].any;
+        const bool busy = j0 < any.y && j0 + BN > any.x;  // warp-uniform: a tile none of its rows sees is skipped
+        TileWeights<DK> pf;
         if (busy) {
-            float s[BN / 8][4];
+            TileScores<DK> s;
             qa.scores(s, sk, lane);
-            tile_softmax<DK>(s, pf, o, m, l, lo, hi, j0, j0 >= ilo && j0 + BN <= ihi, scale2, t);
+            // an m-tile whose rows see none of this tile: all masked, its state unchanged (alpha 1, weights 0)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int2 all = ranges[warp].all[mt];
+                tile_softmax<DK>(s[mt], pf[mt], o[mt], m[mt], l[mt], ranges[warp].row + mt * 16, j0,
+                                 j0 >= all.x && j0 + BN <= all.y, scale2, g, t);
+            }
         }
         cp_async_wait_all();
         __syncthreads();  // V landed; every warp is done with this K tile
-        if (it + 1 < n_tiles) load_tile<DK>(sk, kh, j0 + BN, jhi);
+        if (j0 + BN < jhi) load_tile<DK>(sk, kvb, kvh, cap, j0 + BN, jhi);
         cp_async_commit();
         if (busy) tile_pv<DK>(o, pf, sv, lane);
     }
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r] + SHFL_XOR(l[r], 1);
-        sum += SHFL_XOR(sum, 2);
-        if (row[r] >= n_q) continue;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: 0
-        float* dst = out + ((long long)row[r] * hq + h) * dv;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < DK / 8; ++nt) {
-            const int c = nt * 8 + 2 * t;
-            if (c < dv) dst[c] = o[nt][2 * r] * inv;
-            if (c + 1 < dv) dst[c + 1] = o[nt][2 * r + 1] * inv;
+        for (int r = 0; r < 2; ++r) {
+            const int row = w0 + mt * 16 + g + r * 8;
+            float sum = l[mt][r] + SHFL_XOR(l[mt][r], 1);
+            sum += SHFL_XOR(sum, 2);
+            if (row >= n_q) continue;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: 0
+            OUT* dst = out + ((long long)row * hq + h) * dv;
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; ++nt) {
+                const int c = nt * 8 + 2 * t;
+                if (c < dv) store_out(dst + c, o[mt][nt][2 * r] * inv);
+                if (c + 1 < dv) store_out(dst + c + 1, o[mt][nt][2 * r + 1] * inv);
+            }
         }
-    }
 }
 
 // ---------------------------------------------------------------- specializations
@@ -382,30 +499,45 @@ DEVICE void attn_prefill_tc(QA qa, u16* sk, u16* sv, const float* __restrict__ q
 ATTN_KV_DEFINE(f32, float)
 ATTN_KV_DEFINE(f16, u16)
 
-// DK: the head dims served (d, dv <= DK). 64 and 128 (Qwen3, Llama): everything in static shared memory.
-#define ATTN_TC_ARGS                                                                                                 \
-    const float *q, const u16 *kvb, const int *pos, const int *kv_len, float *out, int n_q, int hq, int hk, int d,   \
+// DK: the head dims served (d, dv <= DK). OUT: float, or u16 for the _obf16 kernels (bf16 bits).
+#define ATTN_TC_ARGS(OUT)                                                                                            \
+    const float *q, const u16 *kvb, const int *pos, const int *kv_len, OUT *out, int n_q, int hq, int hk, int d,     \
         int dv, int cap, float scale2, int window, int *errflag, int code
 #define ATTN_TC_PASS q, kvb, pos, kv_len, out, n_q, hq, hk, d, dv, cap, scale2, window, errflag, code
+
+// 64 and 128 (Qwen3, Llama): K/V tiles in static shared memory; Q in registers, or (ATTN_TC_Q_SHARED_D<DK>)
+// each warp's 16*MT rows in dynamic shared memory (launched with 16 * MT * WARPS * (DK + 8) * 2 bytes).
+// 256 (Qwen3.5, Gemma 3): Q in shared memory; K tile, V tile, then Q rows of each warp, all dynamic
+// (launched with (2 * ATTN_TC_BN_D256 + 16 * ATTN_TC_WARPS) * 264 * 2 bytes).
+template <int DK, typename OUT>
+DEVICE void attn_prefill_entry(ATTN_TC_ARGS(OUT)) {
+    constexpr int LDS = DK + 8, BN = TileKeys<DK>::value, MT = MTiles<DK>::value;
+    extern __shared__ __align__(16) u16 attn_tc_smem[];
+    if constexpr (DK > 128) {
+        static_assert(MT == 1, "attention.py sizes the d256 kernel's shared memory for one m-tile a warp");
+        u16* sq = attn_tc_smem + (2 * BN + 16 * (threadIdx.x / 32)) * LDS;
+        attn_prefill_tc<DK>(QInShared<DK>{sq}, attn_tc_smem, attn_tc_smem + BN * LDS, ATTN_TC_PASS);
+    } else {
+        __shared__ alignas(16) u16 sk[BN * LDS];
+        __shared__ alignas(16) u16 sv[BN * LDS];
+        if constexpr (QShared<DK>::value)
+            attn_prefill_tc<DK>(QInShared<DK>{attn_tc_smem + 16 * MT * (threadIdx.x / 32) * LDS}, sk, sv, ATTN_TC_PASS);
+        else
+            attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);
+    }
+}
+
 #define ATTN_TC_DEFINE(DK)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS) {            \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK(ATTN_TC_ARGS(float)) {     \
         PDL_ENTRY();                                                                                                 \
-        __shared__ alignas(16) u16 sk[TileKeys<DK>::value * (DK + 8)];                                               \
-        __shared__ alignas(16) u16 sv[TileKeys<DK>::value * (DK + 8)];                                               \
-        attn_prefill_tc<DK>(QInRegisters<DK>{}, sk, sv, ATTN_TC_PASS);                                               \
+        attn_prefill_entry<DK, float>(ATTN_TC_PASS);                                                                 \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d##DK##_obf16(ATTN_TC_ARGS(u16)) { \
+        PDL_ENTRY();                                                                                                 \
+        attn_prefill_entry<DK, u16>(ATTN_TC_PASS);                                                                   \
     }
 ATTN_TC_DEFINE(64)
 ATTN_TC_DEFINE(128)
-
-// 256 (Qwen3.5, Gemma 3): Q in shared memory; K tile, V tile, then Q rows of each warp, all dynamic
-// (launched with (2 * ATTN_TC_BN_D256 + 16 * ATTN_TC_WARPS) * 264 * 2 bytes).
-extern "C" __global__ void __launch_bounds__(ATTN_TC_THREADS) attn_prefill_bf16_d256(ATTN_TC_ARGS) {
-    PDL_ENTRY();
-    constexpr int LDS = 256 + 8;
-    extern __shared__ __align__(16) u16 attn_tc_smem[];
-    constexpr int BN = TileKeys<256>::value;
-    u16* sq = attn_tc_smem + (2 * BN + 16 * (threadIdx.x / 32)) * LDS;
-    attn_prefill_tc<256>(QInShared<256>{sq}, attn_tc_smem, attn_tc_smem + BN * LDS, ATTN_TC_PASS);
-}
+ATTN_TC_DEFINE(256)
 
 #endif  // __CUDA_ARCH__ >= 800
