@@ -1,14 +1,14 @@
 """Benchmark causal prefill attention on the GPU: the tensor-core bf16 kernel against the f32 one.
 
-    python benchmarks/bench_gpu_attention_prefill.py [--shape qwen3-8b qwen3.5] [--n 512 4096] [--warps 4 8]
-        [--reps N]
+    python benchmarks/bench_gpu_attention_prefill.py [--shape qwen3-8b qwen3.5] [--n 512 4096]
+        [--variants default mt1 ...] [--reps N]
 
 Shapes (--shape): Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128) and Qwen3.5's (16 q heads,
 4 kv heads, head_dim 256); a prompt of n tokens from an empty cache (positions 0..n-1, kv_len n) with K/V
 caches of f32 and f16. In the same run, on the same buffers: `lower_flash_attn` (attn_prefill_<kv>_d<DK>_g4,
 f32 CUDA cores) and `lower_flash_attn_bf16` (attn_kv_bf16_<kv> + attn_prefill_bf16_d<DK>, tensor cores)
-once per --warps value (ATTN_TC_WARPS:
-16 query rows per warp; the file is recompiled with that define). Steps are captured into a CUDA
+once per --variants entry (VARIANTS: the file recompiled with that variant's defines, attention.py's
+mirrors set to match). Steps are captured into a CUDA
 graph and replayed (gpu_timing.py), so the times are the kernels'. The bf16 time includes the K/V
 conversion, which is also timed alone.
 
@@ -41,13 +41,25 @@ def lower(rule, bufs, out, d: int):
     return steps, lw
 
 
-def use_warps(warps: int) -> None:
-    """Compile attention_prefill.cu with ATTN_TC_WARPS=warps for the Launches lowered from now on."""
+# Kernel variants to time (attention_prefill.cu defines, and the attention.py mirrors that must match them):
+# name -> (defines, TC_MT, TC_Q_SHARED, TC_WARPS). "default" is what the backend ships.
+VARIANTS = {
+    "default": ((), 2, {64: False, 128: None}, 4),
+    "mt1": (("ATTN_TC_MT=1",), 1, {64: False, 128: None}, 4),
+    "mt2-bn32": (("ATTN_TC_BN_D128=32",), 2, {64: False, 128: None}, 4),
+    "mt2-w8": (("ATTN_TC_WARPS=8",), 2, {64: False, 128: None}, 8),
+    "mt1-w8": (("ATTN_TC_MT=1", "ATTN_TC_WARPS=8"), 1, {64: False, 128: None}, 8),
+}
+
+
+def use_variant(name: str) -> None:
+    """Compile attention_prefill.cu as VARIANTS[name] for the Launches lowered from now on."""
     from graphir.backends.gpu import attention, kernels
 
-    kernels.SOURCES[attention.TC_FILE] = (f"ATTN_TC_WARPS={warps}",)
+    defines, mt, q_shared, warps = VARIANTS[name]
+    kernels.SOURCES[attention.TC_FILE] = tuple(defines)
     kernels.module.cache_clear()  # Launches made before keep their compiled kernels
-    attention.TC_WARPS = warps
+    attention.TC_MT, attention.TC_Q_SHARED, attention.TC_WARPS = mt, dict(q_shared), warps
 
 
 def run_steps(steps) -> None:
@@ -55,7 +67,7 @@ def run_steps(steps) -> None:
         st()
 
 
-def bench_case(shape: str, n: int, kvdtype: str, warps_list: list[int], reps: int) -> list[tuple]:
+def bench_case(shape: str, n: int, kvdtype: str, variants: list[str], reps: int) -> list[tuple]:
     import cupy as cp
     from graphir.backends.gpu.attention import lower_flash_attn, lower_flash_attn_bf16
 
@@ -76,15 +88,15 @@ def bench_case(shape: str, n: int, kvdtype: str, warps_list: list[int], reps: in
     case = f"{shape} {kvdtype} n={n}"
     rows.append((case, steps[0].name, t32, flops / t32 / 1e12, 1.0, ""))
     ref = out32.get()
-    for warps in warps_list:
-        use_warps(warps)
+    for variant in variants:
+        use_variant(variant)
         out = cp.zeros((n, hq, d), cp.float32)
         steps, lw = lower(lower_flash_attn_bf16, bufs, out, d)
         t = replay_seconds(lambda steps=steps: run_steps(steps), reps)[0]
         t_convert = replay_seconds(steps[0], reps)[0]
         assert not lw.errflag.get()[0], "a kernel reported an error"
         diff = float(np.abs(out.get() - ref).max() / np.abs(ref).max())
-        rows.append((case, f"{steps[1].name} w{warps} (convert {t_convert * 1e6:.0f} us)", t,
+        rows.append((case, f"{steps[1].name} {variant} (convert {t_convert * 1e6:.0f} us)", t,
                      flops / t / 1e12, t32 / t, f"{diff:.2e}"))
     return rows
 
@@ -93,7 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="attention shapes")
     ap.add_argument("--n", type=int, nargs="+", default=[512, 4096], help="prompt lengths")
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="ATTN_TC_WARPS values to time")
+    ap.add_argument("--variants", nargs="+", default=["default", "mt1"], choices=list(VARIANTS),
+                    help="kernel variants to time (VARIANTS)")
     ap.add_argument("--kv", nargs="+", default=["f32", "f16"], choices=["f32", "f16"])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
@@ -105,7 +118,7 @@ def main() -> None:
     for shape in args.shape:
         for n in args.n:
             for kvdtype in args.kv:
-                for case, name, t, tflops, speedup, diff in bench_case(shape, n, kvdtype, args.warps, args.reps):
+                for case, name, t, tflops, speedup, diff in bench_case(shape, n, kvdtype, args.variants, args.reps):
                     print(f"{case:<24} {name:<52} {t * 1e6:9.1f} {tflops:8.1f} {speedup:6.1f} {diff:>9}")
 
 
