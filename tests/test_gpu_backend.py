@@ -225,6 +225,7 @@ def test_bf16_twins_bitwise(spec, monkeypatch):
     assert casts[0] < casts[1], casts
     assert any(nm.startswith("add_rms_norm_mul_v") and nm.endswith("_bf16") for nm in got_names), set(got_names)
     assert "swiglu_split_v4_bf16" in got_names
+    assert any(nm.startswith("attn_prefill_bf16_d") and nm.endswith("_obf16") for nm in got_names), set(got_names)
     assert not any(nm.endswith("_bf16") and nm.startswith(("add_rms", "swiglu")) for nm in want_names)
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(a, b, err_msg=f"call {i}")
