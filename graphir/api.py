@@ -70,6 +70,7 @@ class Model:
         self.stats: dict[str, float] = {"load_s": load_s}
         self._dtypes = {name: w.dtype for name, w in weights.items()}
         self._graphs: dict[tuple[int, bool, bool], Graph] = {}
+        self._plans: dict[tuple, list[int]] = {}  # _plan's results: a 4096-token plan took ~10-50 ms of Python
         self._state: dict[str, np.ndarray] | None = None
         self._state_graphs: set[str] = set()  # signatures of the graphs whose State buffers _state holds
         # a KV slot pool (kv_slots=N): the slots of the sequence's positions, fed as the slot map every call
@@ -175,22 +176,37 @@ class Model:
 
     def _plan(self, n: int, pad_room: int) -> list[int]:
         """chunks() for a last call that may be padded up to `pad_room` rows past position n_past (0: never)."""
+        key = (n, min(pad_room, n + max(self.prefill_buckets)), tuple(self.prefill_buckets), self.call_cost)
+        if key not in self._plans:
+            if len(self._plans) > 1024:  # pad_room moves with n_past: keep the memo bounded
+                self._plans.clear()
+            self._plans[key] = self._least_cost_plan(n, pad_room)
+        return list(self._plans[key])
+
+    def _least_cost_plan(self, n: int, pad_room: int) -> list[int]:
         buckets = sorted(set(self.prefill_buckets) - {1})
-        best = [(0.0, 0)]  # best[k]: (modelled cost, first call's bucket) of the plan for the last k tokens
+        cc = self.call_cost
+        # cost[k], first[k]: modelled cost of the best plan for the last k tokens, and its first call's bucket
+        cost, first = [0.0], [0]
         for k in range(1, n + 1):
-            plans = [(1 + self.call_cost, 1)] if k == 1 else []
+            best_c, best_b = (1 + cc, 1) if k == 1 else (float("inf"), 0)
             for b in buckets:
                 if b <= k:
-                    plans.append((b + self.call_cost + best[k - b][0], b))
+                    c = b + cc + cost[k - b]
                 elif n - k + b <= pad_room:  # padded, so the plan's last call
-                    plans.append((b + self.call_cost, b))
-            if not plans:  # nothing fits and nothing may be padded: a one-token call
-                plans.append((1 + self.call_cost + best[k - 1][0], 1))
-            best.append(min(plans, key=lambda p: (p[0], -p[1])))  # on a tie, the larger bucket first
+                    c = b + cc
+                else:
+                    continue
+                if c < best_c or (c == best_c and b > best_b):  # on a tie, the larger bucket first
+                    best_c, best_b = c, b
+            if best_b == 0:  # nothing fits and nothing may be padded: a one-token call
+                best_c, best_b = 1 + cc + cost[k - 1], 1
+            cost.append(best_c)
+            first.append(best_b)
         sizes = []
         while n > 0:
-            sizes.append(best[n][1])
-            n -= best[n][1]
+            sizes.append(first[n])
+            n -= first[n]
         return sizes
 
     def _pads_safely(self) -> bool:

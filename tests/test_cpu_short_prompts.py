@@ -73,3 +73,45 @@ def test_plan_near_the_end_of_the_context_pads_only_into_free_rows():
     model.n_past = 10  # 6 rows left: an 8-token call would write past the cache
     assert model.chunks(5) == [1, 1, 1, 1, 1]
     assert model.chunks(1) == [1]
+
+
+def _least_cost(n: int, buckets: tuple[int, ...], call_cost: int, pad_room: int) -> float:
+    """The least modelled cost of reading n tokens, searched top-down (an independent statement of chunks()'s
+    rule: a call costs its bucket plus call_cost; only the last call may be padded, within pad_room rows)."""
+    from functools import lru_cache
+
+    sizes = sorted(set(buckets) - {1})
+
+    @lru_cache(maxsize=None)
+    def rest(k: int) -> float:  # k tokens left, read from position n - k
+        if k == 0:
+            return 0.0
+        options = [1 + call_cost + rest(k - 1)] if k == 1 or not any(b <= k or n - k + b <= pad_room
+                                                                      for b in sizes) else []
+        options += [b + call_cost + rest(k - b) for b in sizes if b <= k]
+        options += [b + call_cost for b in sizes if b > k and n - k + b <= pad_room]
+        return min(options)
+
+    for k in range(n):  # smallest first: each call then recurses one level only
+        rest(k)
+    return rest(n)
+
+
+@pytest.mark.parametrize("ctx", [64, 4096])
+def test_chunk_plans_have_the_least_modelled_cost(ctx):
+    """Every plan reads exactly n tokens (padding only in its last call, within the context) at the least
+    modelled cost, over GPU-like and CPU-like bucket sets; asking again (the memo) gives the same plan."""
+    model = graphir.load("random:llama-tiny", backend="reference", passes="", ctx=ctx)
+    for buckets, cost in (((4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 1), 64), ((512, 128, 32, 8, 1), 3)):
+        model.prefill_buckets, model.call_cost = buckets, cost
+        for n_past in (0, ctx - 40):
+            model.n_past = n_past
+            room = ctx - n_past
+            for n in [1, 2, 7, 9, 33, 40, 63] + ([511, 1025, 3000] if n_past == 0 and ctx > 1000 else []):
+                if n > room:
+                    continue
+                plan = model.chunks(n)
+                assert model.chunks(n) == plan
+                assert sum(plan[:-1]) < n <= sum(plan) and sum(plan) <= room, (n, plan)
+                got = sum(b + cost for b in plan)
+                assert got == _least_cost(n, buckets, cost, room), (buckets, n_past, n, plan)
