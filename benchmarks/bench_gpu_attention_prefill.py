@@ -3,13 +3,13 @@
     python benchmarks/bench_gpu_attention_prefill.py [--shape qwen3-8b qwen3.5] [--n 512 4096]
         [--variants default mt1 ...] [--reps N]
 
-Shapes (--shape): Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128) and Qwen3.5's (16 q heads,
-4 kv heads, head_dim 256); a prompt of n tokens from an empty cache (positions 0..n-1, kv_len n) with K/V
-caches of f32 and f16. In the same run, on the same buffers: `lower_flash_attn` (attn_prefill_<kv>_d<DK>_g4,
-f32 CUDA cores) and `lower_flash_attn_bf16` (attn_kv_bf16_<kv> + attn_prefill_bf16_d<DK>, tensor cores)
-once per --variants entry (VARIANTS: the file recompiled with that variant's defines, attention.py's
-mirrors set to match). Steps are captured into a CUDA
-graph and replayed (gpu_timing.py), so the times are the kernels'. The bf16 time includes the K/V
+Shapes (--shape): Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128), Qwen3.5's (16 q heads,
+4 kv heads, head_dim 256) and the same heads as Qwen3-8B at head_dim 64 (llama-d64); a prompt of n tokens
+from an empty cache (positions 0..n-1, kv_len n) with K/V caches of f32 and f16. In the same run, on the
+same buffers: `lower_flash_attn` (attn_prefill_<kv>_d<DK>_g4, f32 CUDA cores) and `lower_flash_attn_bf16`
+(attn_kv_bf16_<kv> + attn_prefill_bf16_d<DK>, tensor cores) once per --variants entry (VARIANTS: the file
+recompiled with that variant's defines, attention.py's mirrors set to match). Steps are captured into a
+CUDA graph and replayed (gpu_timing.py), so the times are the kernels'. The bf16 time includes the K/V
 conversion, which is also timed alone.
 
 Columns: us per call; TFLOP/s = 4 * d per visible (query, head, key) pair (Q.K^T and P.V, causal:
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import replay_seconds  # noqa: E402  (beside this script)
 
-SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3.5": (16, 4, 256)}  # q heads, kv heads, head dim
+SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3.5": (16, 4, 256), "llama-d64": (32, 8, 64)}  # q, kv heads, head dim
 
 
 def lower(rule, bufs, out, d: int):
@@ -44,11 +44,11 @@ def lower(rule, bufs, out, d: int):
 # Kernel variants to time (attention_prefill.cu defines, and the attention.py mirrors that must match them):
 # name -> (defines, TC_MT, TC_Q_SHARED, TC_WARPS). "default" is what the backend ships.
 VARIANTS = {
-    "default": ((), 2, {64: False, 128: None}, 4),
-    "mt1": (("ATTN_TC_MT=1",), 1, {64: False, 128: None}, 4),
-    "mt2-bn32": (("ATTN_TC_BN_D128=32",), 2, {64: False, 128: None}, 4),
-    "mt2-w8": (("ATTN_TC_WARPS=8",), 2, {64: False, 128: None}, 8),
-    "mt1-w8": (("ATTN_TC_MT=1", "ATTN_TC_WARPS=8"), 1, {64: False, 128: None}, 8),
+    "default": ((), 1, {64: False, 128: None}, 4),
+    "mt2": (("ATTN_TC_MT=2",), 2, {64: False, 128: None}, 4),
+    "mt2-bn32": (("ATTN_TC_MT=2", "ATTN_TC_BN_D128=32"), 2, {64: False, 128: None}, 4),
+    "w8": (("ATTN_TC_WARPS=8",), 1, {64: False, 128: None}, 8),
+    "bn32": (("ATTN_TC_BN_D128=32", "ATTN_TC_BN_D64=32"), 1, {64: False, 128: None}, 4),
 }
 
 
@@ -105,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="attention shapes")
     ap.add_argument("--n", type=int, nargs="+", default=[512, 4096], help="prompt lengths")
-    ap.add_argument("--variants", nargs="+", default=["default", "mt1"], choices=list(VARIANTS),
+    ap.add_argument("--variants", nargs="+", default=["default", "mt2"], choices=list(VARIANTS),
                     help="kernel variants to time (VARIANTS)")
     ap.add_argument("--kv", nargs="+", default=["f32", "f16"], choices=["f32", "f16"])
     ap.add_argument("--reps", type=int, default=10)

@@ -78,11 +78,11 @@ def test_plan_near_the_end_of_the_context_pads_only_into_free_rows():
 def _least_cost(n: int, buckets: tuple[int, ...], call_cost: int, pad_room: int) -> float:
     """The least modelled cost of reading n tokens, searched top-down (an independent statement of chunks()'s
     rule: a call costs its bucket plus call_cost; only the last call may be padded, within pad_room rows)."""
-    from functools import lru_cache
+    from functools import cache
 
     sizes = sorted(set(buckets) - {1})
 
-    @lru_cache(maxsize=None)
+    @cache
     def rest(k: int) -> float:  # k tokens left, read from position n - k
         if k == 0:
             return 0.0

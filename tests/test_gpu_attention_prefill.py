@@ -349,14 +349,14 @@ def recompile(monkeypatch):
 @pytest.mark.parametrize("group", [1, 4])
 def test_two_m_tiles_bitwise_as_one(recompile, d, group):
     """ATTN_TC_MT=2 (32 rows a warp, each K and V fragment feeding both m-tiles; Q in shared memory at d 128)
-    gives bitwise the output of ATTN_TC_MT=1 (16 rows a warp, Q in registers: the kernel before m-tiles): the
+    gives bitwise the output of the default ATTN_TC_MT=1 (16 rows a warp, Q in registers): the
     same products and sums of every row in the same order. Window 0, so every block's key tiles start at key 0
     (with a window a block's tiles start at the first key its rows see, which depends on the rows it holds)."""
     n_q, cap = 300, 700
     case = Case(n_q, 2 * group, 2, d, d, cap, "f16")
-    two = RuleRunner(case)  # the default build
-    recompile("ATTN_TC_MT=1", TC_MT=1)
-    one = RuleRunner(case)
+    one = RuleRunner(case)  # the default build
+    recompile("ATTN_TC_MT=2", TC_MT=2)
+    two = RuleRunner(case)
     rng = np.random.default_rng(d + group)
     for start, kv_len in ((0, n_q), (cap - n_q, cap), (37, 600)):
         q, k, v = case.data(rng, kv_len)

@@ -176,7 +176,7 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
 
 TC_FILE = "attention_prefill.cu"
 TC_WARPS = 4  # ATTN_TC_WARPS
-TC_MT = 2  # ATTN_TC_MT: m-tiles of 16 query rows per warp at head dims 64 and 128 (256: 1)
+TC_MT = 1  # ATTN_TC_MT: m-tiles of 16 query rows per warp at head dims 64 and 128 (256: 1)
 # ATTN_TC_Q_SHARED_D64 / _D128: Q in dynamic shared memory at that head dim; None: the .cu default
 # (at 128: TC_MT > 1, where 64 registers of Q a lane make O spill)
 TC_Q_SHARED: dict[int, bool | None] = {64: False, 128: None}

@@ -53,7 +53,11 @@
 #define ATTN_TC_WARPS 4  // attention.py mirrors it (TC_WARPS)
 #endif
 #ifndef ATTN_TC_MT
-#define ATTN_TC_MT 2  // 16-row m-tiles a warp at DK 64 and 128 (DK 256: 1); attention.py mirrors it (TC_MT)
+// 16-row m-tiles a warp at DK 64 and 128 (DK 256: 1); attention.py mirrors it (TC_MT). 2 feeds each K/V
+// fragment to twice the mma, but measured slower (H200, 2026-12-01, bench_gpu_attention_prefill.py, Qwen3-8B
+// shapes, 4096 / 512 queries: MT 1 520 / 27 us, MT 2 535 / 35 us): at DK 128 its O and Q take 254 registers
+// (Q moves to shared memory), one block an SM against three at MT 1's 168.
+#define ATTN_TC_MT 1
 #endif
 // Where Q waits at DK 64 and 128: 0 registers (DK/4 a lane per m-tile), 1 shared memory (dynamic, its A
 // fragments re-read by ldmatrix every tile); attention.py mirrors both (TC_Q_SHARED).
