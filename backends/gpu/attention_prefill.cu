@@ -327,18 +327,25 @@ DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&
     for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    float sub[2];
+    float sub[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));  // the 4 lanes of a row group hold one row
         mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
         const float mn = fmaxf(m[r], ceilf(mx[r]));
-        const float alpha = mn == m[r] ? 1.0f : exp2_fast(m[r] - mn);  // a power of two; 0 from -inf
+        alpha[r] = mn == m[r] ? 1.0f : exp2_fast(m[r] - mn);  // a power of two; 0 from -inf
         m[r] = mn;
         sub[r] = mn == NEG_INF ? 0.0f : mn;  // nothing seen yet: every weight is 0
-        l[r] *= alpha;
+        l[r] *= alpha[r];
+    }
+    // The integer running max of a row rarely moves after its first tiles, so most tiles rescale O by 1:
+    // skipped when no row of the warp moved (exact either way; DK / 2 multiplies a lane, about as many
+    // instructions as the tile's mma).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha, o[nt][2 * r + 1] *= alpha;
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
     }
 #pragma unroll
     for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc) {
