@@ -22,7 +22,8 @@ from graphir.passes import run_pipeline
 from graphir.weights import Weight, Weights
 
 ATTENTION_READERS = {"rms_norm_mul_rope", "rms_norm_mul_rope_set_rows", "rope", "rope_set_rows", "mul_sigmoid",
-                     "set_rows"}
+                     "set_rows", "swiglu_split"}
+STACKED_PREFILL = "default,stack-projections{max_rows=65536},fold-reshape-view,gemm-bf16,attn-bf16"
 
 
 # ---------------------------------------------------------------- which views are gathered (no GPU needed)
@@ -144,6 +145,38 @@ def test_mul_sigmoid_reads_a_strided_gate_bit_for_bit(m, heads, d, row, head, of
     _close(got["y"], want["y"])
     unfused = get_backend("gpu").lower(Graph({"y": g.mul(a, g.sigmoid(gate))}), None)(inputs)
     assert np.array_equal(got["y"], unfused["y"])
+
+
+def test_stacked_prefill_gathers_nothing():
+    """Prefill projections stacked (q|k|v and gate|up, stack-projections without its row limit): every column
+    view of the stacked products is read in place, the gate and up halves by swiglu_split."""
+    graph = run_pipeline(load_graph("random:qwen3-tiny", "prefill"), STACKED_PREFILL)
+    assert sum(n.op == "concat" for n in graph.nodes()) >= 4  # q|k|v and gate|up of both layers
+    users = graph.users()
+    assert not [(n.op, [u.op for u in users[id(n)]]) for n in graph.nodes() if id(n) in layout.views_to_copy(graph)]
+
+
+# (rows, f, row stride of a, of b, offset of a, of b): a stacked gate|up row (b's half after a's), the halves
+# interleaved the other way, odd widths and strides (the one-float kernel), a single row
+SWIGLU_LAYOUTS = [(37, 96, 192, 192, 0, 96), (5, 64, 128, 128, 64, 0), (9, 30, 61, 61, 1, 31), (1, 12, 24, 24, 0, 12),
+                  (513, 44, 88, 88, 0, 44)]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("rows,f,sa,sb,oa,ob", SWIGLU_LAYOUTS)
+def test_swiglu_split_reads_strided_halves_bit_for_bit(rows, f, sa, sb, oa, ob, rng):
+    """Against the reference, and bitwise against the contiguous kernels over gathered halves (copies=2 when
+    an exp also reads them: the same float expression)."""
+    y = g.input("y", (rows, sa))
+    a = g.view(y, shape=(rows, f), strides=(sa, 1), offset=oa)
+    b = g.view(y, shape=(rows, f), strides=(sb, 1), offset=ob)
+    inputs = {"y": (rng.standard_normal((rows, sa)) * 3).astype(np.float32)}
+    want, got, _, _ = _run_both({"s": g.swiglu_split(a, b)}, inputs=inputs)
+    _close(got["s"], want["s"])
+    _, gathered, _, _ = _run_both({"s": g.swiglu_split(a, b), "e": g.add(g.exp(a), g.exp(b))}, inputs=inputs,
+                                  copies=2)
+    assert np.array_equal(got["s"], gathered["s"])
 
 
 @pytest.mark.gpu

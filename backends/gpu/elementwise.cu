@@ -130,3 +130,39 @@ extern "C" __global__ void swiglu_split_v4_bf16(const float* __restrict__ a, con
     PDL_ENTRY();
     swiglu_split_v4<u16>(a, b, y, n);
 }
+
+// swiglu_split of row-strided halves: a and b [rows, f] with row strides sa, sb (the gate and up columns of a
+// stacked gate|up prefill product, read in place: a gathered copy of each costs more than the activation),
+// y contiguous. _v4: f, sa, sb multiples of 4 and a, b 16-byte aligned (y as the contiguous kernels).
+template <typename OUT>
+DEVICE void swiglu_rows_v4(const float* __restrict__ a, const float* __restrict__ b, OUT* __restrict__ y,
+                           long long rows, int f, long long sa, long long sb) {
+    const int f4 = f / 4;
+    const long long n4 = rows * f4;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / f4, c = i - t * f4;
+        const f32x4 x = ((const f32x4*)(a + t * sa))[c], u = ((const f32x4*)(b + t * sb))[c];
+        store4(y, i, f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)});
+    }
+}
+extern "C" __global__ void swiglu_split_rows_v4_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                                    float* __restrict__ y, long long rows, int f, long long sa,
+                                                    long long sb) {
+    PDL_ENTRY();
+    swiglu_rows_v4<float>(a, b, y, rows, f, sa, sb);
+}
+extern "C" __global__ void swiglu_split_rows_v4_bf16(const float* __restrict__ a, const float* __restrict__ b,
+                                                     u16* __restrict__ y, long long rows, int f, long long sa,
+                                                     long long sb) {
+    PDL_ENTRY();
+    swiglu_rows_v4<u16>(a, b, y, rows, f, sa, sb);
+}
+extern "C" __global__ void swiglu_split_rows_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                                 float* __restrict__ y, long long rows, int f, long long sa,
+                                                 long long sb) {
+    PDL_ENTRY();
+    GRID_STRIDE(i, rows * f) {
+        const long long t = i / f, c = i - t * f;
+        y[i] = silu_mul(a[t * sa + c], b[t * sb + c]);
+    }
+}

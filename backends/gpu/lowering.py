@@ -89,11 +89,28 @@ def _scale(lw, n, ins, outs, p):
 
 def _swiglu_split(lw, n, ins, outs, p):
     a, b, y = dev(ins[0]), dev(ins[1]), outs[0]
+    strides = [contiguous_strides(x.shape) if n is None else input_strides(lw, n, i) for i, x in enumerate((a, b))]
+    if not all(is_contiguous(x.shape, st) for x, st in zip((a, b), strides)):
+        return _swiglu_split_rows(lw, n, a, b, y, strides)
     if all(t.data.ptr % 16 == 0 for t in (a, b, y)):  # 16-byte accesses, 4 values a thread
         yb = matmul.bf16_twin(lw, n, 0, y)  # only GEMMs read y: write it as their bf16 x
         return [Launch("elementwise.cu", "swiglu_split_v4_f32" if yb is None else "swiglu_split_v4_bf16",
                        grid_for(a.size // 4), BLOCK, (a, b, y if yb is None else yb, np.int64(a.size)))]
     return [Launch("elementwise.cu", "swiglu_split_f32", grid_for(a.size), BLOCK, (a, b, y, np.int64(a.size)))]
+
+
+def _swiglu_split_rows(lw: Lowering, n: Node, a: Any, b: Any, y: Any, strides: list) -> list:
+    """swiglu_split of halves read in place through their row strides (ROW_STRIDED_INPUTS: one outer axis)."""
+    f = a.shape[-1]
+    (rows,), (sa,) = collapse(a.shape[:-1], strides[0][:-1], 1, "swiglu_split a")
+    _, (sb,) = collapse(b.shape[:-1], strides[1][:-1], 1, "swiglu_split b")
+    if f % 4 == 0 and sa % 4 == 0 and sb % 4 == 0 and all(t.data.ptr % 16 == 0 for t in (a, b, y)):
+        yb = matmul.bf16_twin(lw, n, 0, y)
+        return [Launch("elementwise.cu", "swiglu_split_rows_v4_f32" if yb is None else "swiglu_split_rows_v4_bf16",
+                       grid_for(rows * f // 4), BLOCK,
+                       (a, b, y if yb is None else yb, np.int64(rows), i32(f), np.int64(sa), np.int64(sb)))]
+    return [Launch("elementwise.cu", "swiglu_split_rows_f32", grid_for(rows * f), BLOCK,
+                   (a, b, y, np.int64(rows), i32(f), np.int64(sa), np.int64(sb)))]
 
 
 def _mul_sigmoid(lw, n, ins, outs, p):
@@ -531,6 +548,7 @@ ROW_STRIDED_INPUTS: dict[str, dict[int, int]] = {
     "rope": {0: 2}, "rope_set_rows": {1: 2},
     "set_rows": {1: 2},  # src [n_tok, ...]: V of a stacked q|k|v product
     "mul_sigmoid": {1: 2},  # the gate b, up to 2 collapsed outer axes
+    "swiglu_split": {0: 1, 1: 1},  # gate and up columns of a stacked gate|up product (prefill)
 }
 F16_OUTPUTS = frozenset({"view", "reshape", "permute", "transpose", "cont", "cast", "concat"})
 # ops handled by the Program itself, not by a rule
