@@ -56,6 +56,18 @@ BUGS = [
     ("the 16-byte swiglu swaps gate and up", "elementwise.cu",
      "silu_mul(x.x, u.x), silu_mul(x.y, u.y)", "silu_mul(u.x, x.x), silu_mul(x.y, u.y)",
      "tests/test_gpu_backend.py", "swiglu_split"),
+    ("the strided swiglu reads up with gate's row stride", "elementwise.cu",
+     "u = ((const f32x4*)(b + t * sb))[c];", "u = ((const f32x4*)(b + t * sa))[c];",
+     "tests/test_gpu_strided.py", "swiglu"),
+    ("the bf16 norm twin swaps two columns", "norm.cu",
+     "u16x4{f32_to_bf16(v.x), f32_to_bf16(v.y),", "u16x4{f32_to_bf16(v.y), f32_to_bf16(v.x),",
+     "tests/test_gpu_backend.py", "bf16_twins"),
+    ("prefill attention rescales O only when a row group's first row moved", "attention_prefill.cu",
+     "alpha[0] != 1.0f || alpha[1] != 1.0f", "alpha[0] != 1.0f",
+     "tests/test_gpu_attention_prefill.py", "prefill_from_empty_cache"),
+    ("norm-rope with several rows a lane group wraps a head late", "rope.cu",
+     "if (hr >= hb) {", "if (hr > hb) {",
+     "tests/test_gpu_rope.py", "rows_per_group"),
 ]
 
 

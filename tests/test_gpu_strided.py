@@ -159,7 +159,7 @@ def test_stacked_prefill_gathers_nothing():
 # (rows, f, row stride of a, of b, offset of a, of b): a stacked gate|up row (b's half after a's), the halves
 # interleaved the other way, odd widths and strides (the one-float kernel), a single row
 SWIGLU_LAYOUTS = [(37, 96, 192, 192, 0, 96), (5, 64, 128, 128, 64, 0), (9, 30, 61, 61, 1, 31), (1, 12, 24, 24, 0, 12),
-                  (513, 44, 88, 88, 0, 44)]
+                  (513, 44, 88, 88, 0, 44), (6, 32, 40, 72, 4, 8), (7, 9, 23, 11, 2, 0)]  # the last two: sa != sb
 
 
 @pytest.mark.gpu
@@ -168,10 +168,11 @@ SWIGLU_LAYOUTS = [(37, 96, 192, 192, 0, 96), (5, 64, 128, 128, 64, 0), (9, 30, 6
 def test_swiglu_split_reads_strided_halves_bit_for_bit(rows, f, sa, sb, oa, ob, rng):
     """Against the reference, and bitwise against the contiguous kernels over gathered halves (copies=2 when
     an exp also reads them: the same float expression)."""
-    y = g.input("y", (rows, sa))
+    width = max(sa, sb)  # both views inside one [rows, width] input
+    y = g.input("y", (rows, width))
     a = g.view(y, shape=(rows, f), strides=(sa, 1), offset=oa)
     b = g.view(y, shape=(rows, f), strides=(sb, 1), offset=ob)
-    inputs = {"y": (rng.standard_normal((rows, sa)) * 3).astype(np.float32)}
+    inputs = {"y": (rng.standard_normal((rows, width)) * 3).astype(np.float32)}
     want, got, _, _ = _run_both({"s": g.swiglu_split(a, b)}, inputs=inputs)  # copies=0: read in place
     _close(got["s"], want["s"])
     _, gathered, _, _ = _run_both({"s": g.swiglu_split(a, b), "e": g.add(g.exp(a), g.exp(b))}, inputs=inputs,

@@ -104,6 +104,9 @@ extern "C" __global__ void swiglu_split_f32(const float* __restrict__ a, const f
 // swiglu_split_v4_bf16 stores y as bf16 bits (8-byte aligned): the bf16 twin a prefill GEMM reads
 // (matmul.py bf16_twin), f32_to_bf16 of the values the f32 kernel stores.
 DEVICE float silu_mul(float x, float u) { return x / (1.0f + expf(-x)) * u; }
+DEVICE f32x4 silu_mul4(f32x4 x, f32x4 u) {
+    return f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)};
+}
 DEVICE void store4(float* y, long long i, f32x4 v) { ((f32x4*)y)[i] = v; }
 DEVICE void store4(u16* y, long long i, f32x4 v) {
     ((u16x4*)y)[i] = u16x4{f32_to_bf16(v.x), f32_to_bf16(v.y), f32_to_bf16(v.z), f32_to_bf16(v.w)};
@@ -116,7 +119,7 @@ DEVICE void swiglu_split_v4(const float* __restrict__ a, const float* __restrict
     const long long n4 = n / 4, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long i = first; i < n4; i += (long long)gridDim.x * blockDim.x) {
         const f32x4 x = ((const f32x4*)a)[i], u = ((const f32x4*)b)[i];
-        store4(y, i, f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)});
+        store4(y, i, silu_mul4(x, u));
     }
     if (first < n - 4 * n4) store1(y, 4 * n4 + first, silu_mul(a[4 * n4 + first], b[4 * n4 + first]));
 }
@@ -142,7 +145,7 @@ DEVICE void swiglu_rows_v4(const float* __restrict__ a, const float* __restrict_
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
         const long long t = i / f4, c = i - t * f4;
         const f32x4 x = ((const f32x4*)(a + t * sa))[c], u = ((const f32x4*)(b + t * sb))[c];
-        store4(y, i, f32x4{silu_mul(x.x, u.x), silu_mul(x.y, u.y), silu_mul(x.z, u.z), silu_mul(x.w, u.w)});
+        store4(y, i, silu_mul4(x, u));
     }
 }
 extern "C" __global__ void swiglu_split_rows_v4_f32(const float* __restrict__ a, const float* __restrict__ b,
