@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_gemv.py [--quick] [--iters N]
     python benchmarks/bench_gpu_gemv.py --variants [--formats bf16,q8_0] [--shapes 4096x4096,...]
+    python benchmarks/bench_gpu_gemv.py --gemvm [--tokens 16,8] [--cfgs g128r2,j4w8r2] [--models qwen,smollm]
 
 Formats bf16, q8_0, q4_k, q4_0 at Qwen3-8B shapes (n_out x n_in): 4096x4096 (q/o), 12288x4096
 (gate/up), 4096x12288 (down), 151936x4096 (LM head). Bandwidth counts the weight's stored bytes
@@ -21,6 +22,14 @@ GEMV1_CONFIGS and, for q8_0 / q4_0 / q4_k, each gemv1v3_<fmt>_<cfg> of GEMV1_V3)
 device buffers, checks every output row against the weight dequantized on the device
 (dequant_<fmt>) times x, and ends with a table of % of copy bandwidth per variant, the best marked,
 next to the current GEMV1_KERNEL choice.
+
+--gemvm times the 2..16-token float GEMVs of a speculative verify call (gemvm<M>_<fmt>_<cfg>, and
+gemvmsw<M> for the stacked gate|up weight) for every geometry of matmul.py GEMVM_CONFIGS, at the
+shapes of Qwen3-0.6B (bf16) and SmolLM2-135M (f32), 16 and 8 tokens: us per call, effective TFLOP/s
+(2 m n_out n_in / t) and the weight read at copy bandwidth (the floor); each result checked against
+cuBLAS's f32 product within 1e-5 of sum |x||w| (silu's derivatives carried for gemvmsw), and marked
+"=" where it equals g128r2's bit for bit. It ends with each geometry's GEMV time of one verify call
+(layers x the four projections + the LM head), the best per shape, and GEMVM_KERNEL = "auto"'s.
 """
 
 from __future__ import annotations
@@ -178,6 +187,109 @@ def main_variants(cp, rng, args, bw: float) -> None:
         print(f"{fmt:7} {shape[0]:>6}x{shape[1]:<6} " + " ".join(cells))
 
 
+# --gemvm: (model, weight format, layers, [(name, rows, n_in, fused swiglu)]); the LM head runs once a call
+GEMVM_MODELS = {
+    "qwen": ("Qwen3-0.6B", "bf16", 28, [("q|k|v", 4096, 1024, False), ("o", 1024, 2048, False),
+                                        ("gate|up", 6144, 1024, True), ("down", 1024, 3072, False),
+                                        ("lm head", 151936, 1024, False)]),
+    "smollm": ("SmolLM2-135M", "f32", 30, [("q|k|v", 960, 576, False), ("o", 576, 576, False),
+                                           ("gate|up", 3072, 576, True), ("down", 576, 1536, False),
+                                           ("lm head", 49152, 576, False)]),
+}
+
+
+def bench_gemvm_shape(cp, rng, fmt: str, rows: int, n_in: int, sw: bool, m: int, cfgs: list[str],
+                      iters: int) -> dict[str, tuple[float, bool]]:
+    """{cfg: (us per call, bitwise equal to g128r2)} of gemvm<m> (gemvmsw<m> where sw: rows / 2 outputs)
+    on one [rows, n_in] weight in rotated copies; every output checked against cuBLAS's f32 product."""
+    from graphir.backends.gpu.launch import Launch, cdiv, i32
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, _row_bytes
+
+    # normal weights (bf16: the f32 values' top halves), generated on the device: make_raw's random bf16 bits
+    # span 2^-127..2 and make nearly every sum independent of the order its terms are added in
+    rb = _row_bytes(fmt, n_in)
+    normal = cp.random.standard_normal((rows, n_in), dtype=np.float32)
+    dev = (normal.view(np.uint32) >> 16).astype(np.uint16) if fmt == "bf16" else normal
+    dev = dev.view(np.uint8).reshape(rows, rb)
+    del normal
+    copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
+    ws = [dev] + [dev.copy() for _ in range(copies - 1)]
+    x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+    wf = (dev.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if fmt == "bf16" else dev.view(np.float32)
+    prod = (x @ wf.T).astype(cp.float64)  # cuBLAS f32: within ~1e-6 of sum |x||w|
+    bound = (cp.abs(x) @ cp.abs(wf).T).astype(cp.float64) * 1e-5 + 1e-6
+    del wf
+    n_out = rows // 2 if sw else rows
+    if sw:  # silu(g) * u, its error from g's and u's as tests/test_gpu_matmul.py _check_swiglu carries it
+        g, u, bg, bu = prod[:, :n_out], prod[:, n_out:], bound[:, :n_out], bound[:, n_out:]
+        sig = 1 / (1 + cp.exp(-g))
+        want, bound = g * sig * u, cp.abs(sig * (1 + g * (1 - sig)) * u) * bg + cp.abs(g * sig) * bu + 1e-6
+    else:
+        want = prod
+    ys = [cp.zeros((m, n_out), np.float32) for _ in range(copies)]
+    out: dict[str, tuple[float, bool]] = {}
+    first: dict[str, np.ndarray] = {}
+    bucket = 1 << (m - 1).bit_length()
+    for cfg in cfgs:
+        threads, per_block = GEMVM_CONFIGS[cfg]
+        per_block = per_block // 2 if sw else per_block
+        name = f"gemvm{'sw' if sw else ''}{bucket}_{fmt}_{cfg}"
+        steps = [Launch("matmul.cu", name, cdiv(n_out, per_block), threads,
+                        (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(m))) for w, y in zip(ws, ys)]
+        for y in ys:
+            y.fill(np.nan)
+        secs, _ = time_steps(steps, max(3, iters // copies))
+        for y in ys:
+            err = cp.abs(y.astype(np.float64) - want)
+            if not bool((err <= bound).all()):
+                print(f"  {name} {rows}x{n_in}: WRONG (max error {float(err.max()):.3g}, "
+                      f"{int((err > bound).sum())} outputs out of bound)", flush=True)
+                secs = float("nan")
+                break
+        first[cfg] = ys[0].get()
+        out[cfg] = (secs / copies * 1e6, cfg != "g128r2" and "g128r2" in first
+                    and np.array_equal(first[cfg], first["g128r2"]))
+    del ws, ys, dev, x, prod, bound, want
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def main_gemvm(cp, rng, args, bw: float) -> None:
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, GEMVM_KERNEL, _row_bytes, gemvm_auto
+
+    cfgs = args.cfgs.split(",") if args.cfgs else list(GEMVM_CONFIGS)
+    if "g128r2" in cfgs:  # first: the others are compared with it bit for bit
+        cfgs = ["g128r2"] + [c for c in cfgs if c != "g128r2"]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    iters = args.iters or 200
+    print(f"GEMVM_KERNEL = {GEMVM_KERNEL!r}; us per call, effective TFLOP/s; '=' equals g128r2 bit for bit; "
+          "* best; floor: the weight at copy bandwidth")
+    head = " ".join(f"{c:>16}" for c in cfgs)
+    for key in args.models.split(","):
+        model, fmt, layers, shapes = GEMVM_MODELS[key]
+        for m in tokens:
+            print(f"\n{model} ({fmt}, {layers} layers), {m} tokens")
+            print(f"{'weight':9} {'rows x n_in':>13} {'floor':>7} {head}")
+            per_call = dict.fromkeys([*cfgs, "best", "auto"], 0.0)
+            for name, rows, n_in, sw in shapes:
+                res = bench_gemvm_shape(cp, rng, fmt, rows, n_in, sw, m, cfgs, iters)
+                flop = 2 * m * rows * n_in
+                floor = rows * _row_bytes(fmt, n_in) / bw * 1e6
+                best = min((c for c in cfgs if res[c][0] == res[c][0]), key=lambda c: res[c][0], default=None)
+                cells = [f"{res[c][0]:7.2f} {flop / res[c][0] / 1e6:5.1f}{'=' if res[c][1] else ' '}"
+                         f"{'*' if c == best else ' '}" for c in cfgs]
+                print(f"{name:9} {rows:>6}x{n_in:<6} {floor:7.2f} " + " ".join(f"{c:>16}" for c in cells), flush=True)
+                count = 1 if name == "lm head" else layers
+                for c in cfgs:
+                    per_call[c] += count * res[c][0]
+                if best:
+                    per_call["best"] += count * res[best][0]
+                auto = gemvm_auto(rows, 1 << (m - 1).bit_length())
+                per_call["auto"] += count * res[auto][0] if auto in res else float("nan")
+            print(f"{'per call':9} {'':13} {'':7} " + " ".join(f"{per_call[c]:>14.0f}us" for c in cfgs)
+                  + f"   best per shape {per_call['best']:.0f}us, auto {per_call['auto']:.0f}us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer iterations")
@@ -185,6 +297,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--variants", action="store_true", help="time every m == 1 kernel variant, checked")
     ap.add_argument("--shapes", default=None, help="with --variants: e.g. 4096x4096,12288x4096")
+    ap.add_argument("--gemvm", action="store_true", help="time the 2..16-token float GEMV geometries, checked")
+    ap.add_argument("--tokens", default="16,8", help="with --gemvm: tokens a call")
+    ap.add_argument("--cfgs", default=None, help="with --gemvm: GEMVM_CONFIGS keys (default all)")
+    ap.add_argument("--models", default=",".join(GEMVM_MODELS), help="with --gemvm: " + ", ".join(GEMVM_MODELS))
     args = ap.parse_args()
     from graphir.backends.gpu.device import available, cupy
 
@@ -199,6 +315,9 @@ def main() -> None:
     print(f"copy bandwidth (1 GiB d2d, read + write): {bw / 1e12:.3f} TB/s\n")
     if args.variants:
         main_variants(cp, rng, args, bw)
+        return
+    if args.gemvm:
+        main_gemvm(cp, rng, args, bw)
         return
     rows = []
     print(f"{'format':7} {'shape':>13} {'us/call':>9} {'GB/s':>8} {'% copy':>7}  notes")

@@ -6,12 +6,14 @@ super-blocks, 1025 columns of a float weight), against the reference backend and
 float64 product of graphir.quant's dequantized weights with an error bound scaled by sum |x||w|.
 get_rows is compared bit for bit. A "rule" runner calls the lowering rules directly on device
 buffers (an x that is not 16-byte aligned; steps replayed), so the kernels are checked even where
-the Program glue is not.
+the Program glue is not. The 2..16-token gemvm kernels also run on the host, without a GPU: matmul.cu
+built by g++ with a shim of threads, barriers and warp shuffles (test_gemvm_sets_on_the_host).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -30,7 +32,12 @@ except ImportError:  # pragma: no cover - the package always has it; keep collec
     def available() -> bool:
         return False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CUDA/HIP device")]
+
+def on_gpu(test):
+    """The GPU suite: marked gpu, skipped where there is no CUDA/HIP device (the host emulation tests
+    of the gemvm kernels below run anywhere)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not available(), reason="no CUDA/HIP device")(test))
+
 
 FORMATS = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
@@ -75,6 +82,7 @@ def _check_product(got: np.ndarray, x: np.ndarray, wf: np.ndarray, batch_w: bool
 
 # ---------------------------------------------------------------- mul_mat through the backend
 @pytest.mark.parametrize("fmt,shape,m", CASES, ids=[f"{f}-{s[0]}x{s[1]}-m{m}" for f, s, m in CASES])
+@on_gpu
 def test_mul_mat_formats(fmt, shape, m, rng):
     n_out, n_in = shape
     raw = _raw(rng, fmt, shape)
@@ -91,6 +99,7 @@ def test_mul_mat_formats(fmt, shape, m, rng):
 
 @pytest.mark.parametrize("fmt,n_in", [("q8_0", 64), ("q4_0", 64), ("bf16", 64), ("f16", 64), ("q4_k", 256),
                                       ("q6_k", 256)])
+@on_gpu
 def test_mul_mat_vocab_sized(fmt, n_in, rng):
     shape = (151936, n_in)  # Qwen3's vocabulary: a grid far larger than the device
     raw = _raw(rng, fmt, shape)
@@ -102,6 +111,7 @@ def test_mul_mat_vocab_sized(fmt, n_in, rng):
 
 
 @pytest.mark.parametrize("m", [1, 5, 12])
+@on_gpu
 def test_mul_mat_program_replays_with_new_inputs(m, rng):
     """One lowered Program, called with different x: every call reads the new tokens (nothing stale)."""
     shape = (300, 512)
@@ -114,6 +124,7 @@ def test_mul_mat_program_replays_with_new_inputs(m, rng):
         _check_product(prog({"x": x})["y"], x, wf)
 
 
+@on_gpu
 def test_mul_mat_tokens_with_batch_axes_take_the_gemv(rng):
     """x [2, 3, n_in] against a 2-D weight: 6 token rows, one GEMV (w's rows broadcast)."""
     shape = (65, 256)
@@ -124,6 +135,7 @@ def test_mul_mat_tokens_with_batch_axes_take_the_gemv(rng):
     _check_product(got, x, dequantize(raw, "q5_k", shape))
 
 
+@on_gpu
 def test_prefill_scratch_is_one_buffer_per_weight_store(rng):
     """Two Programs over one store share the dequant scratch, sized for the largest matrix."""
     from graphir.backends.gpu.matmul import SCRATCH_KEY
@@ -150,6 +162,7 @@ def test_prefill_scratch_is_one_buffer_per_weight_store(rng):
 # ---------------------------------------------------------------- batched and activation weights
 @pytest.mark.parametrize("sw,sx", [((3, 1, 5, 16), (3, 4, 7, 16)), ((5, 16), (2, 7, 16)), ((1, 5, 16), (4, 1, 16)),
                                    ((2, 3, 1, 16), (2, 3, 1, 16)), ((7, 33), (9, 33)), ((2, 1, 4, 8), (2, 3, 4, 8))])
+@on_gpu
 def test_mul_mat_activation_weights(sw, sx, rng):
     w = rng.standard_normal(sw).astype(np.float32)
     x = rng.standard_normal(sx).astype(np.float32)
@@ -157,6 +170,7 @@ def test_mul_mat_activation_weights(sw, sx, rng):
     _check_product(got, x, w)
 
 
+@on_gpu
 def test_mul_mat_param_with_batch_axes(rng):
     shape = (2, 5, 64)
     raw = _raw(rng, "q8_0", shape)
@@ -166,6 +180,7 @@ def test_mul_mat_param_with_batch_axes(rng):
     _check_product(got, x, dequantize(raw, "q8_0", shape))
 
 
+@on_gpu
 def test_mul_mat_too_many_batch_axes_is_a_clear_error(rng):
     sw, sx = (2, 1, 3, 1, 4, 6), (2, 5, 3, 7, 4, 6)
     node = g.mul_mat(g.input("w", sw), g.input("x", sx))
@@ -184,6 +199,7 @@ def _param(fmt: str, raw: np.ndarray, shape: tuple[int, ...], name: str = "w"):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q6_k", "bf16"])
 @pytest.mark.parametrize("m", [1, 4])
+@on_gpu
 def test_gemv_rule_unaligned_x_and_replay(fmt, m, rng):
     """x at a 4-byte offset (the GEMV reads x in 16-byte pieces: the rule stages it), steps replayed."""
     import cupy as cp
@@ -227,6 +243,7 @@ def _variant_cases() -> list[tuple[str, str, tuple[int, int]]]:
 
 @pytest.mark.parametrize("fmt,cfg,shape", _variant_cases(), ids=[f"{f}-{c}-{s[0]}x{s[1]}" for f, c, s in
                                                                   _variant_cases()])
+@on_gpu
 def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     """Every m == 1 kernel variant (matmul.py GEMV1_CONFIGS and GEMV1_V3; the benchmark picks the
     default), at 1, 7 and 511 rows, against the f64 product of the dequantized weight. The v3
@@ -252,20 +269,25 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
 
 
+# rows: one, fewer than any block's, partial last blocks of every geometry (511, 1025, 33); row units: 1, 125,
+# 17, 73 and 256 (none a multiple of every geometry's lanes a row; 256 takes j4w8r2 four batches a lane)
+GEMVM_SHAPES = [(1, 8), (7, 1000), (511, 136), (1025, 584), (33, 2048)]
+
+
 def _gemvm_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
     from graphir.backends.gpu.matmul import GEMVM_CONFIGS
 
     return [(fmt, cfg, m, shape) for fmt in FLOATS for cfg in GEMVM_CONFIGS for m in (2, 3, 8, 11, 16)
-            for shape in [(1, 8), (7, 1000), (511, 136), (33, 2048)]]
+            for shape in GEMVM_SHAPES]
 
 
 @pytest.mark.parametrize("fmt,cfg,m,shape", _gemvm_cases(), ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in
                                                                  _gemvm_cases()])
+@on_gpu
 def test_gemvm_variants(fmt, cfg, m, shape, rng, monkeypatch):
     """Every 2..16-token float GEMV geometry (matmul.py GEMVM_CONFIGS; profile_gpu_decode.py --verify picks
-    the default) at 1, 7, 33 and 511 rows (partial blocks of every geometry) and rows of 1, 17, 125 and 256
-    units, against the f64 product; m = 3 runs the 4-token kernel with a token unused, m = 11 the 16-token
-    one with five."""
+    the default) at GEMVM_SHAPES, against the f64 product; m = 3 runs the 4-token kernel with a token unused,
+    m = 11 the 16-token one with five."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
@@ -297,6 +319,7 @@ def _get_rows_cases() -> list[tuple[str, int, int]]:
 
 
 @pytest.mark.parametrize("fmt,rows,dim", _get_rows_cases())
+@on_gpu
 def test_get_rows_formats(fmt, rows, dim, rng):
     raw = _raw(rng, fmt, (rows, dim))
     table = dequantize(raw, fmt, (rows, dim))
@@ -307,6 +330,7 @@ def test_get_rows_formats(fmt, rows, dim, rng):
     np.testing.assert_array_equal(got, table[ids])  # decoding is exact: bit for bit
 
 
+@on_gpu
 def test_get_rows_activation_table(rng):
     t = rng.standard_normal((9, 5)).astype(np.float32)
     ids = np.array([8, 0, 4], np.int32)
@@ -316,6 +340,7 @@ def test_get_rows_activation_table(rng):
 
 @pytest.mark.parametrize("fmt", ["q4_k", "f32"])
 @pytest.mark.parametrize("bad", [-1, 37, 1 << 30])
+@on_gpu
 def test_get_rows_bad_id_is_an_error(fmt, bad, rng):
     dim = 256
     raw = _raw(rng, fmt, (37, dim))
@@ -327,6 +352,7 @@ def test_get_rows_bad_id_is_an_error(fmt, bad, rng):
     np.testing.assert_array_equal(prog({"ids": good})["y"], dequantize(raw, fmt, (37, dim))[good])
 
 
+@on_gpu
 def test_mul_mat_bf16_projections_of_one_x_share_its_rounding():
     """q, k, v-style mul_mat_bf16s of one x round x once (the first one's cast, shared); a second x
     computed later (its own node) gets its own cast. Each result equals the op's reference."""
@@ -383,6 +409,7 @@ def _swiglu_cases() -> list[tuple[str, str, tuple[int, int]]]:
 
 @pytest.mark.parametrize("fmt,cfg,shape", _swiglu_cases(), ids=[f"{f}-{c}-{s[0]}x{s[1]}" for f, c, s in
                                                                  _swiglu_cases()])
+@on_gpu
 def test_mul_mat_swiglu_decode_kernel(fmt, cfg, shape, rng, monkeypatch):
     """The m == 1 fused kernel (gemv1sw_<fmt>_<cfg>) for every format and geometry, at 1, 7 and 511
     outputs: equal bit for bit to the unfused gpu path (the gemv1v2 kernel of the same geometry, then
@@ -417,9 +444,10 @@ def _swiglu_verify_cases() -> list[tuple[str, str, int, tuple[int, int]]]:
 
 @pytest.mark.parametrize("fmt,cfg,m,shape", _swiglu_verify_cases(),
                          ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in _swiglu_verify_cases()])
+@on_gpu
 def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
-    """The 2..16-token fused kernel (gemvmsw<M>_<fmt>_<cfg>) for every float geometry at 1, 7, 33 and 511
-    outputs: equal bit for bit to the unfused gpu path (the op lowered above SW_MAX_BYTES: gemvm of the same
+    """The 2..16-token fused kernel (gemvmsw<M>_<fmt>_<cfg>) for every float geometry at GEMVM_SHAPES' row
+    counts of outputs: equal bit for bit to the unfused gpu path (the op lowered above SW_MAX_BYTES: gemvm of the same
     geometry, then swiglu_halves_f32), and to the f64 formula within the products' error bound."""
     import cupy as cp
     from graphir.backends.gpu import matmul as mm
@@ -446,8 +474,218 @@ def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
     _check_swiglu(fused.get(), x.get(), dequantize(raw, fmt, wshape))
 
 
+@pytest.mark.parametrize("fmt", FLOATS)
+@pytest.mark.parametrize("m", [2, 3, 8, 11, 16])
+@on_gpu
+def test_gemvm_j32w4r4_is_bitwise_g128r2(fmt, m, rng, monkeypatch):
+    """j32w4r4 (gemvm_sets_impl: 4 rows a lane, reduce-scatter) splits a row as g128r2 does and adds in
+    its order: the plain and the fused kernels give g128r2's values bit for bit at every GEMVM_SHAPES size."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    for n_out, n_in in GEMVM_SHAPES:
+        wshape = (2 * n_out, n_in)
+        raw = _raw(rng, fmt, wshape)
+        gp, weights = _param(fmt, raw, wshape)
+        x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
+        got = {}
+        for cfg in ("g128r2", "j32w4r4"):
+            monkeypatch.setattr(mm, "GEMVM_KERNEL", cfg)
+            lw = Lowering(weights)
+            plain, fused = cp.full((m, 2 * n_out), np.nan, np.float32), cp.full((m, n_out), np.nan, np.float32)
+            steps = mm.lower_mul_mat(lw, None, [gp, x], [plain], {})
+            steps += mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
+            assert [s.name for s in steps][-1].endswith(cfg)
+            for s in steps:
+                s()
+            got[cfg] = plain.get(), fused.get()
+        np.testing.assert_array_equal(got["j32w4r4"][0], got["g128r2"][0])
+        np.testing.assert_array_equal(got["j32w4r4"][1], got["g128r2"][1])
+
+
+# ---------------------------------------------------------------- gemvm geometry tables (no GPU)
+def test_gemvm_configs_mirror_the_kernel_source():
+    """matmul.py GEMVM_CONFIGS (threads, rows a block) against matmul.cu's instantiated geometries."""
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu import matmul as mm
+
+    src = (kernels.KERNEL_DIR / "matmul.cu").read_text()
+    old = re.findall(r"DEFINE_GEMVM_CFG\(name, F, (g\d+r\d+), (\d+), (\d+)\)", src)
+    sets = re.findall(r"X\(name, F, (j\d+w\d+r\d+), (\d+), (\d+), (\d+), \d+\)", src)
+    want = {cfg: (128, 128 // int(g) * int(nr)) for cfg, g, nr in old}
+    want |= {cfg: (32 * int(wb), 32 // int(j) * int(nr)) for cfg, j, wb, nr in sets}
+    assert mm.GEMVM_CONFIGS == want
+    assert all(cfg == f"j{j}w{wb}r{nr}" for cfg, j, wb, nr in sets)
+
+
+def test_gemvm_kernel_choice(monkeypatch):
+    """GEMVM_KERNEL names one geometry for every 2..16-token call; "auto" takes GEMVM_AUTO's first geometry
+    with enough blocks."""
+    from graphir.backends.gpu import matmul as mm
+
+    assert mm.gemv_kernel("bf16", 4096, 1024, 16, 0) == (f"gemvm16_bf16_{mm.GEMVM_KERNEL}",
+                                                         *mm.GEMVM_CONFIGS[mm.GEMVM_KERNEL])
+    monkeypatch.setattr(mm, "GEMVM_KERNEL", "j32w4r4")
+    assert mm.gemv_kernel("f32", 7, 1000, 3, 0) == ("gemvm4_f32_j32w4r4", 128, 4)
+    monkeypatch.setattr(mm, "GEMVM_KERNEL", "auto")
+    monkeypatch.setattr(mm, "GEMVM_AUTO", (("j4w8r4", 1024), ("j4w8r2", 256), ("j8w8r2", 0)))
+    assert mm.gemv_kernel("bf16", 32 * 1024, 1024, 16, 0) == ("gemvm16_bf16_j4w8r4", 256, 32)
+    assert mm.gemv_kernel("bf16", 32 * 1024 - 32, 1024, 16, 0) == ("gemvm16_bf16_j4w8r2", 256, 16)
+    assert mm.gemv_kernel("bf16", 16 * 256, 1024, 16, 0) == ("gemvm16_bf16_j4w8r2", 256, 16)
+    assert mm.gemv_kernel("bf16", 16 * 256 - 16, 1024, 9, 0) == ("gemvm16_bf16_j8w8r2", 256, 8)
+    assert mm.gemv_kernel("f32", 1, 576, 5, 0)[0] == "gemvm8_f32_j8w8r2"
+    assert mm.gemv_kernel("bf16", 4096, 1020, 16, 0)[0] == "gemv16_bf16"  # rows not of whole 8-value units
+
+
+# ---------------------------------------------------------------- gemvm on the host (no GPU)
+# matmul.cu compiled by g++ with a shim, as tests/test_gpu_delta_chunked.py runs its kernels: one OS thread
+# per GPU thread, std::barrier for __syncthreads, `static` for __shared__, and here warps of 32 lanes whose
+# shuffles meet at a barrier of the warp. It checks the gemvm kernels' index arithmetic, reduce-scatter and
+# shared-memory layout anywhere, and their bitwise claims between kernels run through the same shim (fma as
+# fmaf, expf the host's: GPU values may differ from these, never between two kernels of one run).
+GEMVM_SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __constant__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+struct emu_dim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local emu_dim3 threadIdx;
+inline thread_local unsigned emu_shuffles = 0;
+inline emu_dim3 blockIdx, blockDim, gridDim;
+inline std::barrier<>* emu_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
+inline std::vector<float> emu_posted;  // [2][threads]: consecutive shuffles alternate halves
+inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+// Every lane of the warp posts its value and reads its partner's after the warp's barrier. A half of
+// emu_posted is written again two shuffles later, after the next barrier: every read of it is done by then.
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    float* posted = emu_posted.data() + (emu_shuffles++ % 2) * blockDim.x;
+    posted[threadIdx.x] = v;
+    emu_warps[threadIdx.x / 32]->arrive_and_wait();
+    return posted[threadIdx.x ^ (unsigned)o];
+}
+inline int atomicCAS(int* p, int cmp, int val) { int old = *p; if (old == cmp) *p = val; return old; }
+"""
+GEMVM_LAUNCHER = r"""
+typedef void (*emu_gemv_t)(const u8*, long long, const float*, float*, int, int, int);
+extern "C" void emu_gemv(emu_gemv_t kernel, unsigned grid, unsigned threads, const u8* W, long long row_bytes,
+                         const float* X, float* Y, int n_out, int n_in, int m) {
+    gridDim = {grid, 1, 1};
+    blockDim = {threads, 1, 1};
+    emu_posted.assign(2 * threads, 0.0f);
+    emu_warps.clear();
+    for (unsigned w = 0; w < threads / 32; ++w) emu_warps.emplace_back(new std::barrier<>(32));
+    for (unsigned b = 0; b < grid; ++b) {  // one block at a time: `static` shared memory is the block's
+        blockIdx = {b, 0, 0};
+        std::barrier<> bar(threads);
+        emu_barrier = &bar;
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t) {
+            pool.emplace_back([=] {
+                threadIdx = {t, 0, 0};
+                emu_shuffles = 0;
+                kernel(W, row_bytes, X, Y, n_out, n_in, m);
+            });
+        }
+        for (auto& th : pool) th.join();
+    }
+}
+"""
+EMU_GUARD = 64  # guard elements either side of every host buffer
+EMU_SENTINEL = np.float32(-7.25)  # the output's guards: a kernel writing outside the output changes one
+
+
+@pytest.fixture(scope="module")
+def gemvm_host(tmp_path_factory):
+    """The host build of matmul.cu: (shared library, run(kernel, cfg, fmt, raw, x, n_out, fused) -> y)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not installed: the host emulation of the kernels needs it")
+    d = tmp_path_factory.mktemp("gemvm_emu")
+    (d / "emu.cpp").write_text(f'{GEMVM_SHIM}#include "{kernels.KERNEL_DIR / "matmul.cu"}"\n{GEMVM_LAUNCHER}')
+    cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", f"-I{kernels.KERNEL_DIR}",
+           str(d / "emu.cpp"), "-o", str(d / "emu.so")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(d / "emu.so"))
+
+    def run(kernel: str, raw: np.ndarray, x: np.ndarray, n_out: int, fused: bool = False) -> np.ndarray:
+        cfg = kernel.rsplit("_", 1)[1]
+        threads, rows = GEMVM_CONFIGS[cfg]
+        rows = rows // 2 if fused else rows
+        m, n_in = x.shape
+        wb = raw.view(np.uint8).reshape(raw.shape[0], -1)
+        w_buf = np.full(wb.size + 2 * EMU_GUARD, 0xFF, np.uint8)  # NaN in every float format
+        w_buf[EMU_GUARD:EMU_GUARD + wb.size] = wb.ravel()
+        x_buf = np.full(x.size + 2 * EMU_GUARD, np.nan, np.float32)
+        x_buf[EMU_GUARD:EMU_GUARD + x.size] = x.ravel()
+        y_buf = np.full(m * n_out + 2 * EMU_GUARD, EMU_SENTINEL, np.float32)
+        y_buf[EMU_GUARD:EMU_GUARD + m * n_out] = np.nan
+        ptr = lambda a: ctypes.c_void_p(a.ctypes.data + EMU_GUARD * a.itemsize)
+        lib.emu_gemv(ctypes.cast(getattr(lib, kernel), ctypes.c_void_p), ctypes.c_uint(-(-n_out // rows)),
+                     ctypes.c_uint(threads), ptr(w_buf), ctypes.c_longlong(wb.shape[1]), ptr(x_buf), ptr(y_buf),
+                     ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(m))
+        assert (y_buf[:EMU_GUARD] == EMU_SENTINEL).all() and (y_buf[-EMU_GUARD:] == EMU_SENTINEL).all(), \
+            f"{kernel} wrote outside its output"
+        return y_buf[EMU_GUARD:EMU_GUARD + m * n_out].reshape(m, n_out).copy()
+
+    return run
+
+
+# (fmt, m, (rows, n_in)): rows 1 and 7 (one partial block), 33 (the plain kernels' 66 rows: partial last blocks
+# of every geometry); rows of 1, 17, 125 and 256 units (j4w8r2: 256 units are four 2-unit batches a lane)
+EMU_CASES = ([("bf16", m, shape) for m in (2, 3, 8, 16) for shape in [(1, 8), (7, 136)]]
+             + [("bf16", m, (33, 1000)) for m in (3, 16)] + [("bf16", 16, (5, 2048)), ("bf16", 11, (17, 2048))]
+             + [("f32", 3, (7, 136)), ("f32", 16, (7, 136)), ("f32", 16, (33, 1000))]
+             + [("f16", 8, (7, 136)), ("f16", 16, (7, 1000))])
+
+
+@pytest.mark.parametrize("fmt,m,shape", EMU_CASES, ids=[f"{f}-m{m}-{s[0]}x{s[1]}" for f, m, s in EMU_CASES])
+def test_gemvm_sets_on_the_host(fmt, m, shape, gemvm_host):
+    """Every gemvm_sets_impl geometry (j* of GEMVM_CONFIGS), plain and fused, run on the host: the plain
+    products within the f64 bound, the fused ones within silu's; j32w4r4 bit for bit g128r2 (both kernels)."""
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS
+
+    rng = np.random.default_rng(sum(shape) + m)
+    n_out, n_in = shape
+    wshape = (2 * n_out, n_in)
+    raw = _raw(rng, fmt, wshape)
+    wf = dequantize(raw, fmt, wshape)
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    bucket = 1 << (m - 1).bit_length()
+    for cfg in [c for c in GEMVM_CONFIGS if c.startswith("j")]:
+        plain = gemvm_host(f"gemvm{bucket}_{fmt}_{cfg}", raw, x, 2 * n_out)
+        _check_product(plain, x, wf)
+        fused = gemvm_host(f"gemvmsw{bucket}_{fmt}_{cfg}", raw, x, n_out, fused=True)
+        _check_swiglu(fused, x, wf)
+        if cfg == "j32w4r4":
+            np.testing.assert_array_equal(plain, gemvm_host(f"gemvm{bucket}_{fmt}_g128r2", raw, x, 2 * n_out))
+            np.testing.assert_array_equal(fused, gemvm_host(f"gemvmsw{bucket}_{fmt}_g128r2", raw, x, n_out, True))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q8_0", "q4_k", "q6_k", "f32"])
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
+@on_gpu
 def test_mul_mat_swiglu_formats(fmt, m, rng):
     """Through the backend at every token count (1: the fused kernel, or for the v3 formats the GEMV
     then swiglu_halves_f32; 3-16 the fused gemvmsw kernel for float weights, the GEMV then
@@ -465,6 +703,7 @@ def test_mul_mat_swiglu_formats(fmt, m, rng):
     _check_swiglu(got, x, dequantize(raw, fmt, wshape))
 
 
+@on_gpu
 def test_mul_mat_swiglu_large_weight_takes_the_plain_gemv(rng, monkeypatch):
     """Above SW_MAX_BYTES the product goes through the plain GEMV and swiglu_halves_f32: the same
     values, bit for bit, as the fused kernel below the limit."""

@@ -263,6 +263,152 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
     DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)
 FOR_EACH_FLOAT(DEFINE_GEMVM)
 
+// ---------------------------------------------------------------- 2..16 tokens, float weights: row sets
+// gemvm<M>_<fmt>_j<J>w<WB>r<NR> (matmul.py GEMVM_CONFIGS): gemvm_impl's product, laid out for what bounds it.
+// gemvm16_bf16_g128r2 (4096x1024: 18.7 us on an H200, 2026-12-01, ~9 of ~67 TFLOP/s) gives a lane, per
+// unit, 256 FMAs, 32 x loads that each touch 8 128-byte lines (a warp's lanes read 16 bytes 32 apart) and,
+// at the end, 160 shuffles (sum32 of 32 sums): ~420 cycles of the SM's load/shuffle pipe a warp (a line a
+// cycle, a shuffle a cycle) against 64 of FMA issue.
+//  - A warp holds S = 32 / J sets of J lanes; a set owns NR rows and a lane accumulates [NR rows][M tokens]
+//    in registers. Unit u of a row goes to lane u % J of warp u / J % WB (a row over G = J * WB lanes),
+//    so the S sets of a warp read the same x pieces at once: a warp's x load touches J / 4 lines (one at
+//    J = 4, served to 8 sets of rows) instead of 8.
+//  - A set's J sums of a row and token meet in a reduce-scatter (set_sum_scatter): V (J - 1) / J shuffles
+//    for V = NR * M sums instead of V log2 J; then shared memory, the WB warps' sums added in warp order.
+//  - Each x piece loaded serves NR rows, each decoded weight M tokens; a batch of UN units (UNB weight bytes
+//    a lane) is loaded before any is used, and a token's pieces of the batch's units are loaded together.
+// With J = 32 and WB = 4 a row's split, its butterfly and the warp order are gemvm_impl's at G = 128, so
+// j32w4r<NR> equals g128r2 bit for bit (a sum does not depend on the rows beside it); other J, WB add in
+// other orders (tests compare them with the f64 product).
+template <int V, int O>
+DEVICE void set_sum_scatter(float* v, int lane) {
+    // Sums v[0..V) over the lanes that differ in bits O, O/2, .., 1 (sum32's xor order). While V > 1 a step
+    // keeps half the values (the upper half where lane & O) and sends the partner the other half, so a lane
+    // ends with C = max(V / lanes, 1) sums, those from index lane / (lanes / (V / C)) * C on. Each step adds
+    // the same two partial sums as sum32's step (a + b == b + a), so every sum is bitwise sum32's.
+    if constexpr (O > 0) {
+        if constexpr (V > 1) {
+            const bool hi = lane & O;
+#pragma unroll
+            for (int i = 0; i < V / 2; ++i) {
+                const float send = hi ? v[i] : v[i + V / 2], keep = hi ? v[i + V / 2] : v[i];
+                v[i] = keep + SHFL_XOR(send, O);
+            }
+            set_sum_scatter<V / 2, O / 2>(v, lane);
+        } else {
+            v[0] += SHFL_XOR(v[0], O);
+            set_sum_scatter<1, O / 2>(v, lane);
+        }
+    }
+}
+
+template <class F, int M, int J, int WB, int NR, int UNB, bool SW = false>
+DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
+                            float* __restrict__ Y, int n_out, int n_in, int m) {
+    static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
+    static_assert(J >= 1 && J <= 32 && (J & (J - 1)) == 0, "sets of 1..32 lanes, a power of two");
+    static_assert(!SW || NR % 2 == 0, "a swiglu set reads gate/up row pairs");
+    constexpr int S = 32 / J, G = J * WB, OUT = SW ? NR / 2 : NR, V = NR * M;
+    static_assert((V & (V - 1)) == 0, "the reduce-scatter halves the sums");
+    constexpr int C = V >= J ? V / J : 1, L = V / C;  // sums a lane keeps; distinct lanes holding them, a set
+    constexpr int UN = UNB / (NR * F::BB) > 0 ? UNB / (NR * F::BB) : 1;  // units a batch
+    __shared__ float part[WB][C][S * L];  // [warp][sum c of a lane][set, lane slot]: each store one wavefront
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, set = lane / J;
+    const int row0 = (blockIdx.x * S + set) * OUT;  // every thread reaches the barrier below
+    const u8* wr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
+        const int i = row0 + r % OUT, row = i < n_out ? i : n_out - 1;
+        wr[r] = W + (long long)(r >= OUT ? n_out + row : row) * row_bytes;  // r >= OUT: an up row (SW)
+    }
+    float acc[V];  // acc[r * M + t]: row r, token t
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+    const int units = n_in / 8;
+    for (int u0 = warp * J + lane % J; u0 < units; u0 += G * UN) {
+        typename F::U q[UN][NR];
+        bool has[UN];  // unit u0 + G i is in the row (past the end: u0 reloaded, unused)
+#pragma unroll
+        for (int i = 0; i < UN; ++i) {
+            has[i] = i == 0 || u0 + G * i < units;
+            const int u = has[i] ? u0 + G * i : u0;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) q[i][r] = F::load(wr[r] + (long long)u * F::BB, 0);
+        }
+        float v[UN][NR][8], one = 1.0f;
+#pragma unroll
+        for (int i = 0; i < UN; ++i)
+#pragma unroll
+            for (int r = 0; r < NR; ++r) F::decode(q[i][r], 0, 0, v[i][r], one, one, nullptr);
+        const float* xt = X + (long long)u0 * 8;  // token t's x piece of unit u0 + G i: xt + t n_in + 8 G i
+#pragma unroll
+        for (int t = 0; t < M; ++t, xt += n_in) {
+            if (t < m) {
+#pragma unroll
+                for (int i = 0; i < UN; ++i) {
+                    if (has[i]) {
+                        const F4 a = ldx(xt + 8 * G * i), c = ldx(xt + 8 * G * i + 4);
+#pragma unroll
+                        for (int r = 0; r < NR; ++r) dot8<true>(a, c, v[i][r], 1.0f, 1.0f, acc[r * M + t]);
+                    }
+                }
+            }
+        }
+    }
+    set_sum_scatter<V, J / 2>(acc, lane);
+    const int j = lane % J;
+    if (j % (J / L) == 0) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) part[warp][c][set * L + j / (J / L)] = acc[c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < C * S * L; i += 32 * WB) {  // one sum each: the warps' partial sums, in warp order
+        const int c = i / (S * L), st = i / L % S, slot = i % L, idx = slot * C + c, r = idx / M, t = idx % M;
+        if (SW && r >= OUT) continue;  // an up row: read with its gate row
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WB; ++k) s += part[k][c][i % (S * L)];
+        if constexpr (SW) {
+            const int up = idx + OUT * M, cu = up % C, iu = (up / C) + st * L;  // the up row's sum: slot up / C
+            float u = 0.0f;
+#pragma unroll
+            for (int k = 0; k < WB; ++k) u += part[k][cu][iu];
+            s = s / (1.0f + expf(-s)) * u;
+        }
+        const int row = (blockIdx.x * S + st) * OUT + r;
+        if (t < m && row < n_out) Y[(long long)t * n_out + row] = s;
+    }
+}
+// 512 threads an SM at least (16 / WB blocks): at most 128 registers a thread. Without the bound ptxas
+// spilled 4-16 bytes in some 2-token kernels, and kept 153 registers (3 blocks an SM) in j32w4r4's 16-token ones.
+#define DEFINE_GEMVM_SETS_M(name, F, M, cfg, J, WB, NR, UNB)                                               \
+    extern "C" __global__ void __launch_bounds__(32 * WB, 16 / WB) gemvm##M##_##name##_##cfg(              \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_sets_impl<F, M, J, WB, NR, UNB>(W, row_bytes, X, Y, n_out, n_in, m);                         \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WB, 16 / WB) gemvmsw##M##_##name##_##cfg(            \
+        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
+        int n_out, int n_in, int m) {                                                                      \
+        PDL_ENTRY();                                                                                       \
+        gemvm_sets_impl<F, M, J, WB, NR, UNB, true>(W, row_bytes, X, Y, n_out, n_in, m);                   \
+    }
+#define DEFINE_GEMVM_SETS_CFG(name, F, cfg, J, WB, NR, UNB)                                                \
+    DEFINE_GEMVM_SETS_M(name, F, 2, cfg, J, WB, NR, UNB) DEFINE_GEMVM_SETS_M(name, F, 4, cfg, J, WB, NR, UNB) \
+    DEFINE_GEMVM_SETS_M(name, F, 8, cfg, J, WB, NR, UNB) DEFINE_GEMVM_SETS_M(name, F, 16, cfg, J, WB, NR, UNB)
+// Configurations (name, J, WB, NR, UNB); matmul.py GEMVM_CONFIGS mirrors them as (threads 32 * WB, rows a
+// block 32 / J * NR). ptxas (nvcc 13.0, sm_90), 16-token kernels, bf16 / f32: j32w4r4 128 / 128 registers,
+// j8w8r2 and j4w8r2 112 / 122, j4w8r4 128 / 128, no spills in any. j4w8r2: weights of many rows; j8w8r2:
+// twice the blocks for fewer rows; j4w8r4: 64 FMAs a lane per 16-byte x load (vocabulary-sized weights).
+#define FOR_EACH_GEMVM_SETS_CFG(X, name, F) \
+    X(name, F, j32w4r4, 32, 4, 4, 64)      \
+    X(name, F, j8w8r2, 8, 8, 2, 64)        \
+    X(name, F, j4w8r2, 4, 8, 2, 64)        \
+    X(name, F, j4w8r4, 4, 8, 4, 64)
+#define DEFINE_GEMVM_SETS(name, F) FOR_EACH_GEMVM_SETS_CFG(DEFINE_GEMVM_SETS_CFG, name, F)
+FOR_EACH_FLOAT(DEFINE_GEMVM_SETS)
+
 // ---------------------------------------------------------------- m == 1 GEMV, version 2
 // gemv1v2_<fmt>_<cfg>: the decode step's GEMV with a tunable geometry, for the benchmark to pick
 // per format (matmul.py GEMV1_KERNEL). A block of T threads holds T/G groups of G lanes; a group

@@ -40,16 +40,24 @@ GEMV_SMALL_TOKENS = 8  # matmul.cu GEMV_MAX_TOKENS: gemv_<fmt> up to this many t
 GEMV_MAX_TOKENS = 2 * GEMV_SMALL_TOKENS
 GEMV_THREADS = 128  # matmul.cu GEMV_THREADS
 GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_NR rows each
-# 2..16 tokens of a float weight: gemvm<M>_<fmt>_<cfg> (matmul.cu, GEMVM_THREADS a block), cfg g<G>r<NR>:
-# groups of G lanes owning NR rows each -> rows per block.
+# 2..16 tokens of a float weight: gemvm<M>_<fmt>_<cfg> (matmul.cu): cfg -> (threads, rows per block).
+#   g<G>r<NR> (gemvm_impl): groups of G lanes owning NR rows each, 128 threads a block.
+#   j<J>w<WB>r<NR> (gemvm_sets_impl): sets of J lanes owning NR rows, 32 / J sets a warp (reading the same x
+#   pieces), WB warps a block, a row's units over the J * WB lanes; j32w4r4 is bitwise g128r2.
 GEMVM_MAX_TOKENS = 16
-GEMVM_THREADS = 128
-GEMVM_CONFIGS = {"g64r4": 8, "g128r2": 2}
+GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j8w8r2": (256, 8), "j4w8r2": (256, 16),
+                 "j4w8r4": (256, 32)}
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
 # `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
 # 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ); the two
-# 32-lane geometries were dropped after that run.
+# 32-lane geometries were dropped after that run. The j* geometries are not yet measured
+# (`bench_gpu_gemv.py --gemvm` times them against g128r2 per shape and token count).
+# The cfg every 2..16-token call takes; "auto": gemvm_auto's pick per shape and bucket.
 GEMVM_KERNEL = "g128r2"
+# "auto" (a guess from instruction counts, not measured): the first geometry of GEMVM_AUTO whose grid has at
+# least the blocks beside it. j4w8r4 (32-row blocks, 64 FMAs a lane per 16-byte x load) for vocabulary-sized
+# weights; j4w8r2 (16 rows) where it still gives an H200's 132 SMs about two blocks each; j8w8r2 (8 rows) below.
+GEMVM_AUTO = (("j4w8r4", 1024), ("j4w8r2", 256), ("j8w8r2", 0))
 SCRATCH_KEY = ("gpu", "dequant_scratch")
 
 # m == 1 GEMV variants (matmul.cu gemv1v2_<fmt>_<cfg>): cfg -> (threads per block, rows per
@@ -180,7 +188,8 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
             bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8 / gemvm16
-            return f"gemvm{bucket}_{fmt}_{GEMVM_KERNEL}", GEMVM_THREADS, GEMVM_CONFIGS[GEMVM_KERNEL]
+            cfg = GEMVM_KERNEL if GEMVM_KERNEL != "auto" else gemvm_auto(n_out, bucket)
+            return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
     ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
@@ -191,6 +200,11 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
         return f"gemv1v3_{fmt}_{cfg[2:]}", threads, rows
     threads, rows = GEMV1_CONFIGS[cfg]
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
+
+
+def gemvm_auto(n_out: int, bucket: int) -> str:
+    """The 2..16-token geometry GEMVM_KERNEL = "auto" takes for `n_out` rows (every bucket alike so far)."""
+    return next(cfg for cfg, blocks in GEMVM_AUTO if cdiv(n_out, GEMVM_CONFIGS[cfg][1]) >= blocks)
 
 
 # Float rows of at most this many bytes (Qwen3-0.6B's d_model 1024 in bf16, SmolLM2's 576 in f32) give
