@@ -272,53 +272,34 @@ def _rms_norm_mul_rope(lw, n, ins, outs, p):
     return norm_rope_steps(lw, n, 0, dev(ins[0]), dev(ins[1]), ins[2], outs[0], p)
 
 
-# The norm-rope kernels (rope.cu): a lane group of 32 per head row, 8 groups a block; a lane holds U units
-# (2 columns each) of each of its rows, U = 1, 2 or 4 for rows of up to 64, 128, 256 columns, and at most
-# NORM_ROPE_SLOTS units in all: head_dim <= 256 (wider heads take rms_norm, then rope), and a group takes up
-# to NORM_ROPE_SLOTS / U rows. (Keep these numbers in step with rope.cu.)
+# The norm-rope kernels (rope.cu): a lane group of 32 per head row, 8 rows a block; a lane holds at most
+# 4 units of 2 columns in registers, so head_dim <= 256 (wider heads take rms_norm, then rope).
 NORM_ROPE_THREADS = 256
-NORM_ROPE_GROUPS = NORM_ROPE_THREADS // 32
-NORM_ROPE_SLOTS = 8
+NORM_ROPE_ROWS = NORM_ROPE_THREADS // 32
 NORM_ROPE_MAX_HEAD = 256
-# A group takes more than one row only while the launch keeps this many blocks: 2 an SM of an H200. Smaller
-# launches (decode) keep a row a group, their blocks spread over the SMs.
-NORM_ROPE_FILL_BLOCKS = 264
 
 
 def _fused_norm_rope(w: Any, head_dim: int) -> bool:
     return _is_row_weight(w, head_dim) and head_dim <= NORM_ROPE_MAX_HEAD
 
 
-def _norm_rope_blocks(n_tok: int, n_heads: int, rpg: int) -> tuple[int, int]:
-    """(blocks, tokens a block) for rpg rows a lane group: a block takes tb tokens and hb = min(n_heads,
-    rows // tb) heads of each (tb > 1 only for fewer heads than the block's rows, e.g. Qwen3's 8 KV heads at
-    4 rows a group: 4 tokens a block)."""
-    rows = NORM_ROPE_GROUPS * rpg
-    tb = max(1, min(n_tok, rows // n_heads))
-    hb = min(n_heads, rows // tb)
-    return cdiv(n_tok, tb) * cdiv(n_heads, hb), tb
-
-
-def _norm_rope_geometry(n_tok: int, n_heads: int, head_dim: int, n_dims: int) -> tuple[int, int, int, int]:
-    """(blocks, tokens a block, rows a lane group, shared bytes) of a norm-rope launch: the most rows a
-    group holds (halved while that leaves fewer than NORM_ROPE_FILL_BLOCKS blocks), and the block's table
-    of its tokens' cos/sin (doubles) and KV rows (ints)."""
-    units = n_dims // 2 + (head_dim - n_dims + 1) // 2
-    rpg = NORM_ROPE_SLOTS // (1 if units <= 32 else 2 if units <= 64 else 4)  # as rope.cu's norm_rope_block
-    while rpg > 1 and _norm_rope_blocks(n_tok, n_heads, rpg)[0] < NORM_ROPE_FILL_BLOCKS:
-        rpg //= 2
-    blocks, tb = _norm_rope_blocks(n_tok, n_heads, rpg)
-    return blocks, tb, rpg, 16 * tb * (n_dims // 2) + 4 * tb
+def _norm_rope_geometry(n_tok: int, n_heads: int, n_dims: int) -> tuple[int, int, int]:
+    """(blocks, tokens a block, shared bytes) of a norm-rope launch. A block takes tb tokens and
+    hb = min(n_heads, rows // tb) heads of each (tb > 1 only for fewer heads than rows, e.g. 4 KV
+    heads: its 8 lane groups then take 2 tokens), plus a cos/sin table of its tokens (doubles)."""
+    tb = max(1, NORM_ROPE_ROWS // n_heads)
+    hb = min(n_heads, NORM_ROPE_ROWS // tb)
+    return cdiv(n_tok, tb) * cdiv(n_heads, hb), tb, 16 * tb * (n_dims // 2)
 
 
 def norm_rope_steps(lw: Lowering, n: Node, xi: int, x: Any, w: Any, pos: Any, y: Any, p: dict) -> list:
     """y = rope(rms_norm(x) * w), x being n's input xi (read in place through its strides)."""
     n_tok, n_heads, head_dim = x.shape
     if _fused_norm_rope(w, head_dim):  # one kernel: a lane group per head row
-        blocks, tb, rpg, shared = _norm_rope_geometry(n_tok, n_heads, head_dim, p["n_dims"])
+        blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
         args = (x, w, pos, _inv_freq(lw, p), y, i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
                 i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]),
-                *_head_strides(x, input_strides(lw, n, xi)), i32(tb), i32(rpg))
+                *_head_strides(x, input_strides(lw, n, xi)), i32(tb))
         return [Launch("rope.cu", "rms_norm_mul_rope_f32", blocks, NORM_ROPE_THREADS, args, shared=shared)]
     x, steps = contiguous_input(lw, n, xi, x)  # the unfused kernels read contiguous rows
     if _is_row_weight(w, x.shape[-1]):
@@ -351,10 +332,10 @@ def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
         return steps + set_rows_steps(lw, cache, roped, rows, contiguous_strides(roped.shape))
     code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
                        "the KV capacity)")
-    blocks, tb, rpg, shared = _norm_rope_geometry(n_tok, n_heads, head_dim, p["n_dims"])
+    blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
     args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
             i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code,
-            *_head_strides(x, input_strides(lw, n, 1)), i32(tb), i32(rpg))
+            *_head_strides(x, input_strides(lw, n, 1)), i32(tb))
     return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", blocks, NORM_ROPE_THREADS, args,
                    shared=shared)]
 

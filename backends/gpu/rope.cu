@@ -2,8 +2,8 @@
 // pos * freq_scale * inv_freq[i] is formed and rotated in double precision, as the op table's
 // reference does: at position 4000 an f32 angle is already off by ~2e-4 rad, more than the 1e-5 the
 // tests allow. Each pair's sincos is computed once (FP64 is ~1/2 of the FP32 rate on an H200 at best,
-// and a double sincos is dozens of DFMAs): per pair in the span kernels, per (token, pair) and block in
-// the norm-rope kernels, whose blocks share their tokens' table in shared memory.
+// and a double sincos is dozens of DFMAs): per pair in the span kernels, per (token, pair) in the
+// norm-rope kernels, whose blocks share one token's table in shared memory.
 #include "common.cuh"
 
 // The pair (a, b) rotated by the angle whose cosine and sine are c and s: (a c - b s, a s + b c).
@@ -23,7 +23,7 @@ DEVICE void put(u16* p, float v) { *p = f32_to_f16(v); }
 
 // Each kernel below is a DEVICE body run over its whole grid: the `_span` bodies a grid-stride loop
 // (first = the thread's index, step = the threads of the grid), the norm-rope `_block` bodies one block
-// of head rows each (below). The qkv_* kernels at the end run three bodies side by side
+// of head rows each (NORM_ROPE_ROWS below). The qkv_* kernels at the end run three bodies side by side
 // in one launch, each over its own range of blocks.
 
 // Work item g of a span body over x [n_tok, n_heads, head_dim]: one per rotation pair and one per
@@ -120,37 +120,28 @@ DEVICE void rope_set_rows_span(T* cache, const float* __restrict__ x, const int*
 // v * inv * w[j] in f32, rotated in double). Head (t, h) of x starts at x + t * x_tok + h * x_head: q read
 // in place from the projection (Qwen3.5 interleaves q and its gate per head; Qwen3 stacks q|k|v).
 //
-// A block is blockDim / 32 lane groups of 32 (a warp on CUDA, half a wavefront on gfx9); a group takes rpg
-// head rows (rows per group, lowering: 1 for small grids, decode; up to NORM_ROPE_SLOTS / U at prefill
-// sizes), each row's sum of squares reduced by shuffles within the group, never through shared memory.
-// The block's groups * rpg rows are tb consecutive tokens (lowering: tb > 1 only when n_heads is below
-// the rows) times hb = min(n_heads, groups * rpg / tb) heads of each; blocks run over token groups, then
-// head groups. Row q < tb * hb of the block (token q / hb, head q % hb) is group q % groups's row
-// q / groups, so a block's idle rows spread over its groups. At prefill sizes a block covers all heads of
-// its tokens: Qwen3-8B's q (32 heads of 128) one token a block, its K (8 heads) four.
+// A block is blockDim / 32 lane groups of 32 (a warp on CUDA, half a wavefront on gfx9), each one head
+// row; the row's sum of squares is reduced by shuffles within its group, never through shared memory.
+// A block takes tb consecutive tokens (lowering: tb > 1 only when n_heads is below the groups) and
+// hb = min(n_heads, groups / tb) heads of each; blocks run over token groups, then head groups. The block
+// first fills a table of the cos and sin of its tokens' angles (shared, 16 * tb * half bytes), so a
+// (token, pair) angle's sincos is computed once a block rather than once an element: the FP64 work of
+// a row was 2 * half sincos, it is half * tb / rows-in-the-block.
 //
-// The block fills a table of the cos and sin of its tokens' angles (shared, 16 * tb * half bytes), so a
-// (token, pair) angle's sincos is computed once a block, once a token when the block covers all its heads.
-// Every row load of the block is issued before that FP64 work, which so hides under their latency (the
-// rows' sums of squares come after it). A row's arithmetic, and the order of its sum, do not depend on
-// the geometry: any rpg gives the bits of rpg 1.
-//
-// Lane l of a group holds units u = l + 32 k (k < U) of each of its rows in registers: unit u < half is
+// Lane l of a group holds units u = l + 32 k (k < NORM_ROPE_UNITS) in registers: unit u < half is
 // rotation pair u, unit u >= half the pass-through element n_dims + 2 (u - half) and the next one (when
-// < head_dim). U (1, 2 or 4: head rows of up to 64, 128, 256 columns) is a template argument, so a lane
-// holds rpg <= NORM_ROPE_SLOTS / U rows of U units; head_dim <= 2 * 32 * 4 = 256, lowering.py takes the
-// unfused kernels for wider heads. (Keep these numbers in step with lowering.py.)
+// < head_dim). Hence head_dim <= 2 * 32 * NORM_ROPE_UNITS = 256; lowering.py takes the unfused kernels
+// for wider heads. (Keep both numbers in step with lowering.py.)
 #define NORM_ROPE_GROUP 32
-#define NORM_ROPE_SLOTS 8
-// Every norm-rope launch has 256 threads (lowering.py NORM_ROPE_THREADS); a thread keeps up to 8 units (64
-// bytes) of row loads in flight, and four blocks an SM (at most 64 registers) 64 KB an SM. sm_80/sm_90,
-// nvcc 13.0 and NVRTC 13.5: 60-64 registers, no spills (the 40-byte stack frame is sincos's slow path);
-// gfx90a: 80 VGPRs, no scratch.
+#define NORM_ROPE_UNITS 4
+// Every norm-rope launch has 256 threads (8 rows a block; lowering.py NORM_ROPE_THREADS). Six blocks an SM
+// keep 48 warps' row loads in flight: at most 40 registers (sm_90, NVRTC 13: 44-46 without the bound,
+// 4-8 bytes of spill with it).
 #define NORM_ROPE_THREADS 256
 #if defined(__HIPCC__)
 #define NORM_ROPE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS)
 #else
-#define NORM_ROPE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS, 4)
+#define NORM_ROPE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS, 6)
 #endif
 
 // Sum over the 32 lanes of a lane group (the XOR partners of offsets < 32 stay inside it in any wave size).
@@ -168,64 +159,35 @@ DEVICE void unit_cols(int u, int half, int neox, int* ja, int* jb) {
     *jb = *ja + (split ? half : 1);
 }
 
-// Where the rows of the norm-rope bodies go: y [n_tok, n_heads, head_dim] contiguous (rows == nullptr),
-// or K cache rows cache[rows[t], h, :] (f32 or f16 bits; a row outside 0..cap-1 is reported, never
-// written).
+// The body of block b: y rows (rows == nullptr: y [n_tok, n_heads, head_dim] contiguous), or K cache rows
+// (cache[rows[t], h, :], f32 or f16 bits; a row outside 0..cap-1 is reported, never written). `cs` is the
+// block's dynamic shared memory. Every thread reaches the one __syncthreads; a group with no row, or
+// whose KV row is out of range, returns after it.
 template <typename T>
-struct NormRopeOut {
-    T* out;
-    const int* __restrict__ rows;
-    int cap;
-    int* errflag;
-    int code;
-};
-
-// The body of block b for rows of U units a lane (above). `cs` is the block's dynamic shared memory: the
-// cos/sin table (2 * tb * half doubles), then the tokens' KV rows (tb ints, read with the table so that no
-// load waits behind the barrier). Every thread reaches the one __syncthreads.
-template <typename T, int U>
-DEVICE void norm_rope_rows(NormRopeOut<T> o, const float* x, const float* __restrict__ w,
-                           const int* __restrict__ pos, const double* __restrict__ inv_freq, int n_tok, int n_heads,
-                           int head_dim, int n_dims, int neox, double freq_scale, float eps, long long x_tok,
-                           long long x_head, int tb, int rpg, int b, double* cs) {
-    constexpr int R = NORM_ROPE_SLOTS / U;  // rows a lane can hold; rpg <= R
+DEVICE void norm_rope_block(T* out, const int* __restrict__ rows, int cap, int* errflag, int code, const float* x,
+                            const float* __restrict__ w, const int* __restrict__ pos,
+                            const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim, int n_dims,
+                            int neox, double freq_scale, float eps, long long x_tok, long long x_head, int tb, int b,
+                            double* cs) {
     const int groups = blockDim.x / NORM_ROPE_GROUP, g = threadIdx.x / NORM_ROPE_GROUP;
     const int lane = threadIdx.x % NORM_ROPE_GROUP;
-    const int hb = min(n_heads, groups * rpg / tb), n_hg = (n_heads + hb - 1) / hb;
-    const int t0 = b / n_hg * tb, h0 = b % n_hg * hb;
+    const int hb = min(n_heads, groups / tb), n_hg = (n_heads + hb - 1) / hb;
+    const int t0 = b / n_hg * tb, tt = g / hb, t = t0 + tt, h = b % n_hg * hb + g % hb;
+    const bool has_row = tt < tb && t < n_tok && h < n_heads;
     const int half = n_dims / 2, n_units = half + (head_dim - n_dims + 1) / 2;
-    int* rs = (int*)(cs + 2 * tb * half);
 
-    // The group's rows: row i is block row g + groups i, token tt = its quotient by hb, head h0 + the rest
-    // (th[i] = tt << 16 | head, or -1 when it has none). Their loads are issued before the table's FP64 work.
-    int th[R];
-    float va[R][U], vb[R][U];
-    {
-        int tt = g / hb, hr = g - tt * hb;  // row 0, then a step of groups rows at a time
-        const int dt = groups / hb, dr = groups - dt * hb;
+    // the row, its sum of squares and its normed values (loads issued before the table's FP64 work)
+    const float* xh = x + t * x_tok + h * x_head;  // read only when has_row
+    float va[NORM_ROPE_UNITS], vb[NORM_ROPE_UNITS], ss = 0.0f;
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-            if (i >= rpg) continue;  // uniform over the block (continue, not break: hipcc then unrolls)
-            const bool has = tt < tb && t0 + tt < n_tok && h0 + hr < n_heads;
-            th[i] = has ? tt << 16 | (h0 + hr) : -1;
-            const float* xh = x + (t0 + tt) * x_tok + (h0 + hr) * x_head;  // read only when has
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int u = lane + NORM_ROPE_GROUP * k;
-                int ja, jb;
-                unit_cols(u, half, neox, &ja, &jb);
-                va[i][k] = has && u < n_units ? xh[ja] : 0.0f;
-                vb[i][k] = has && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
-            }
-            tt += dt;
-            hr += dr;
-            if (hr >= hb) {
-                hr -= hb;
-                ++tt;
-            }
-        }
+    for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        va[k] = has_row && u < n_units ? xh[ja] : 0.0f;
+        vb[k] = has_row && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
+        ss += va[k] * va[k] + vb[k] * vb[k];
     }
-    if (o.rows && threadIdx.x < tb && t0 + threadIdx.x < n_tok) rs[threadIdx.x] = o.rows[t0 + threadIdx.x];
     for (int i = threadIdx.x; i < tb * half; i += blockDim.x) {  // cs[2 it half + k] = cos, then half sines
         const int it = i / half, k = i - it * half;
         if (t0 + it < n_tok) {
@@ -235,89 +197,54 @@ DEVICE void norm_rope_rows(NormRopeOut<T> o, const float* x, const float* __rest
             cs[(2 * it + 1) * half + k] = s;
         }
     }
-    // Each row normed: its sum of squares over the group (a lane's units in order, then the butterfly). The
-    // weights of the lane's columns, the same in each of its rows, are loaded once (not before the table:
-    // their registers would be live through its FP64 work).
-    float wa[U], wb[U];
+    ss = group_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    const int r = has_row && rows ? rows[t] : 0;
+    if (has_row) {
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int u = lane + NORM_ROPE_GROUP * k;
-        int ja, jb;
-        unit_cols(u, half, neox, &ja, &jb);
-        wa[k] = u < n_units ? w[ja] : 0.0f;
-        wb[k] = u < n_units && jb < head_dim ? w[jb] : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        if (i >= rpg) continue;  // every lane of a group shuffles
-        float ss = 0.0f;
-#pragma unroll
-        for (int k = 0; k < U; ++k) ss += va[i][k] * va[i][k] + vb[i][k] * vb[i][k];
-        const float inv = 1.0f / sqrtf(group_sum(ss) / (float)head_dim + eps);
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            va[i][k] = va[i][k] * inv * wa[k];
-            vb[i][k] = vb[i][k] * inv * wb[k];
+        for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+            const int u = lane + NORM_ROPE_GROUP * k;
+            int ja, jb;
+            unit_cols(u, half, neox, &ja, &jb);
+            if (u < n_units) va[k] = va[k] * inv * w[ja];
+            if (u < n_units && jb < head_dim) vb[k] = vb[k] * inv * w[jb];
         }
     }
     __syncthreads();  // the table is filled
+    if (!has_row) return;
+    if (rows && (r < 0 || r >= cap)) {
+        if (lane == 0) report_error(errflag, code, r);
+        return;
+    }
+    T* yh = out + ((long long)(rows ? r : t) * n_heads + h) * head_dim;
+    const double* c = cs + 2 * tt * half;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        if (i >= rpg || th[i] < 0) continue;
-        const int tt = th[i] >> 16, h = th[i] & 0xffff;
-        const int r = o.rows ? rs[tt] : t0 + tt;
-        if (o.rows && (r < 0 || r >= o.cap)) {
-            if (lane == 0) report_error(o.errflag, o.code, r);
-            continue;
-        }
-        T* yh = o.out + ((long long)r * n_heads + h) * head_dim;
-        const double* c = cs + 2 * tt * half;
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = lane + NORM_ROPE_GROUP * k;
-            if (u >= n_units) continue;
-            int ja, jb;
-            unit_cols(u, half, neox, &ja, &jb);
-            if (u < half) {
-                float r0, r1;
-                rotate_pair(va[i][k], vb[i][k], c[u], c[half + u], &r0, &r1);
-                put(yh + ja, r0);
-                put(yh + jb, r1);
-            } else {
-                put(yh + ja, va[i][k]);
-                if (jb < head_dim) put(yh + jb, vb[i][k]);
-            }
+    for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        if (u >= n_units) break;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        if (u < half) {
+            float r0, r1;
+            rotate_pair(va[k], vb[k], c[u], c[half + u], &r0, &r1);
+            put(yh + ja, r0);
+            put(yh + jb, r1);
+        } else {
+            put(yh + ja, va[k]);
+            if (jb < head_dim) put(yh + jb, vb[k]);
         }
     }
-}
-
-// Block b of a norm-rope launch: the body for the units a lane holds of the rows' width.
-template <typename T>
-DEVICE void norm_rope_block(NormRopeOut<T> o, const float* x, const float* __restrict__ w,
-                            const int* __restrict__ pos, const double* __restrict__ inv_freq, int n_tok, int n_heads,
-                            int head_dim, int n_dims, int neox, double freq_scale, float eps, long long x_tok,
-                            long long x_head, int tb, int rpg, int b, double* cs) {
-    const int n_units = n_dims / 2 + (head_dim - n_dims + 1) / 2;
-    if (n_units > 2 * NORM_ROPE_GROUP)
-        norm_rope_rows<T, 4>(o, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, eps, x_tok,
-                             x_head, tb, rpg, b, cs);
-    else if (n_units > NORM_ROPE_GROUP)
-        norm_rope_rows<T, 2>(o, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, eps, x_tok,
-                             x_head, tb, rpg, b, cs);
-    else
-        norm_rope_rows<T, 1>(o, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, freq_scale, eps, x_tok,
-                             x_head, tb, rpg, b, cs);
 }
 
 extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
                                                  const int* __restrict__ pos, const double* __restrict__ inv_freq,
                                                  float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox,
                                                  double freq_scale, float eps, long long x_tok, long long x_head,
-                                                 int tb, int rpg) {
+                                                 int tb) {
     PDL_ENTRY();
     extern __shared__ double rope_cs[];  // 2 * tb * half
-    norm_rope_block(NormRopeOut<float>{y, nullptr, 0, nullptr, 0}, x, w, pos, inv_freq, n_tok, n_heads, head_dim,
-                    n_dims, neox, freq_scale, eps, x_tok, x_head, tb, rpg, blockIdx.x, rope_cs);
+    norm_rope_block(y, (const int*)nullptr, 0, (int*)nullptr, 0, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,
+                    neox, freq_scale, eps, x_tok, x_head, tb, blockIdx.x, rope_cs);
 }
 
 // dst[rows[t], :] = src[t, :] for src [n_tok, ...] f32 into an f32 or f16 State [cap, ...] (set_rows).
@@ -361,11 +288,11 @@ DEFINE_SET_ROWS_SPAN(f16, u16, f32_to_f16)
         T* cache, const float* x, const float* __restrict__ w, const int* __restrict__ pos,                         \
         const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim,   \
         int n_dims, int neox, double freq_scale, float eps, int cap, int* errflag, int code, long long x_tok,      \
-        long long x_head, int tb, int rpg) {                                                                       \
+        long long x_head, int tb) {                                                                                \
         PDL_ENTRY();                                                                                               \
         extern __shared__ double rope_cs[];                                                                        \
-        norm_rope_block(NormRopeOut<T>{cache, rows, cap, errflag, code}, x, w, pos, inv_freq, n_tok, n_heads,      \
-                        head_dim, n_dims, neox, freq_scale, eps, x_tok, x_head, tb, rpg, blockIdx.x, rope_cs);     \
+        norm_rope_block(cache, rows, cap, errflag, code, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,    \
+                        neox, freq_scale, eps, x_tok, x_head, tb, blockIdx.x, rope_cs);                            \
     }                                                                                                              \
     extern "C" __global__ void set_rows_##SUF(T* dst, const float* __restrict__ src, const int* __restrict__ rows, \
                                               int n_tok, long long row, int cap, int* errflag, int code, int inner, \
@@ -398,21 +325,21 @@ DEFINE_KV_KERNELS(f16, u16)
         const float* q_x, const float* __restrict__ q_w, const int* __restrict__ q_pos,                            \
         const double* __restrict__ q_inv_freq, float* q_y, int q_n_tok, int q_n_heads, int q_head_dim,             \
         int q_n_dims, int q_neox, double q_freq_scale, float q_eps, long long q_x_tok, long long q_x_head, int q_tb, \
-        int q_rpg, T* k_cache, const float* k_x, const float* __restrict__ k_w, const int* __restrict__ k_pos,      \
+        T* k_cache, const float* k_x, const float* __restrict__ k_w, const int* __restrict__ k_pos,                 \
         const int* __restrict__ k_rows, const double* __restrict__ k_inv_freq, int k_n_tok, int k_n_heads,         \
         int k_head_dim, int k_n_dims, int k_neox, double k_freq_scale, float k_eps, int k_cap, int* k_errflag,     \
-        int k_code, long long k_x_tok, long long k_x_head, int k_tb, int k_rpg, V_PARAMS(T), int nq, int nk) {    \
+        int k_code, long long k_x_tok, long long k_x_head, int k_tb, V_PARAMS(T), int nq, int nk) {               \
         PDL_ENTRY();                                                                                               \
         extern __shared__ double rope_cs[];                                                                        \
         const int b = blockIdx.x;                                                                                  \
         if (b < nq)                                                                                                \
-            norm_rope_block(NormRopeOut<float>{q_y, nullptr, 0, nullptr, 0}, q_x, q_w, q_pos, q_inv_freq, q_n_tok, \
+            norm_rope_block(q_y, (const int*)nullptr, 0, (int*)nullptr, 0, q_x, q_w, q_pos, q_inv_freq, q_n_tok,   \
                             q_n_heads, q_head_dim, q_n_dims, q_neox, q_freq_scale, q_eps, q_x_tok, q_x_head, q_tb, \
-                            q_rpg, b, rope_cs);                                                                    \
+                            b, rope_cs);                                                                           \
         else if (b < nq + nk)                                                                                      \
-            norm_rope_block(NormRopeOut<T>{k_cache, k_rows, k_cap, k_errflag, k_code}, k_x, k_w, k_pos, k_inv_freq, \
-                            k_n_tok, k_n_heads, k_head_dim, k_n_dims, k_neox, k_freq_scale, k_eps, k_x_tok,        \
-                            k_x_head, k_tb, k_rpg, b - nq, rope_cs);                                               \
+            norm_rope_block(k_cache, k_rows, k_cap, k_errflag, k_code, k_x, k_w, k_pos, k_inv_freq, k_n_tok,       \
+                            k_n_heads, k_head_dim, k_n_dims, k_neox, k_freq_scale, k_eps, k_x_tok, k_x_head, k_tb, \
+                            b - nq, rope_cs);                                                                      \
         else                                                                                                       \
             V_SEGMENT(SUF, nq + nk);                                                                               \
     }                                                                                                              \
