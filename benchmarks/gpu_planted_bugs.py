@@ -65,9 +65,6 @@ BUGS = [
     ("prefill attention rescales O only when a row group's first row moved", "attention_prefill.cu",
      "alpha[0] != 1.0f || alpha[1] != 1.0f", "alpha[0] != 1.0f",
      "tests/test_gpu_attention_prefill.py", "prefill_from_empty_cache"),
-    ("norm-rope with several rows a lane group wraps a head late", "rope.cu",
-     "if (hr >= hb) {", "if (hr > hb) {",
-     "tests/test_gpu_rope.py", "rows_per_group"),
 ]
 
 
