@@ -50,11 +50,16 @@ GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j8
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
 # `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
 # 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ); the two
-# 32-lane geometries were dropped after that run. The j* geometries are not yet measured
-# (`bench_gpu_gemv.py --gemvm` times them against g128r2 per shape and token count).
+# 32-lane geometries were dropped after that run. The j* row-set geometries (gemvm_sets_impl), H200,
+# 2026-12-01, `bench_gpu_gemv.py --gemvm`, GEMV time of one verify call at 16 / 8 / 4 / 2 tokens: Qwen3-0.6B
+# bf16 g128r2 2,340 / 1,349 / 888 / 703 us, j32w4r4 1,639 / 1,107 / 812 / 661 (auto 1,823 at 16); SmolLM2 f32
+# g128r2 1,227 / 745 / 549 / 453, j32w4r4 992 / 680 / 494 / 427 (auto 893, j8w8r2 912 at 16). j32w4r4 adds in
+# g128r2's order (bitwise the same results) and was faster at every shape but the small o / down rows; the
+# captured 16-token verify call of Qwen3-0.6B went 2,848 -> 2,174 us with it.
 # The cfg every 2..16-token call takes; "auto": gemvm_auto's pick per shape and bucket.
-GEMVM_KERNEL = "g128r2"
-# "auto" (a guess from instruction counts, not measured): the first geometry of GEMVM_AUTO whose grid has at
+GEMVM_KERNEL = "j32w4r4"
+# "auto" (a guess from instruction counts; measured above: not better than j32w4r4 on Qwen3-0.6B, and not
+# g128r2's order): the first geometry of GEMVM_AUTO whose grid has at
 # least the blocks beside it. j4w8r4 (32-row blocks, 64 FMAs a lane per 16-byte x load) for vocabulary-sized
 # weights; j4w8r2 (16 rows) where it still gives an H200's 132 SMs about two blocks each; j8w8r2 (8 rows) below.
 GEMVM_AUTO = (("j4w8r4", 1024), ("j4w8r2", 256), ("j8w8r2", 0))
