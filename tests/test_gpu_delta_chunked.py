@@ -17,9 +17,8 @@ from __future__ import annotations
 import ctypes
 import math
 import re
-import shutil
-import subprocess
 
+import _host_emulation as host_emulation
 import numpy as np
 import pytest
 from _gpu_helpers import gpu_only
@@ -132,44 +131,6 @@ def test_rejects_head_dims_past_the_largest_class():
 
 
 # ---------------------------------------------------------------- host emulation of the kernels
-SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <thread>
-#include <vector>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __launch_bounds__(...)
-struct emu_dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local emu_dim3 threadIdx;
-inline emu_dim3 blockIdx, blockDim, gridDim;
-inline std::barrier<>* emu_barrier = nullptr;
-inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
-template <class T> T __shfl_xor_sync(unsigned, T, int) { std::abort(); }  // no warp operations here
-inline int atomicCAS(int* p, int cmp, int val) { int old = *p; if (old == cmp) *p = val; return old; }
-inline void emu_launch(unsigned gx, unsigned gy, unsigned threads, const std::function<void()>& kernel) {
-    gridDim = {gx, gy, 1};
-    blockDim = {threads, 1, 1};
-    for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) {  // one block at a time: `static` shared memory is the block's
-            blockIdx = {x, y, 0};
-            std::barrier<> bar(threads);
-            emu_barrier = &bar;
-            std::vector<std::thread> pool;
-            for (unsigned t = 0; t < threads; ++t)
-                pool.emplace_back([&kernel, t] { threadIdx = {t, 0, 0}; kernel(); });
-            for (auto& th : pool) th.join();
-        }
-}
-"""
 # The kernels' C signatures: P float pointer, i int, f float.
 SIGNATURES = {"gdn_chunk_prep": "PPPPPPPiiiifiiiiif", "gdn_chunk_prep_raw": "PPPPPPPiiiifiiiiif",
               "gdn_chunk_scan": "PPPPPPPiiiii"}
@@ -185,20 +146,8 @@ def _trampoline(kernel: str, sig: str) -> str:
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernels needs it")
-    d = tmp_path_factory.mktemp("emu")
-    (d / "emu_shim.h").write_text(SHIM)
-    body = f'#include "emu_shim.h"\n#include "{kernels.KERNEL_DIR / DC.SOURCE}"\n'
-    for dk in DC.DK_CLASSES:
-        body += "".join(_trampoline(f"{name}_d{dk}", sig) for name, sig in SIGNATURES.items())
-    (d / "emu.cpp").write_text(body)
-    cmd = [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{kernels.KERNEL_DIR}", f"-I{d}",
-           str(d / "emu.cpp"), "-o", str(d / "emu.so")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return ctypes.CDLL(str(d / "emu.so"))
+    launchers = "".join(_trampoline(f"{name}_d{dk}", sig) for dk in DC.DK_CLASSES for name, sig in SIGNATURES.items())
+    return host_emulation.build(tmp_path_factory.mktemp("emu"), DC.SOURCE, launchers)
 
 
 class HostLaunch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 
+import _host_emulation as host_emulation
 import numpy as np
 import pytest
 from graphir.backends.registry import get_backend
@@ -539,69 +540,14 @@ def test_gemvm_kernel_choice(monkeypatch):
 
 
 # ---------------------------------------------------------------- gemvm on the host (no GPU)
-# matmul.cu compiled by g++ with a shim, as tests/test_gpu_delta_chunked.py runs its kernels: one OS thread
-# per GPU thread, std::barrier for __syncthreads, `static` for __shared__, and here warps of 32 lanes whose
-# shuffles meet at a barrier of the warp. It checks the gemvm kernels' index arithmetic, reduce-scatter and
-# shared-memory layout anywhere, and their bitwise claims between kernels run through the same shim (fma as
-# fmaf, expf the host's: GPU values may differ from these, never between two kernels of one run).
-GEMVM_SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
-#include <vector>
-#define __global__
-#define __device__
-#define __constant__
-#define __forceinline__ inline
-#define __shared__ static
-#define __launch_bounds__(...)
-struct emu_dim3 { unsigned x = 0, y = 0, z = 0; };
-inline thread_local emu_dim3 threadIdx;
-inline thread_local unsigned emu_shuffles = 0;
-inline emu_dim3 blockIdx, blockDim, gridDim;
-inline std::barrier<>* emu_barrier = nullptr;
-inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
-inline std::vector<float> emu_posted;  // [2][threads]: consecutive shuffles alternate halves
-inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
-// Every lane of the warp posts its value and reads its partner's after the warp's barrier. A half of
-// emu_posted is written again two shuffles later, after the next barrier: every read of it is done by then.
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    float* posted = emu_posted.data() + (emu_shuffles++ % 2) * blockDim.x;
-    posted[threadIdx.x] = v;
-    emu_warps[threadIdx.x / 32]->arrive_and_wait();
-    return posted[threadIdx.x ^ (unsigned)o];
-}
-inline int atomicCAS(int* p, int cmp, int val) { int old = *p; if (old == cmp) *p = val; return old; }
-"""
+# matmul.cu built for the host (tests/_host_emulation.py, as tests/test_gpu_delta_chunked.py runs its kernels):
+# the gemvm kernels' index arithmetic, reduce-scatter and shared-memory layout checked anywhere, and their bitwise
+# claims between kernels run through the same build.
 GEMVM_LAUNCHER = r"""
 typedef void (*emu_gemv_t)(const u8*, long long, const float*, float*, int, int, int);
 extern "C" void emu_gemv(emu_gemv_t kernel, unsigned grid, unsigned threads, const u8* W, long long row_bytes,
                          const float* X, float* Y, int n_out, int n_in, int m) {
-    gridDim = {grid, 1, 1};
-    blockDim = {threads, 1, 1};
-    emu_posted.assign(2 * threads, 0.0f);
-    emu_warps.clear();
-    for (unsigned w = 0; w < threads / 32; ++w) emu_warps.emplace_back(new std::barrier<>(32));
-    for (unsigned b = 0; b < grid; ++b) {  // one block at a time: `static` shared memory is the block's
-        blockIdx = {b, 0, 0};
-        std::barrier<> bar(threads);
-        emu_barrier = &bar;
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < threads; ++t) {
-            pool.emplace_back([=] {
-                threadIdx = {t, 0, 0};
-                emu_shuffles = 0;
-                kernel(W, row_bytes, X, Y, n_out, n_in, m);
-            });
-        }
-        for (auto& th : pool) th.join();
-    }
+    emu_launch(grid, 1, threads, [=] { kernel(W, row_bytes, X, Y, n_out, n_in, m); });
 }
 """
 EMU_GUARD = 64  # guard elements either side of every host buffer
@@ -612,22 +558,11 @@ EMU_SENTINEL = np.float32(-7.25)  # the output's guards: a kernel writing outsid
 def gemvm_host(tmp_path_factory):
     """The host build of matmul.cu: (shared library, run(kernel, cfg, fmt, raw, x, n_out, fused) -> y)."""
     import ctypes
-    import shutil
-    import subprocess
 
-    from graphir.backends.gpu import kernels
     from graphir.backends.gpu.matmul import GEMVM_CONFIGS
 
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed: the host emulation of the kernels needs it")
-    d = tmp_path_factory.mktemp("gemvm_emu")
-    (d / "emu.cpp").write_text(f'{GEMVM_SHIM}#include "{kernels.KERNEL_DIR / "matmul.cu"}"\n{GEMVM_LAUNCHER}')
-    cmd = [gxx, "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", f"-I{kernels.KERNEL_DIR}",
-           str(d / "emu.cpp"), "-o", str(d / "emu.so")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(d / "emu.so"))
+    lib = host_emulation.build(tmp_path_factory.mktemp("gemvm_emu"), "matmul.cu", GEMVM_LAUNCHER,
+                               ("-ffp-contract=off",))
 
     def run(kernel: str, raw: np.ndarray, x: np.ndarray, n_out: int, fused: bool = False) -> np.ndarray:
         cfg = kernel.rsplit("_", 1)[1]
