@@ -17,6 +17,7 @@ layers) take exact chunks instead, since a padding token would advance their sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -70,7 +71,6 @@ class Model:
         self.stats: dict[str, float] = {"load_s": load_s}
         self._dtypes = {name: w.dtype for name, w in weights.items()}
         self._graphs: dict[tuple[int, bool, bool], Graph] = {}
-        self._plans: dict[tuple, list[int]] = {}  # _plan's results: a 4096-token plan took ~10-50 ms of Python
         self._state: dict[str, np.ndarray] | None = None
         self._state_graphs: set[str] = set()  # signatures of the graphs whose State buffers _state holds
         # a KV slot pool (kv_slots=N): the slots of the sequence's positions, fed as the slot map every call
@@ -175,39 +175,10 @@ class Model:
         return padded
 
     def _plan(self, n: int, pad_room: int) -> list[int]:
-        """chunks() for a last call that may be padded up to `pad_room` rows past position n_past (0: never)."""
-        key = (n, min(pad_room, n + max(self.prefill_buckets)), tuple(self.prefill_buckets), self.call_cost)
-        if key not in self._plans:
-            if len(self._plans) > 1024:  # pad_room moves with n_past: keep the memo bounded
-                self._plans.clear()
-            self._plans[key] = self._least_cost_plan(n, pad_room)
-        return list(self._plans[key])
-
-    def _least_cost_plan(self, n: int, pad_room: int) -> list[int]:
-        buckets = sorted(set(self.prefill_buckets) - {1})
-        cc = self.call_cost
-        # cost[k], first[k]: modelled cost of the best plan for the last k tokens, and its first call's bucket
-        cost, first = [0.0], [0]
-        for k in range(1, n + 1):
-            best_c, best_b = (1 + cc, 1) if k == 1 else (float("inf"), 0)
-            for b in buckets:
-                if b <= k:
-                    c = b + cc + cost[k - b]
-                elif n - k + b <= pad_room:  # padded, so the plan's last call
-                    c = b + cc
-                else:
-                    continue
-                if c < best_c or (c == best_c and b > best_b):  # on a tie, the larger bucket first
-                    best_c, best_b = c, b
-            if best_b == 0:  # nothing fits and nothing may be padded: a one-token call
-                best_c, best_b = 1 + cc + cost[k - 1], 1
-            cost.append(best_c)
-            first.append(best_b)
-        sizes = []
-        while n > 0:
-            sizes.append(first[n])
-            n -= first[n]
-        return sizes
+        """chunks() for a last call that may be padded up to `pad_room` rows past position n_past (0: never).
+        Rooms past n + the largest bucket all plan alike: clipped, so plans are reused as n_past moves."""
+        buckets = tuple(sorted(set(self.prefill_buckets) - {1}))
+        return list(least_cost_plan(n, min(pad_room, n + max(buckets, default=0)), buckets, self.call_cost))
 
     def _pads_safely(self) -> bool:
         """Whether a padding token leaves the model's state as it found it: every State write is a row
@@ -526,3 +497,32 @@ def _writes_rows_only(graph: Graph) -> bool:
 def _ids(v: Any) -> set[int]:
     vals = v if isinstance(v, list) else [v]
     return {int(x) for x in vals if isinstance(x, int) and not isinstance(x, bool)}
+
+
+@functools.lru_cache(maxsize=1024)
+def least_cost_plan(n: int, pad_room: int, buckets: tuple[int, ...], call_cost: int) -> tuple[int, ...]:
+    """The bucket sizes (from `buckets`, plus one-token calls) of the least modelled cost that read n tokens: a
+    call costs its bucket plus call_cost; only the last call may be padded, within pad_room rows. Memoized: a
+    4096-token plan takes ~10 ms of Python, which every prefill call paid before its first launch."""
+    # cost[k], first[k]: modelled cost of the best plan for the last k tokens, and its first call's bucket
+    cost, first = [0.0], [0]
+    for k in range(1, n + 1):
+        best_c, best_b = (1 + call_cost, 1) if k == 1 else (float("inf"), 0)
+        for b in buckets:
+            if b <= k:
+                c = b + call_cost + cost[k - b]
+            elif n - k + b <= pad_room:  # padded, so the plan's last call
+                c = b + call_cost
+            else:
+                continue
+            if c < best_c or (c == best_c and b > best_b):  # on a tie, the larger bucket first
+                best_c, best_b = c, b
+        if best_b == 0:  # nothing fits and nothing may be padded: a one-token call
+            best_c, best_b = 1 + call_cost + cost[k - 1], 1
+        cost.append(best_c)
+        first.append(best_b)
+    sizes = []
+    while n > 0:
+        sizes.append(first[n])
+        n -= first[n]
+    return tuple(sizes)
