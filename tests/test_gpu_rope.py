@@ -3,11 +3,15 @@
 An attention layer's q rope, K cache write and V cache write, read in place from one stacked q|k|v
 product (q and its gate interleaved per head for Qwen3.5), as the models lower them: one merged qkv_*
 launch (lowering.merge_kv_writes), bitwise equal to its three kernels run one by one
-(GRAPHIR_NO_KV_MERGE=1). The norm-rope kernels take a lane group of 32 per head row, 8 rows a block,
-and a block's tokens' cos/sin table; the shapes below cover head_dim 64, 128 and 256 (the register
-layout's limit), 30, partial rotary (n_dims < head_dim), neox and norm pairs, head counts that fill a
-block, leave lane groups idle or put 2-8 tokens in a block, and 1 to 1025 tokens at positions up to
-8191. Wider heads take the unfused kernels; a KV row out of range is an error.
+(GRAPHIR_NO_KV_MERGE=1). The norm-rope kernels take a lane group of 32 per head row (a row a group,
+8 groups a block), or at prefill sizes several rows a group (the _wide kernels, never merged: a block
+then covers every head of its tokens), and a block's tokens' cos/sin table; the shapes below cover
+head_dim 64, 128 and 256 (the register layout's limit: 1, 2 and 4 units a lane), 30, partial rotary
+(n_dims < head_dim), neox and norm pairs, head counts that fill a block, leave rows idle, put 2-32
+tokens in a block or need two blocks a token, and 1 to 1025 tokens at positions up to 8191. Each row's
+arithmetic is the same in either geometry: the most rows a group (forced at 1-100 tokens, whatever the
+launch's size) is bitwise a row a group. Wider heads take the unfused kernels; a KV row out of range is
+an error.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _gpu_helpers import gpu_only
+from graphir.backends.gpu import lowering
 from graphir.backends.registry import get_backend
 
 from graphir import g
@@ -100,12 +105,24 @@ def _close(got, want, kv: str = "f32"):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
 
 
-# (q heads, KV heads, head_dim, n_dims, mode, q head stride in heads): Qwen3-8B; Qwen3.5 (q|gate
-# interleaved, a quarter rotated, 4 KV heads: 2 tokens a block); SmolLM2's 64-wide heads (9 q heads:
-# 7 idle lane groups in the second block, 3 KV heads: 2 tokens a block); norm pairs with one KV head
-# (8 tokens a block); partial rotary in norm mode; an awkward width
+@pytest.fixture(params=["default", "packed"])
+def geometry(request, monkeypatch):
+    """The norm-rope launches' geometry: the default, or every lane group holding its most rows whatever
+    the launch's size (the _wide kernels at any token count)."""
+    if request.param == "packed":
+        monkeypatch.setattr(lowering, "NORM_ROPE_FILL_BLOCKS", 0)
+    return request.param
+
+
+# (q heads, KV heads, head_dim, n_dims, mode, q head stride in heads): Qwen3-8B (at prefill sizes a block
+# takes one token's 32 q heads, or 4 tokens' 8 KV heads); Qwen3.5 (q|gate interleaved, a quarter rotated, 4
+# KV heads: 2 tokens a block, 4 at prefill sizes); SmolLM2's 64-wide heads (9 q heads: 7 idle lane groups in
+# the second block, 3 KV heads: 2 tokens a block); norm pairs with one KV head (8 tokens a block, 16 at
+# prefill sizes); partial rotary in norm mode; an awkward width; 40 q heads (two blocks a token at prefill
+# sizes, the second with 8 heads)
 SHAPES = [(32, 8, 128, 128, "neox", 1), (16, 4, 256, 64, "neox", 2), (9, 3, 64, 64, "neox", 1),
-          (5, 1, 256, 256, "norm", 1), (4, 2, 128, 96, "norm", 1), (3, 2, 30, 30, "neox", 1)]
+          (5, 1, 256, 256, "norm", 1), (4, 2, 128, 96, "norm", 1), (3, 2, 30, 30, "neox", 1),
+          (40, 8, 128, 128, "neox", 1)]
 TOKENS = [1, 7, 33, 511, 1025]
 
 
@@ -117,13 +134,21 @@ def test_qkv_writes_equal_formula(norm, hq, hkv, d, n_dims, mode, q_stride, m, r
                                                                   norm)
     monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "0")
     out, st, names = _run(graph, weights, inputs, state)
-    assert ("qkv_norm_rope_f32" if norm else "qkv_rope_f32") in names and "set_rows_f32" not in names, names
+    wide = norm and any(lowering._norm_rope_geometry(m, h, d, n_dims)[0] for h in (hq, hkv))
+    if wide:  # prefill sizes: the _wide kernels, launched on their own
+        assert not any(nm.startswith("qkv_") for nm in names), names
+        assert {"rms_norm_mul_rope_wide_f32", "rms_norm_mul_rope_set_rows_wide_f32"} & set(names), names
+    else:
+        assert ("qkv_norm_rope_f32" if norm else "qkv_rope_f32") in names, names
+        assert not any(nm.startswith("set_rows") for nm in names), names
     _close(out["q"], q_want)
     _close(st["k"], k_want)
     np.testing.assert_array_equal(st["v"], v_want)
     monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "1")
     three, st3, names3 = _run(graph, weights, inputs, state)
-    assert "set_rows_f32" in names3 and not any(nm.startswith("qkv_") for nm in names3), names3
+    # V's 16-byte kernel wherever its rows are whole float4s (every shape here but d 30), merged or not
+    assert ("set_rows_v4_f32" if d % 4 == 0 else "set_rows_f32") in names3, names3
+    assert not any(nm.startswith("qkv_") for nm in names3), names3
     np.testing.assert_array_equal(out["q"], three["q"])  # the merged launch runs the three bodies
     for k in st:
         np.testing.assert_array_equal(st[k], st3[k])
@@ -131,12 +156,15 @@ def test_qkv_writes_equal_formula(norm, hq, hkv, d, n_dims, mode, q_stride, m, r
 
 @pytest.mark.parametrize("m", [1, 33])
 @pytest.mark.parametrize("hq,hkv,d,n_dims,mode,q_stride", SHAPES[:3])
-def test_norm_rope_into_an_f16_cache(hq, hkv, d, n_dims, mode, q_stride, m, rng, monkeypatch):
+def test_norm_rope_into_an_f16_cache(hq, hkv, d, n_dims, mode, q_stride, m, geometry, rng, monkeypatch):
     monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "0")
     graph, weights, inputs, state, q_want, k_want, v_want = _case(rng, m, hq, hkv, d, n_dims, mode, q_stride, "f16",
                                                                   True)
     out, st, names = _run(graph, weights, inputs, state)
-    assert "qkv_norm_rope_f16" in names and "set_rows_f16" not in names, names
+    if geometry == "packed":
+        assert "rms_norm_mul_rope_set_rows_wide_f16" in names, names
+    else:
+        assert "qkv_norm_rope_f16" in names and not any(nm.startswith("set_rows") for nm in names), names
     _close(out["q"], q_want)
     _close(st["k"], k_want, "f16")
     _close(st["v"], v_want, "f16")
@@ -157,9 +185,30 @@ def test_norm_rope_wider_than_the_registers_takes_the_unfused_kernels(d, n_dims,
 @pytest.mark.parametrize("bad", [-1, 12])
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm_rope", "rope"])
-def test_kv_row_out_of_range_is_an_error(norm, merge, bad, rng, monkeypatch):
+def test_kv_row_out_of_range_is_an_error(norm, merge, bad, geometry, rng, monkeypatch):
     monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "0" if merge else "1")
     graph, weights, inputs, state, *_ = _case(rng, 7, 32, 8, 128, 128, "neox", 1, "f32", norm)  # cap 12
     inputs["rows"][3] = bad
     with pytest.raises(BackendError, match=rf"row index out of range 0\.\.11 \(got {bad}"):
         _run(graph, weights, inputs, state)
+
+
+@pytest.mark.parametrize("m", [1, 7, 33, 100])
+@pytest.mark.parametrize("hq,hkv,d,n_dims,mode,q_stride", SHAPES)
+def test_norm_rope_rows_per_group_bitwise(hq, hkv, d, n_dims, mode, q_stride, m, rng, monkeypatch):
+    """Several rows a lane group (the _wide kernels: a block over all heads of 1-32 tokens) give the bits of
+    a row a group: each row's arithmetic is the same, whichever group and block hold it."""
+    graph, weights, inputs, state, q_want, k_want, v_want = _case(rng, m, hq, hkv, d, n_dims, mode, q_stride, "f32",
+                                                                  True)
+    monkeypatch.setenv("GRAPHIR_NO_KV_MERGE", "1")
+    monkeypatch.setattr(lowering, "NORM_ROPE_FILL_BLOCKS", 1 << 30)  # a row a group
+    one, st1, names1 = _run(graph, weights, inputs, state)
+    monkeypatch.setattr(lowering, "NORM_ROPE_FILL_BLOCKS", 0)  # the most rows a group
+    out, st, names = _run(graph, weights, inputs, state)
+    assert not any("_wide" in nm for nm in names1), names1
+    assert {"rms_norm_mul_rope_wide_f32", "rms_norm_mul_rope_set_rows_wide_f32"} <= set(names), names
+    _close(out["q"], q_want)
+    _close(st["k"], k_want)
+    np.testing.assert_array_equal(out["q"], one["q"])
+    np.testing.assert_array_equal(st["k"], st1["k"])
+    np.testing.assert_array_equal(st["v"], v_want)

@@ -282,8 +282,9 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
                     (q, kvb, pos, kv_len, out if twin is None else twin, i32(n_q), i32(hq), i32(hk), i32(d),
                      i32(dv), i32(cap), f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code),
                     shared=shared)
-    convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 2, KV_CONVERT_THREADS)), 2),
-                     KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk)))
+    vec = d % 8 == 0 and dv % 8 == 0 and k.data.ptr % 16 == 0 and v.data.ptr % 16 == 0  # 16-byte K/V loads
+    convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 8, KV_CONVERT_THREADS)), 2),
+                     KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk), i32(vec)))
     return [convert, attend]
 
 

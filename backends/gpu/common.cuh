@@ -33,6 +33,9 @@ struct alignas(16) f32x4 {
 struct alignas(8) u16x4 {
     u16 x, y, z, w;
 };
+struct alignas(16) u32x4 {
+    unsigned int x, y, z, w;
+};
 
 #if defined(__HIPCC__)
 #define SHFL_XOR(v, lane) __shfl_xor((v), (lane))

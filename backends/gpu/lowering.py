@@ -273,34 +273,55 @@ def _rms_norm_mul_rope(lw, n, ins, outs, p):
 
 
 # The norm-rope kernels (rope.cu): a lane group of 32 per head row, 8 rows a block; a lane holds at most
-# 4 units of 2 columns in registers, so head_dim <= 256 (wider heads take rms_norm, then rope).
+# 4 units of 2 columns in registers, so head_dim <= 256 (wider heads take rms_norm, then rope). At prefill
+# sizes the _wide kernels give a group rpg rows: U units of each (U = 1, 2, 4 for rows of up to 64, 128, 256
+# columns), at most NORM_ROPE_SLOTS units in all. (Keep these numbers in step with rope.cu.)
 NORM_ROPE_THREADS = 256
 NORM_ROPE_ROWS = NORM_ROPE_THREADS // 32
 NORM_ROPE_MAX_HEAD = 256
+NORM_ROPE_SLOTS = 8
+# A group takes more than one row only while the launch keeps this many blocks: 2 an SM of an H200. Smaller
+# launches (decode, verify) keep a row a group and the one-row kernels, their blocks spread over the SMs.
+NORM_ROPE_FILL_BLOCKS = 264
 
 
 def _fused_norm_rope(w: Any, head_dim: int) -> bool:
     return _is_row_weight(w, head_dim) and head_dim <= NORM_ROPE_MAX_HEAD
 
 
-def _norm_rope_geometry(n_tok: int, n_heads: int, n_dims: int) -> tuple[int, int, int]:
-    """(blocks, tokens a block, shared bytes) of a norm-rope launch. A block takes tb tokens and
-    hb = min(n_heads, rows // tb) heads of each (tb > 1 only for fewer heads than rows, e.g. 4 KV
-    heads: its 8 lane groups then take 2 tokens), plus a cos/sin table of its tokens (doubles)."""
-    tb = max(1, NORM_ROPE_ROWS // n_heads)
-    hb = min(n_heads, NORM_ROPE_ROWS // tb)
-    return cdiv(n_tok, tb) * cdiv(n_heads, hb), tb, 16 * tb * (n_dims // 2)
+def _norm_rope_blocks(n_tok: int, n_heads: int, rpg: int) -> tuple[int, int]:
+    """(blocks, tokens a block) for rpg rows a lane group: a block takes tb tokens and hb = min(n_heads,
+    rows // tb) heads of each (tb > 1 only for fewer heads than the block's rows, e.g. 4 KV heads at one
+    row a group: its 8 groups then take 2 tokens)."""
+    rows = NORM_ROPE_ROWS * rpg
+    tb = max(1, min(n_tok, rows // n_heads) if rpg > 1 else rows // n_heads)
+    hb = min(n_heads, rows // tb)
+    return cdiv(n_tok, tb) * cdiv(n_heads, hb), tb
+
+
+def _norm_rope_geometry(n_tok: int, n_heads: int, head_dim: int, n_dims: int) -> tuple[str, int, int, int, int]:
+    """(kernel suffix, blocks, tokens a block, rows a lane group, shared bytes) of a norm-rope launch: the most
+    rows a group can hold, halved while that leaves fewer than NORM_ROPE_FILL_BLOCKS blocks; "_wide" where it
+    is more than one. Shared: the block's cos/sin table of its tokens (doubles), then (_wide) their KV rows."""
+    units = n_dims // 2 + (head_dim - n_dims + 1) // 2
+    rpg = NORM_ROPE_SLOTS // (1 if units <= 32 else 2 if units <= 64 else 4)  # as rope.cu's norm_rope_wide
+    while rpg > 1 and _norm_rope_blocks(n_tok, n_heads, rpg)[0] < NORM_ROPE_FILL_BLOCKS:
+        rpg //= 2
+    blocks, tb = _norm_rope_blocks(n_tok, n_heads, rpg)
+    if rpg == 1:
+        return "", blocks, tb, 1, 16 * tb * (n_dims // 2)
+    return "_wide", blocks, tb, rpg, 16 * tb * (n_dims // 2) + 4 * tb
 
 
 def norm_rope_steps(lw: Lowering, n: Node, xi: int, x: Any, w: Any, pos: Any, y: Any, p: dict) -> list:
     """y = rope(rms_norm(x) * w), x being n's input xi (read in place through its strides)."""
     n_tok, n_heads, head_dim = x.shape
     if _fused_norm_rope(w, head_dim):  # one kernel: a lane group per head row
-        blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
+        wide, blocks, tb, rpg, shared = _norm_rope_geometry(n_tok, n_heads, head_dim, p["n_dims"])
         args = (x, w, pos, _inv_freq(lw, p), y, i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
                 i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]),
-                *_head_strides(x, input_strides(lw, n, xi)), i32(tb))
-        return [Launch("rope.cu", "rms_norm_mul_rope_f32", blocks, NORM_ROPE_THREADS, args, shared=shared)]
+                *_head_strides(x, input_strides(lw, n, xi)), i32(tb)) + ((i32(rpg),) if wide else ())
+        return [Launch("rope.cu", f"rms_norm_mul_rope{wide}_f32", blocks, NORM_ROPE_THREADS, args, shared=shared)]
     x, steps = contiguous_input(lw, n, xi, x)  # the unfused kernels read contiguous rows
     if _is_row_weight(w, x.shape[-1]):
         steps += [rms_norm_launch(x, w, y, p["eps"])]
@@ -332,19 +353,20 @@ def _rms_norm_mul_rope_set_rows(lw, n, ins, outs, p):
         return steps + set_rows_steps(lw, cache, roped, rows, contiguous_strides(roped.shape))
     code = lw.code_arg(f"rms_norm_mul_rope_set_rows: row index out of range 0..{cap - 1} (got {{value}}; "
                        "the KV capacity)")
-    blocks, tb, shared = _norm_rope_geometry(n_tok, n_heads, p["n_dims"])
+    wide, blocks, tb, rpg, shared = _norm_rope_geometry(n_tok, n_heads, head_dim, p["n_dims"])
     args = (cache, x, w, pos, rows, _inv_freq(lw, p), i32(n_tok), i32(n_heads), i32(head_dim), i32(p["n_dims"]),
             i32(p["mode"] == "neox"), np.float64(p["freq_scale"]), f32(p["eps"]), i32(cap), lw.errflag, code,
-            *_head_strides(x, input_strides(lw, n, 1)), i32(tb))
-    return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows_{tname(cache)}", blocks, NORM_ROPE_THREADS, args,
+            *_head_strides(x, input_strides(lw, n, 1)), i32(tb)) + ((i32(rpg),) if wide else ())
+    return [Launch("rope.cu", f"rms_norm_mul_rope_set_rows{wide}_{tname(cache)}", blocks, NORM_ROPE_THREADS, args,
                    shared=shared)]
 
 
 # ---------------------------------------------------------------- q, k and v of a layer in one launch
 # (q kernel, K cache kernel, V cache kernel) -> the rope.cu kernel running the three side by side
 QKV_KERNELS = {
-    (q, f"{k}_{kv}", f"set_rows_{kv}"): f"{name}_{kv}"
+    (q, f"{k}_{kv}", f"set_rows{vec}_{kv}"): f"{name}_{kv}"
     for kv in ("f32", "f16")
+    for vec in ("", "_v4")
     for q, k, name in (("rms_norm_mul_rope_f32", "rms_norm_mul_rope_set_rows", "qkv_norm_rope"),
                        ("rope_f32", "rope_set_rows", "qkv_rope"))
 }
@@ -379,8 +401,10 @@ def _merged_qkv(trio: list[tuple[Node, list]]) -> Launch | None:
         return None
     threads = lq.block[0]
     nv = cdiv(lv.grid[0] * lv.block[0], threads)  # V's grid-stride loop, at least as many threads as its own launch
+    v_vec = i32(lv.name.startswith("set_rows_v4"))  # V's 16-byte body
     merged = Launch("rope.cu", name, lq.grid[0] + lk.grid[0] + nv, threads,
-                    lq.args + lk.args + lv.args + (i32(lq.grid[0]), i32(lk.grid[0])), shared=max(lq.shared, lk.shared))
+                    lq.args + lk.args + lv.args + (i32(lq.grid[0]), i32(lk.grid[0]), v_vec),
+                    shared=max(lq.shared, lk.shared))
     merged.parts = (lq.name, lk.name, lv.name)
     return merged
 
@@ -486,6 +510,8 @@ def set_rows_steps(lw: Lowering, dst: Any, src: Any, rows: Any, strides: tuple[i
     code = lw.code_arg(f"set_rows: row index out of range 0..{cap - 1} (got {{value}})")
     args = (dst, src, rows, i32(src.shape[0]), np.int64(row), i32(cap), lw.errflag, code, i32(inner), i32(dims[1]),
             np.int64(outer[0]), np.int64(outer[1]))
+    if inner % 4 == 0 and outer[0] % 4 == 0 and outer[1] % 4 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
+        return [Launch("rope.cu", f"set_rows_v4_{tname(dst)}", grid_for(src.size // 4), BLOCK, args)]
     return [Launch("rope.cu", f"set_rows_{tname(dst)}", grid_for(src.size), BLOCK, args)]
 
 

@@ -159,6 +159,44 @@ DEVICE void unit_cols(int u, int half, int neox, int* ja, int* jb) {
     *jb = *ja + (split ? half : 1);
 }
 
+// The block's table of its tokens' angles: cs[2 it half + k] = cos of token t0 + it's pair k, then the half
+// sines; one sincos per (token, pair) of the block.
+DEVICE void fill_rope_table(double* cs, const int* __restrict__ pos, const double* __restrict__ inv_freq,
+                            double freq_scale, int t0, int tb, int n_tok, int half) {
+    for (int i = threadIdx.x; i < tb * half; i += blockDim.x) {
+        const int it = i / half, k = i - it * half;
+        if (t0 + it < n_tok) {
+            double s, c;
+            sincos((double)pos[t0 + it] * freq_scale * inv_freq[k], &s, &c);
+            cs[2 * it * half + k] = c;
+            cs[(2 * it + 1) * half + k] = s;
+        }
+    }
+}
+
+// A lane's U units of a normed row (va, vb: the unit's two columns) rotated by the token's table c and stored
+// at yh; pass-through units stored as they are.
+template <int U, typename T>
+DEVICE void write_rope_row(T* yh, const float* va, const float* vb, const double* c, int lane, int half,
+                           int n_units, int neox, int head_dim) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        if (u >= n_units) break;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        if (u < half) {
+            float r0, r1;
+            rotate_pair(va[k], vb[k], c[u], c[half + u], &r0, &r1);
+            put(yh + ja, r0);
+            put(yh + jb, r1);
+        } else {
+            put(yh + ja, va[k]);
+            if (jb < head_dim) put(yh + jb, vb[k]);
+        }
+    }
+}
+
 // The body of block b: y rows (rows == nullptr: y [n_tok, n_heads, head_dim] contiguous), or K cache rows
 // (cache[rows[t], h, :], f32 or f16 bits; a row outside 0..cap-1 is reported, never written). `cs` is the
 // block's dynamic shared memory. Every thread reaches the one __syncthreads; a group with no row, or
@@ -188,15 +226,7 @@ DEVICE void norm_rope_block(T* out, const int* __restrict__ rows, int cap, int* 
         vb[k] = has_row && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
         ss += va[k] * va[k] + vb[k] * vb[k];
     }
-    for (int i = threadIdx.x; i < tb * half; i += blockDim.x) {  // cs[2 it half + k] = cos, then half sines
-        const int it = i / half, k = i - it * half;
-        if (t0 + it < n_tok) {
-            double s, c;
-            sincos((double)pos[t0 + it] * freq_scale * inv_freq[k], &s, &c);
-            cs[2 * it * half + k] = c;
-            cs[(2 * it + 1) * half + k] = s;
-        }
-    }
+    fill_rope_table(cs, pos, inv_freq, freq_scale, t0, tb, n_tok, half);
     ss = group_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
     const int r = has_row && rows ? rows[t] : 0;
@@ -216,24 +246,8 @@ DEVICE void norm_rope_block(T* out, const int* __restrict__ rows, int cap, int* 
         if (lane == 0) report_error(errflag, code, r);
         return;
     }
-    T* yh = out + ((long long)(rows ? r : t) * n_heads + h) * head_dim;
-    const double* c = cs + 2 * tt * half;
-#pragma unroll
-    for (int k = 0; k < NORM_ROPE_UNITS; ++k) {
-        const int u = lane + NORM_ROPE_GROUP * k;
-        if (u >= n_units) break;
-        int ja, jb;
-        unit_cols(u, half, neox, &ja, &jb);
-        if (u < half) {
-            float r0, r1;
-            rotate_pair(va[k], vb[k], c[u], c[half + u], &r0, &r1);
-            put(yh + ja, r0);
-            put(yh + jb, r1);
-        } else {
-            put(yh + ja, va[k]);
-            if (jb < head_dim) put(yh + jb, vb[k]);
-        }
-    }
+    write_rope_row<NORM_ROPE_UNITS>(out + ((long long)(rows ? r : t) * n_heads + h) * head_dim, va, vb,
+                                    cs + 2 * tt * half, lane, half, n_units, neox, head_dim);
 }
 
 extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_f32(const float* x, const float* __restrict__ w,
@@ -245,6 +259,141 @@ extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_f32(const float* x
     extern __shared__ double rope_cs[];  // 2 * tb * half
     norm_rope_block(y, (const int*)nullptr, 0, (int*)nullptr, 0, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,
                     neox, freq_scale, eps, x_tok, x_head, tb, blockIdx.x, rope_cs);
+}
+
+// ---------------------------------------------------------------- the same at prefill sizes: rows a lane group
+// rms_norm_mul_rope_wide_f32 / rms_norm_mul_rope_set_rows_wide_<kv>: norm_rope_block's result, bit for bit,
+// with a lane group taking rpg head rows (lowering: only where the launch keeps NORM_ROPE_FILL_BLOCKS blocks,
+// i.e. prefill), so a block covers all heads of its tokens (Qwen3-8B's q: one token's 32 heads a block, its
+// table once instead of 4 times; K: 4 tokens a block) and every row load of the block is issued before the
+// table's FP64 work, which then hides under their latency. Qwen3-8B's 4096-token q norm-rope: 3.60 -> 2.27 ms
+// (H200, 2026-12-01). Decode keeps norm_rope_block: one version of this body serving decode too (a run-time
+// rpg of 1) made Qwen3-0.6B's captured step slower (897 -> 995 us in one run), cause not found.
+//
+// Block row q < tb * hb (token q / hb, head q % hb) is group q % groups's row q / groups, so idle rows spread
+// over the groups. A lane holds U units (U = 1, 2, 4: head rows of up to 64, 128, 256 columns) of each of its
+// rows, at most NORM_ROPE_SLOTS units in all: rpg <= NORM_ROPE_SLOTS / U. A row's arithmetic, and the order of
+// its sum, are norm_rope_block's. `cs`: the cos/sin table, then the tokens' KV rows (tb ints, read with the
+// table so no load waits behind the barrier). Every thread reaches the one __syncthreads.
+#define NORM_ROPE_SLOTS 8
+// 64 registers at most (four blocks an SM, 64 KB of row loads in flight an SM); sm_80/sm_90: 60-64, no spills.
+#if defined(__HIPCC__)
+#define NORM_ROPE_WIDE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS)
+#else
+#define NORM_ROPE_WIDE_BOUNDS __launch_bounds__(NORM_ROPE_THREADS, 4)
+#endif
+
+template <typename T, int U>
+DEVICE void norm_rope_rows(T* out, const int* __restrict__ rows, int cap, int* errflag, int code, const float* x,
+                           const float* __restrict__ w, const int* __restrict__ pos,
+                           const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim, int n_dims,
+                           int neox, double freq_scale, float eps, long long x_tok, long long x_head, int tb, int rpg,
+                           double* cs) {
+    constexpr int R = NORM_ROPE_SLOTS / U;  // rows a lane can hold; rpg <= R
+    const int groups = blockDim.x / NORM_ROPE_GROUP, g = threadIdx.x / NORM_ROPE_GROUP;
+    const int lane = threadIdx.x % NORM_ROPE_GROUP;
+    const int hb = min(n_heads, groups * rpg / tb), n_hg = (n_heads + hb - 1) / hb;
+    const int t0 = blockIdx.x / n_hg * tb, h0 = blockIdx.x % n_hg * hb;
+    const int half = n_dims / 2, n_units = half + (head_dim - n_dims + 1) / 2;
+    int* rs = (int*)(cs + 2 * tb * half);
+
+    // The group's rows: row i is block row g + groups i (th[i] = token << 16 | head, or -1 for none).
+    int th[R];
+    float va[R][U], vb[R][U];
+    {
+        int tt = g / hb, hr = g - tt * hb;  // row 0, then a step of groups rows at a time
+        const int dt = groups / hb, dr = groups - dt * hb;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            if (i >= rpg) continue;  // uniform over the block (continue, not break: hipcc then unrolls)
+            const bool has = tt < tb && t0 + tt < n_tok && h0 + hr < n_heads;
+            th[i] = has ? tt << 16 | (h0 + hr) : -1;
+            const float* xh = x + (t0 + tt) * x_tok + (h0 + hr) * x_head;  // read only when has
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int u = lane + NORM_ROPE_GROUP * k;
+                int ja, jb;
+                unit_cols(u, half, neox, &ja, &jb);
+                va[i][k] = has && u < n_units ? xh[ja] : 0.0f;
+                vb[i][k] = has && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
+            }
+            tt += dt;
+            hr += dr;
+            if (hr >= hb) {
+                hr -= hb;
+                ++tt;
+            }
+        }
+    }
+    if (rows && threadIdx.x < tb && t0 + threadIdx.x < n_tok) rs[threadIdx.x] = rows[t0 + threadIdx.x];
+    fill_rope_table(cs, pos, inv_freq, freq_scale, t0, tb, n_tok, half);
+    // The weights of the lane's columns, the same in each of its rows, loaded once (not before the table:
+    // their registers would be live through its FP64 work).
+    float wa[U], wb[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int u = lane + NORM_ROPE_GROUP * k;
+        int ja, jb;
+        unit_cols(u, half, neox, &ja, &jb);
+        wa[k] = u < n_units ? w[ja] : 0.0f;
+        wb[k] = u < n_units && jb < head_dim ? w[jb] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        if (i >= rpg) continue;  // every lane of a group shuffles
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < U; ++k) ss += va[i][k] * va[i][k] + vb[i][k] * vb[i][k];
+        const float inv = 1.0f / sqrtf(group_sum(ss) / (float)head_dim + eps);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            va[i][k] = va[i][k] * inv * wa[k];
+            vb[i][k] = vb[i][k] * inv * wb[k];
+        }
+    }
+    __syncthreads();  // the table is filled
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        if (i >= rpg || th[i] < 0) continue;
+        const int tt = th[i] >> 16, h = th[i] & 0xffff;
+        const int r = rows ? rs[tt] : t0 + tt;
+        if (rows && (r < 0 || r >= cap)) {
+            if (lane == 0) report_error(errflag, code, r);
+            continue;
+        }
+        write_rope_row<U>(out + ((long long)r * n_heads + h) * head_dim, va[i], vb[i], cs + 2 * tt * half, lane,
+                          half, n_units, neox, head_dim);
+    }
+}
+
+// The body for the units a lane holds of the rows' width.
+template <typename T>
+DEVICE void norm_rope_wide(T* out, const int* __restrict__ rows, int cap, int* errflag, int code, const float* x,
+                           const float* __restrict__ w, const int* __restrict__ pos,
+                           const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim, int n_dims,
+                           int neox, double freq_scale, float eps, long long x_tok, long long x_head, int tb, int rpg,
+                           double* cs) {
+    const int n_units = n_dims / 2 + (head_dim - n_dims + 1) / 2;
+#define NORM_ROPE_WIDE_BODY(U)                                                                                     \
+    norm_rope_rows<T, U>(out, rows, cap, errflag, code, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, \
+                         freq_scale, eps, x_tok, x_head, tb, rpg, cs)
+    if (n_units > 2 * NORM_ROPE_GROUP)
+        NORM_ROPE_WIDE_BODY(4);
+    else if (n_units > NORM_ROPE_GROUP)
+        NORM_ROPE_WIDE_BODY(2);
+    else
+        NORM_ROPE_WIDE_BODY(1);
+#undef NORM_ROPE_WIDE_BODY
+}
+
+extern "C" __global__ void NORM_ROPE_WIDE_BOUNDS rms_norm_mul_rope_wide_f32(
+    const float* x, const float* __restrict__ w, const int* __restrict__ pos, const double* __restrict__ inv_freq,
+    float* y, int n_tok, int n_heads, int head_dim, int n_dims, int neox, double freq_scale, float eps, long long x_tok,
+    long long x_head, int tb, int rpg) {
+    PDL_ENTRY();
+    extern __shared__ double rope_cs[];  // 2 * tb * half doubles, then tb ints
+    norm_rope_wide(y, (const int*)nullptr, 0, (int*)nullptr, 0, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims,
+                   neox, freq_scale, eps, x_tok, x_head, tb, rpg, rope_cs);
 }
 
 // dst[rows[t], :] = src[t, :] for src [n_tok, ...] f32 into an f32 or f16 State [cap, ...] (set_rows).
@@ -270,6 +419,29 @@ extern "C" __global__ void NORM_ROPE_BOUNDS rms_norm_mul_rope_f32(const float* x
 DEVICE float store_f32(float v) { return v; }
 DEFINE_SET_ROWS_SPAN(f32, float, store_f32)
 DEFINE_SET_ROWS_SPAN(f16, u16, f32_to_f16)
+
+// set_rows, 4 consecutive elements a thread: one 16-byte load, one 16- or 8-byte store (lowering: inner, both
+// outer strides multiples of 4 and both buffers 16-byte aligned). The body above spends three 64-bit
+// divisions on each element; a prefill's V write (Qwen3-8B, 4096 tokens) ran at ~25 % of copy bandwidth.
+DEVICE void store4(float* p, f32x4 v) { *(f32x4*)p = v; }
+DEVICE void store4(u16* p, f32x4 v) { *(u16x4*)p = u16x4{f32_to_f16(v.x), f32_to_f16(v.y), f32_to_f16(v.z), f32_to_f16(v.w)}; }
+template <typename T>
+DEVICE void set_rows_v4_span(T* dst, const float* __restrict__ src, const int* __restrict__ rows, int n_tok,
+                             long long row, int cap, int* errflag, int code, int inner, int d1, long long s0,
+                             long long s1, long long first, long long step) {
+    const long long n = n_tok * row / 4;
+    for (long long i4 = first; i4 < n; i4 += step) {
+        const long long i = 4 * i4;
+        const int t = (int)(i / row);
+        const int r = rows[t];
+        if (r < 0 || r >= cap) {
+            if (i == (long long)t * row) report_error(errflag, code, r);  // once a row
+            continue;
+        }
+        const long long o = i / inner, o0 = o / d1;
+        store4(dst + (long long)r * row + (i - (long long)t * row), *(const f32x4*)(src + o0 * s0 + (o - o0 * d1) * s1 + (i - o * inner)));
+    }
+}
 
 // The KV cache kernels, per cache type: rope_set_rows (above), rms_norm_mul_rope_set_rows (the norm-rope
 // rows written straight into the cache: Qwen3's K, the body of rms_norm_mul_rope_f32, so it equals that
@@ -299,9 +471,29 @@ DEFINE_SET_ROWS_SPAN(f16, u16, f32_to_f16)
                                               int d1, long long s0, long long s1) {                                \
         PDL_ENTRY();                                                                                               \
         set_rows_span_##SUF(dst, src, rows, n_tok, row, cap, errflag, code, inner, d1, s0, s1, SPAN_ARGS);         \
+    }                                                                                                              \
+    extern "C" __global__ void set_rows_v4_##SUF(T* dst, const float* __restrict__ src, const int* __restrict__ rows, \
+                                                 int n_tok, long long row, int cap, int* errflag, int code, int inner, \
+                                                 int d1, long long s0, long long s1) {                             \
+        PDL_ENTRY();                                                                                               \
+        set_rows_v4_span(dst, src, rows, n_tok, row, cap, errflag, code, inner, d1, s0, s1, SPAN_ARGS);            \
     }
 DEFINE_KV_KERNELS(f32, float)
 DEFINE_KV_KERNELS(f16, u16)
+
+#define DEFINE_NORM_ROPE_WIDE_KV(SUF, T)                                                                           \
+    extern "C" __global__ void NORM_ROPE_WIDE_BOUNDS rms_norm_mul_rope_set_rows_wide_##SUF(                        \
+        T* cache, const float* x, const float* __restrict__ w, const int* __restrict__ pos,                         \
+        const int* __restrict__ rows, const double* __restrict__ inv_freq, int n_tok, int n_heads, int head_dim,   \
+        int n_dims, int neox, double freq_scale, float eps, int cap, int* errflag, int code, long long x_tok,      \
+        long long x_head, int tb, int rpg) {                                                                       \
+        PDL_ENTRY();                                                                                               \
+        extern __shared__ double rope_cs[];                                                                        \
+        norm_rope_wide(cache, rows, cap, errflag, code, x, w, pos, inv_freq, n_tok, n_heads, head_dim, n_dims, neox, \
+                       freq_scale, eps, x_tok, x_head, tb, rpg, rope_cs);                                          \
+    }
+DEFINE_NORM_ROPE_WIDE_KV(f32, float)
+DEFINE_NORM_ROPE_WIDE_KV(f16, u16)
 
 // ---------------------------------------------------------------- q, k and v of one attention layer, one launch
 // An attention layer's decode step writes three independent things after its q|k|v projection: q roped
@@ -309,16 +501,22 @@ DEFINE_KV_KERNELS(f16, u16)
 // launch-to-launch gap of a captured graph (1.5-2.7 us apiece on an H200, Qwen3-0.6B: 188 us of a
 // 1,250 us step); here the three run side by side in one grid: blocks [0, nq) take q's body, [nq, nq + nk)
 // K's, the rest V's. The parameters are the three kernels' own, in order (lowering.py merge_kv_writes
-// concatenates their launch arguments), then nq and nk; q and K were launched with this block size, and
+// concatenates their launch arguments), then nq, nk and v_vec (V's launch was set_rows_v4); q and K were launched with this block size, and
 // the norm-rope bodies take their block index relative to their range. Every body is the one its own
 // kernel runs, so the results are bitwise those of the three launches.
 #define V_PARAMS(T)                                                                                                \
     T *v_dst, const float *__restrict__ v_src, const int *__restrict__ v_rows, int v_n_tok, long long v_row,      \
         int v_cap, int *v_errflag, int v_code, int v_inner, int v_d1, long long v_s0, long long v_s1
+// V's body: set_rows_v4 where V's own launch was (v_vec), else set_rows.
 #define V_SEGMENT(SUF, b0)                                                                                         \
-    set_rows_span_##SUF(v_dst, v_src, v_rows, v_n_tok, v_row, v_cap, v_errflag, v_code, v_inner, v_d1, v_s0, v_s1, \
-                        (long long)(blockIdx.x - (b0)) * blockDim.x + threadIdx.x,                                 \
-                        (long long)(gridDim.x - (b0)) * blockDim.x)
+    if (v_vec)                                                                                                     \
+        set_rows_v4_span(v_dst, v_src, v_rows, v_n_tok, v_row, v_cap, v_errflag, v_code, v_inner, v_d1, v_s0, v_s1, \
+                         (long long)(blockIdx.x - (b0)) * blockDim.x + threadIdx.x,                                \
+                         (long long)(gridDim.x - (b0)) * blockDim.x);                                              \
+    else                                                                                                           \
+        set_rows_span_##SUF(v_dst, v_src, v_rows, v_n_tok, v_row, v_cap, v_errflag, v_code, v_inner, v_d1, v_s0, v_s1, \
+                            (long long)(blockIdx.x - (b0)) * blockDim.x + threadIdx.x,                             \
+                            (long long)(gridDim.x - (b0)) * blockDim.x)
 
 #define DEFINE_QKV(SUF, T)                                                                                         \
     extern "C" __global__ void NORM_ROPE_BOUNDS qkv_norm_rope_##SUF(                                                                \
@@ -328,7 +526,7 @@ DEFINE_KV_KERNELS(f16, u16)
         T* k_cache, const float* k_x, const float* __restrict__ k_w, const int* __restrict__ k_pos,                 \
         const int* __restrict__ k_rows, const double* __restrict__ k_inv_freq, int k_n_tok, int k_n_heads,         \
         int k_head_dim, int k_n_dims, int k_neox, double k_freq_scale, float k_eps, int k_cap, int* k_errflag,     \
-        int k_code, long long k_x_tok, long long k_x_head, int k_tb, V_PARAMS(T), int nq, int nk) {               \
+        int k_code, long long k_x_tok, long long k_x_head, int k_tb, V_PARAMS(T), int nq, int nk, int v_vec) {               \
         PDL_ENTRY();                                                                                               \
         extern __shared__ double rope_cs[];                                                                        \
         const int b = blockIdx.x;                                                                                  \
@@ -350,7 +548,7 @@ DEFINE_KV_KERNELS(f16, u16)
         T* k_cache, const float* __restrict__ k_x, const int* __restrict__ k_pos, const int* __restrict__ k_rows,  \
         const double* __restrict__ k_inv_freq, int k_n_tok, int k_n_heads, int k_head_dim, int k_n_dims,           \
         int k_neox, double k_freq_scale, int k_cap, int* k_errflag, int k_code, long long k_x_tok,                 \
-        long long k_x_head, V_PARAMS(T), int nq, int nk) {                                                         \
+        long long k_x_head, V_PARAMS(T), int nq, int nk, int v_vec) {                                                         \
         PDL_ENTRY();                                                                                               \
         const int b = blockIdx.x;                                                                                  \
         if (b < nq)                                                                                                \
