@@ -1,10 +1,10 @@
 """GPU kernel sources run on the host, for tests that need no GPU: a .cu file compiled by g++ with a shim.
 
 One OS thread per GPU thread, std::barrier for __syncthreads, `static` for __shared__ (so blocks run one at a
-time), and warps of 32 lanes whose shuffles meet at a barrier of the warp. A kernel's index arithmetic,
-shared-memory layout and reductions run as on the device; float results may differ from the GPU's (fma as
-fmaf, expf the host's), never between two kernels of one build. Callers add extern "C" launchers that call
-emu_launch(grid x, grid y, threads, lambda running the kernel).
+time), warps of 32 lanes whose shuffles (of floats and ints) meet at a barrier of the warp, and __dp4a. A
+kernel's index arithmetic, shared-memory layout and reductions run as on the device; float results may differ
+from the GPU's (fma as fmaf, expf the host's), never between two kernels of one build. Callers add extern "C"
+launchers that call emu_launch(grid x, grid y, threads, lambda running the kernel).
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     posted[threadIdx.x] = v;
     emu_warps[threadIdx.x / 32]->arrive_and_wait();
     return posted[threadIdx.x ^ (unsigned)o];
+}
+inline int __shfl_xor_sync(unsigned mask, int v, int o) {  // the same exchange, of the int's bits
+    float f;
+    std::memcpy(&f, &v, 4);
+    f = __shfl_xor_sync(mask, f, o);
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline int __dp4a(int a, int b, int c) {  // c + the products of the 4 signed bytes of a and b
+    for (int k = 0; k < 32; k += 8) c += (int)(signed char)(a >> k) * (int)(signed char)(b >> k);
+    return c;
 }
 inline int atomicCAS(int* p, int cmp, int val) { int old = *p; if (old == cmp) *p = val; return old; }
 inline void emu_launch(unsigned gx, unsigned gy, unsigned threads, const std::function<void()>& kernel) {

@@ -478,6 +478,49 @@ def test_mul_mat_bf16_rounds_both_operands(dtype, n, rng):
     close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
 
 
+
+def q8x_activations(n: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """x [n, n_in] for mul_mat_q8x: normal values, an outlier, an all-zero block (scale 0) and, where the
+    block's max is 127 (scale 1, so x's own values are rounded), the rounding's hard cases: ties both
+    ways, 0.49999997 (floor(v + 0.5) in f32 would round it up), -0.5."""
+    x = normal(rng, (n, n_in))
+    x[0, -1] = 40.0
+    if n_in >= 64:
+        x[-1, 32:64] = 0.0
+    x[0, :7] = [127.0, 2.5, -2.5, 0.5, -0.5, 0.49999997, -126.5]
+    return x
+
+
+@covers("mul_mat_q8x")
+@pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n,n_out,n_in", [(1, 1, 32), (1, 7, 64), (1, 511, 1024), (3, 1025, 96), (1, 33, 4096)])
+def test_mul_mat_q8x_rounds_x_to_8_bit_blocks(dtype, n, n_out, n_in, rng):
+    """x's codes are gguf's own q8_0 codes of x (its scale kept in f32), the weight gguf's dequantized blocks;
+    the product in float64. Tolerance: an f32 sum of n_in / 32 block terms, each rounded twice (the scales'
+    product, then the fma), in any order: (n_in / 32 + 2) * 2^-24 * the sum of |terms|."""
+    raw = random_quantized(rng, dtype, (n_out, n_in))
+    wf = gguf.quants.dequantize(raw, qtype(dtype)).reshape(n_out, n_in).astype(np.float64)
+    x = q8x_activations(n, n_in, rng)
+    blocks = gguf.quants.quantize(x, qtype("q8_0")).reshape(n, n_in // 32, 34)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float64)  # [n, n_in / 32, 32]
+    d = (np.abs(x).reshape(n, -1, 32).max(axis=-1) / np.float32(127)).astype(np.float64)  # [n, n_in / 32]
+    assert q[0, 0, :7].tolist() == [127, 3, -3, 1, -1, 0, -127] and (n_in < 64 or not q[-1, 1].any())
+    terms = np.einsum("obi,nbi->nob", wf.reshape(n_out, -1, 32), q) * d[:, None, :]  # [n, n_out, n_in / 32]
+    out = run1(g.mul_mat_q8x(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape)), {"x": x},
+               weights=weights_of(w=(dtype, raw, (n_out, n_in))))
+    assert out.shape == (n, n_out) and out.dtype == np.float32
+    bound = (n_in // 32 + 2) * 2.0 ** -24 * np.abs(terms).sum(axis=-1) + 1e-30
+    err = np.abs(out - terms.sum(axis=-1))
+    assert (err <= bound).all(), f"max error {err.max():.3g}, {(err > bound).sum()} outputs past the bound"
+    assert np.abs(out - x.astype(np.float64) @ wf.T).max() > 1e-4  # x's rounding shows
+
+
+def test_mul_mat_q8x_needs_a_block_quantized_weight():
+    with pytest.raises(GraphError, match="dtype f32; mul_mat_q8x takes the integer codes of q4_0, q8_0"):
+        g.mul_mat_q8x(g.param("w", (7, 32)), g.input("x", (1, 32)))
+    with pytest.raises(GraphError, match="must be a 2-D weight"):
+        g.mul_mat_q8x(g.param("w", (2, 7, 32), "q8_0"), g.input("x", (1, 32)))
+
 # ---------------------------------------------------------------- get_rows
 @covers("get_rows")
 @pytest.mark.parametrize("dtype,rows,dim", [("f32", 1025, 7), ("f16", 511, 64), ("q8_0", 513, 64), ("q4_1", 37, 96),

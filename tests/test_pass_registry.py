@@ -269,10 +269,23 @@ def case_attention(wtype: str) -> Graph:
     return Graph(outs, meta={"case": "attention"})
 
 
+
+def case_decode_matmuls(wtype: str) -> Graph:
+    """One decode step's projections (1 row of x): a q4_0 weight and a stacked q4_0 gate|up activation (q8-activations
+    rewrites both whatever wtype is), a weight of wtype (rewritten where q8_0, kept where f32), and the same q4_0
+    weight times N rows (prefill: kept)."""
+    x1, xn = g.input("x1", (1, D)), _x()
+    q = g.mul_mat(_w("blk.0.attn_q.weight", 40, "q4_0"), x1, name="q")
+    o = g.mul_mat(_w("blk.0.attn_output.weight", 24, wtype), x1, name="o")
+    act = g.mul_mat_swiglu(_w("blk.0.ffn_gate.weight+blk.0.ffn_up.weight", 2 * 40, "q4_0"), x1, name="blk.0.ffn_act")
+    pre = g.mul_mat(_w("blk.0.attn_q.weight", 40, "q4_0"), xn, name="q_prefill")
+    return Graph({"q": q, "o": o, "act": act, "pre": pre}, meta={"case": "decode_matmuls"})
+
 TARGETED_CASES: dict[str, Case] = {
     "shard-tp": Case(case_ffn, "all_reduce"),
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
     "attn-bf16": Case(case_attention, "flash_attn_bf16"),
+    "q8-activations": Case(case_decode_matmuls, "mul_mat_q8x"),
     "kv-f16": Case(case_kv_cache, "f16-state"),
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),

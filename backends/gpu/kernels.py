@@ -30,6 +30,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "delta_chunked.cu": (),
     "sample.cu": (),
     "p2p.cu": (),
+    "gemv_q8x.cu": (),
 }
 
 

@@ -205,6 +205,54 @@ op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accum
     (_mul_mat_bf16_infer, _mul_mat_bf16_ref))
 
 
+
+# ---------------------------------------------------------------- 8-bit activations (integer dot products)
+Q8X_FORMATS = ("q4_0", "q8_0")  # weights whose integer codes the GPU's dp4a GEMV multiplies (gemv_q8x.cu)
+Q8_BLOCK = 32
+_F32_TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal f32
+
+
+def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., n] (n % 32 == 0) rounded per 32-value block to int8 codes q [..., n] and f32 scales d
+    [..., n / 32], x ~ d * q. In f32 as the GPU computes it: d = max |x| / 127, q = roundf(x * (1 / d)),
+    half away from zero, exactly (floor(|v| + 0.5) rounds 0.49999997 up). A block whose d is below
+    2^-126 (every |x| < 1.5e-36) gets 1/d = 0, so zero codes: 1/d would overflow to inf."""
+    b = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, Q8_BLOCK)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d >= _F32_TINY)
+    v = b * inv[..., None]
+    a = np.abs(v)
+    f = np.floor(a)
+    q = np.copysign(f + (a - f >= np.float32(0.5)), v)
+    return q.astype(np.int8).reshape(np.shape(x)), d
+
+
+def _mul_mat_q8x_infer(ts: list[Type], p: dict) -> Type:
+    (sw, dw), (sx, _) = ts
+    need(len(sw) == 2, f"w {list(sw)} must be a 2-D weight [n_out, n_in]")
+    need(dw in Q8X_FORMATS, f"w has dtype {dw}; mul_mat_q8x takes the integer codes of {', '.join(Q8X_FORMATS)}")
+    need(sx[-1] % Q8_BLOCK == 0, f"x {list(sx)}: n_in {sx[-1]} is not a multiple of {Q8_BLOCK} (x's 8-bit blocks)")
+    return OPS["mul_mat"].infer(ts, p)
+
+
+def _mul_mat_q8x_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    # w arrives dequantized (d_w * c, exact in f32), so w * q summed over a block in float64 is exactly
+    # d_w * (the integer sum of c * q); the blocks' sum is then float64, rounded once to f32.
+    q, d = q8_blocks(x)
+    n_out, n_in = w.shape
+    wb = w.astype(np.float64).reshape(n_out, n_in // Q8_BLOCK, Q8_BLOCK)
+    qb = q.astype(np.float64).reshape(*q.shape[:-1], 1, n_in // Q8_BLOCK, Q8_BLOCK)
+    per_block = (wb * qb).sum(axis=-1)  # [..., n_out, n_blocks]
+    return (per_block @ d[..., :, None].astype(np.float64))[..., 0].astype(np.float32)
+
+
+# Produced by the q8-activations pass for decode GEMVs of 4- and 8-bit weights: with x in 8-bit blocks
+# the GPU multiplies integer codes with dp4a (~1 instruction a weight instead of ~3). Its meaning is
+# exact: x rounded by q8_blocks, y = sum over blocks of d_w d_x (sum c q), the inner sum exact.
+op("mul_mat_q8x", 2, "mul_mat of a q4_0 / q8_0 weight with x rounded to 8-bit blocks of 32 (q8_blocks): "
+                     "y = sum_b d_w d_x (integer sum c q)")((_mul_mat_q8x_infer, _mul_mat_q8x_ref))
+
 # ---------------------------------------------------------------- reduced-precision attention
 LOG2E = 1.4426950408889634
 

@@ -1,0 +1,65 @@
+"""mul_mat_q8x on the GPU (kernels in gemv_q8x.cu): the decode GEMV with x rounded to 8-bit blocks.
+
+The q8-activations pass produces the op for decode matmuls of q4_0 / q8_0 weights. Each thread block
+quantizes x as it stages it and multiplies the weight's integer codes with dp4a. Rows of whole 16-byte
+pieces in a 16-byte aligned weight take a staged geometry (`gemv_q8x_<fmt>_<cfg>`, Q8X_KERNEL's choice);
+every other weight the `_any` kernel, which gives the same bits, slowly. x rows go along grid y: the weight
+is read once a token, so the rule takes at most MAX_TOKENS rows (decode and speculative verify calls).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from graphir.dtypes import dtype as dtype_info
+from graphir.errors import BackendError
+from graphir.ops.fused import Q8X_FORMATS
+
+from .launch import GpuParam, Launch, Lowering, cdiv, i32
+from .layout import copy_launch
+
+# cfg -> (threads, rows per block), mirroring gemv_q8x.cu FOR_EACH_Q8X_CFG: w<G>r<NR>[b<BPL>] = G 32-lane
+# groups of NR rows, chunks of 32 BPL blocks a row.
+Q8X_CONFIGS = {"w4r2": (128, 8), "w4r4": (128, 16), "w8r2": (256, 16), "w8r4": (256, 32), "w4r4b2": (128, 16)}
+# The staged geometry per format (not yet timed on a GPU: `bench_gpu_gemv.py --q8x` picks).
+Q8X_KERNEL = {"q4_0": "w4r4", "q8_0": "w4r2"}
+ANY_ROWS = 4  # gemv_q8x_<fmt>_any: one 32-lane group a row, 128 threads
+MAX_TOKENS = 16
+
+
+def q8x_kernel(fmt: str, n_in: int, w_ptr: int, cfg: str | None = None) -> tuple[str, int, int]:
+    """(kernel, threads, rows per block) for a [*, n_in] `fmt` weight at device address w_ptr; `cfg` (a
+    Q8X_CONFIGS key) overrides Q8X_KERNEL. Rows not whole 16-byte pieces, or an unaligned weight: `_any`."""
+    if fmt not in Q8X_FORMATS:
+        raise BackendError(f"mul_mat_q8x: weight dtype {fmt} has no gpu kernel (only {', '.join(Q8X_FORMATS)})")
+    if dtype_info(fmt).row_bytes(n_in) % 16 or w_ptr % 16:
+        return f"gemv_q8x_{fmt}_any", 32 * ANY_ROWS, ANY_ROWS
+    cfg = cfg or Q8X_KERNEL[fmt]
+    return f"gemv_q8x_{fmt}_{cfg}", *Q8X_CONFIGS[cfg]
+
+
+def lower_mul_mat_q8x(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    w, x, y = ins[0], ins[1], outs[0]
+    if not (isinstance(w, GpuParam) and len(w.shape) == 2):
+        raise BackendError("mul_mat_q8x: the gpu backend takes a 2-D weight (what the q8-activations pass rewrites)")
+    n_out, n_in = w.shape
+    m = math.prod(x.shape[:-1])
+    name, threads, rows = q8x_kernel(w.dtype, n_in, w.raw.data.ptr)
+    if m == 0 or n_out == 0:
+        return []
+    if x.dtype != np.float32:
+        raise BackendError(f"mul_mat_q8x: x must be float32 on the gpu backend, got {x.dtype}")
+    if m > MAX_TOKENS:
+        raise BackendError(f"mul_mat_q8x: {m} rows of x; the gpu kernel reads the weight once a row and takes at "
+                           f"most {MAX_TOKENS} (run q8-activations with max_rows <= {MAX_TOKENS})")
+    x2, y2, steps = x.reshape(m, n_in), y.reshape(m, n_out), []
+    if x2.data.ptr % 16 and not name.endswith("_any"):  # the staged kernels read x with 16-byte loads
+        buf = lw.scratch((m, n_in))
+        steps.append(copy_launch(x2, buf, what="aligned x"))
+        x2 = buf
+    rb = np.int64(dtype_info(w.dtype).row_bytes(n_in))
+    return steps + [Launch("gemv_q8x.cu", name, (cdiv(n_out, rows), m), threads,
+                           (w.raw, rb, x2, y2, i32(n_out), i32(n_in)))]

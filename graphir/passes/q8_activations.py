@@ -1,0 +1,64 @@
+"""q8-activations: decode matmuls of q4_0 / q8_0 weights with x in 8-bit blocks (mul_mat -> mul_mat_q8x).
+
+A decode GEMV reads each weight once; at 4 bits a weight, decoding it to a float and multiplying in f32
+takes ~3 GPU instructions a weight, more than the memory system needs to deliver it. With x rounded to
+int8 per 32-value block (scale max |x| / 127, llama.cpp's q8_1 activations without the f16 scale), the
+GEMV multiplies the weight's integer codes directly, four at a time (dp4a): ~1 instruction a weight.
+
+What it costs: each x value is rounded to 8 bits relative to its block's largest, an error of up to
+max|x| / 254 per value (~0.4 % of the block's largest), where the f32 path is exact. The weight's own
+rounding (q4_0: 1/16 of its block's range) stays the larger error. It is opt-in
+(`--passes default,q8-activations`); `graphir check --passes default,q8-activations` shows the cost.
+
+Only matmuls of a 2-D q4_0 / q8_0 weight (a Param, or Params stacked by stack-projections) by at most
+`max_rows` rows of x change: prefill is compute-bound on dequantized weights and stays in f32. A fused
+mul_mat_swiglu (its stacked gate|up product) is split back into the product, now mul_mat_q8x, and
+swiglu_split of its two halves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from graphir.builder import contiguous_strides
+from graphir.ir import Graph, Node, toposort
+from graphir.ops.fused import Q8X_FORMATS
+from graphir.passes import register_pass
+from graphir.passes.rewrite import Rewriter, rewrite
+
+
+@register_pass("q8-activations", "mul_mat (and mul_mat_swiglu) of a q4_0/q8_0 2-D weight by <= max_rows rows "
+                                 "-> mul_mat_q8x (x in 8-bit blocks, integer dot products): decode GEMV")
+@dataclass(frozen=True)
+class Q8Activations:
+    max_rows: int = 1
+
+    def _match(self, n: Node, rw: Rewriter) -> Node | None:
+        if n.op not in ("mul_mat", "mul_mat_swiglu"):
+            return None
+        w, x = n.src
+        if len(w.shape) != 2 or not all(a.op in ("param", "const") for a in toposort([w]) if a.is_leaf):
+            return None  # not a weight (an activation, or with batch axes)
+        if w.dtype not in Q8X_FORMATS:
+            rw.reject(n, f"weight dtype {w.dtype} has no integer-code GEMV (only {', '.join(Q8X_FORMATS)}): "
+                         "kept in f32")
+            return None
+        rows = math.prod(x.shape[:-1])
+        if rows > self.max_rows:
+            rw.reject(n, f"{rows} rows of x > max_rows={self.max_rows}: not a decode GEMV, kept in f32")
+            return None
+        return n
+
+    def _rewrite(self, n: Node, rw: Rewriter) -> Node:
+        rw.matched(n, "mul_mat_q8x")
+        if n.op == "mul_mat":
+            return rw.make("mul_mat_q8x", *n.src, name=n.name)
+        # mul_mat_swiglu: the stacked product in q8x, then the activation of its halves (as swiglu-split left it)
+        y = rw.make("mul_mat_q8x", *n.src, name=f"{n.name}.gate_up" if n.name else None)
+        half, strides = n.shape[-1], contiguous_strides(y.shape)
+        gate, up = (rw.make("view", y, shape=n.shape, strides=strides, offset=o) for o in (0, half))
+        return rw.make("swiglu_split", gate, up, name=n.name)
+
+    def __call__(self, graph: Graph) -> Graph:
+        return rewrite(graph, [(self._match, self._rewrite)])
