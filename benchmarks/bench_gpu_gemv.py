@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu_gemv.py [--quick] [--iters N]
     python benchmarks/bench_gpu_gemv.py --variants [--formats bf16,q8_0] [--shapes 4096x4096,...]
     python benchmarks/bench_gpu_gemv.py --gemvm [--tokens 16,8] [--cfgs g128r2,j4w8r2] [--models qwen,smollm]
+    python benchmarks/bench_gpu_gemv.py --q8x [--formats q4_0,q8_0] [--cfgs w4r4,w8r4] [--shapes 4096x4096,...]
 
 Formats bf16, q8_0, q4_k, q4_0 at Qwen3-8B shapes (n_out x n_in): 4096x4096 (q/o), 12288x4096
 (gate/up), 4096x12288 (down), 151936x4096 (LM head). Bandwidth counts the weight's stored bytes
@@ -30,6 +31,13 @@ shapes of Qwen3-0.6B (bf16) and SmolLM2-135M (f32), 16 and 8 tokens: us per call
 cuBLAS's f32 product within 1e-5 of sum |x||w| (silu's derivatives carried for gemvmsw), and marked
 "=" where it equals g128r2's bit for bit. It ends with each geometry's GEMV time of one verify call
 (layers x the four projections + the LM head), the best per shape, and GEMVM_KERNEL = "auto"'s.
+
+--q8x times mul_mat_q8x's kernels (backends/gpu/gemv_q8x.cu: x rounded to 8-bit blocks, dp4a; the
+q8-activations pass) for every geometry of gemv_q8x.py Q8X_CONFIGS against the current f32 m == 1 kernel
+(GEMV1_KERNEL's) on the same rotated weights: a table of % of copy bandwidth, the best geometry marked, the
+current Q8X_KERNEL choice bracketed. Each q8x result's first and last rows are checked against the op's
+reference (within the f32 bound of tests/test_gpu_gemv_q8x.py) and every geometry against the first bit for bit
+(they add the same terms in the same order); the f32 kernel's against the dequantized product.
 """
 
 from __future__ import annotations
@@ -290,16 +298,92 @@ def main_gemvm(cp, rng, args, bw: float) -> None:
                   + f"   best per shape {per_call['best']:.0f}us, auto {per_call['auto']:.0f}us")
 
 
+
+def bench_q8x(cp, rng, fmt: str, shape: tuple[int, int], cfgs: list[str], iters: int) -> dict[str, float]:
+    """us per call of the f32 m == 1 GEMV ("f32") and of each mul_mat_q8x geometry on one weight (rotated
+    copies); every result checked (a wrong one is reported and timed as nan)."""
+    from graphir.backends.gpu.gemv_q8x import Q8X_CONFIGS
+    from graphir.backends.gpu.launch import Launch, cdiv, i32
+    from graphir.backends.gpu.matmul import _row_bytes, gemv_kernel
+
+    from graphir.ops import OPS
+    from graphir.quant import dequantize
+
+    n_out, n_in = shape
+    raw = make_raw(rng, fmt, shape)
+    rb = _row_bytes(fmt, n_in)
+    dev = cp.asarray(raw.view(np.uint8).reshape(n_out, rb))
+    copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
+    ws = [dev] + [dev.copy() for _ in range(copies - 1)]
+    xh = rng.standard_normal((1, n_in)).astype(np.float32)
+    x = cp.asarray(xh)
+    rows = np.r_[0:CHECK_ROWS, n_out - CHECK_ROWS:n_out] if n_out > 2 * CHECK_ROWS else np.arange(n_out)
+    wf = dequantize(raw[rows], fmt, (len(rows), n_in)).astype(np.float64)
+    mag = np.abs(wf) @ np.abs(xh[0]).astype(np.float64)
+    checks = {"f32": (wf @ xh[0].astype(np.float64), 1e-5 * mag + 1e-6),  # as bench_variants
+              "q8x": (OPS["mul_mat_q8x"].ref(wf.astype(np.float32), xh)[0], (n_in // 32 + 2) * 2.0 ** -24 * 1.01 * mag)}
+    ys = [cp.zeros((1, n_out), np.float32) for _ in range(copies)]
+    name, threads, per_block = gemv_kernel(fmt, n_out, n_in, 1, dev.data.ptr)
+    kernels = {"f32": ("matmul.cu", name, threads, per_block, (i32(1),))}
+    kernels.update({cfg: ("gemv_q8x.cu", f"gemv_q8x_{fmt}_{cfg}", *Q8X_CONFIGS[cfg], ()) for cfg in cfgs})
+    out, first = {}, None
+    for key, (src, kname, threads, per_block, tail) in kernels.items():
+        steps = [Launch(src, kname, cdiv(n_out, per_block), threads,
+                        (w, np.int64(rb), x, y, i32(n_out), i32(n_in), *tail)) for w, y in zip(ws, ys)]
+        for y in ys:
+            y.fill(np.nan)
+        secs, _ = time_steps(steps, max(3, iters // copies))
+        want, bound = checks["f32" if key == "f32" else "q8x"]
+        for y in ys:
+            got = y.get()[0]
+            err = np.abs(got[rows].astype(np.float64) - want)
+            same = key == "f32" or first is None or np.array_equal(got, first)
+            if not (err <= bound).all() or not same:
+                print(f"  {kname} {shape}: WRONG (max error {err.max():.3g}"
+                      f"{'' if same else ', differs from the first geometry'})", flush=True)
+                secs = float("nan")
+                break
+        if key != "f32" and first is None:
+            first = ys[0].get()[0]
+        out[key] = secs / copies * 1e6
+    del ws, ys, dev
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def main_q8x(cp, rng, args, bw: float) -> None:
+    from graphir.backends.gpu.gemv_q8x import Q8X_CONFIGS, Q8X_KERNEL
+    from graphir.backends.gpu.matmul import _row_bytes
+
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES
+    cfgs = args.cfgs.split(",") if args.cfgs else list(Q8X_CONFIGS)
+    fmts = args.formats.split(",") if args.formats != ",".join(FORMATS) else ["q4_0", "q8_0"]
+    print(f"% of copy bandwidth ({bw / 1e12:.3f} TB/s), m = 1; f32: the current f32 kernel (GEMV1_KERNEL); "
+          "* = best q8x, [ ] = Q8X_KERNEL")
+    print(f"{'format':7} {'shape':>13} {'f32':>7} " + " ".join(f"{c:>9}" for c in cfgs))
+    for fmt in fmts:
+        for shape in shapes:
+            us = bench_q8x(cp, rng, fmt, shape, cfgs, args.iters or 100)
+            moved = shape[0] * _row_bytes(fmt, shape[1]) + 4 * (shape[0] + shape[1])
+            pct = {k: 100 * moved / (t * 1e-6) / bw for k, t in us.items()}
+            best = max((c for c in cfgs if pct[c] == pct[c]), key=lambda c: pct[c], default=None)
+            cells = [f"{pct[c]:6.1f}{('*' if c == best else '') + ('[]' if c == Q8X_KERNEL[fmt] else ''):<3}"
+                     for c in cfgs]
+            print(f"{fmt:7} {shape[0]:>6}x{shape[1]:<6} {pct['f32']:7.1f} " + " ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer iterations")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 200, quick 50)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--variants", action="store_true", help="time every m == 1 kernel variant, checked")
-    ap.add_argument("--shapes", default=None, help="with --variants: e.g. 4096x4096,12288x4096")
+    ap.add_argument("--shapes", default=None, help="with --variants or --q8x: e.g. 4096x4096,12288x4096")
     ap.add_argument("--gemvm", action="store_true", help="time the 2..16-token float GEMV geometries, checked")
     ap.add_argument("--tokens", default="16,8", help="with --gemvm: tokens a call")
-    ap.add_argument("--cfgs", default=None, help="with --gemvm: GEMVM_CONFIGS keys (default all)")
+    ap.add_argument("--cfgs", default=None, help="with --gemvm: GEMVM_CONFIGS keys; with --q8x: Q8X_CONFIGS keys "
+                                                 "(default all)")
+    ap.add_argument("--q8x", action="store_true", help="time mul_mat_q8x's geometries against the f32 GEMV, checked")
     ap.add_argument("--models", default=",".join(GEMVM_MODELS), help="with --gemvm: " + ", ".join(GEMVM_MODELS))
     args = ap.parse_args()
     from graphir.backends.gpu.device import available, cupy
@@ -318,6 +402,9 @@ def main() -> None:
         return
     if args.gemvm:
         main_gemvm(cp, rng, args, bw)
+        return
+    if args.q8x:
+        main_q8x(cp, rng, args, bw)
         return
     rows = []
     print(f"{'format':7} {'shape':>13} {'us/call':>9} {'GB/s':>8} {'% copy':>7}  notes")

@@ -20,21 +20,29 @@ import graphir
 pytestmark = [pytest.mark.gpu, gpu_only]
 
 
-def _decode_pair(spec: str, ctx: int):
-    model = graphir.load(spec, backend="gpu", passes="default", ctx=ctx)
+def _decode_pair(spec: str, ctx: int, dtype: str | None = None, passes: str = "default"):
+    model = graphir.load(spec, backend="gpu", passes=passes, ctx=ctx, dtype=dtype)
     from graphir.passes import run_pipeline
 
-    graph = run_pipeline(model.graph("decode"), "default")
+    graph = run_pipeline(model.graph("decode"), passes)
     gpu = get_backend("gpu")
     captured = gpu.lower(graph, model.weights)
     plain = gpu.lower(graph, model.weights)  # called with GRAPHIR_NO_CAPTURE=1 below
     return model, captured, plain, gpu.new_state(graph), gpu.new_state(graph)
 
 
-@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"])
-def test_captured_decode_equals_launched_decode_at_every_position(spec, monkeypatch):
+# (spec, weight dtype, passes): the q8-activations cases run mul_mat_q8x, through its any-shape kernel (the tiny
+# model's 64-wide rows) and its staged ones (Qwen3-0.6B's, the LM head included)
+DECODE_CASES = [("random:llama-tiny", None, "default"), ("random:qwen3-tiny", None, "default"),
+                ("random:qwen35-tiny", None, "default"), ("random:qwen3-tiny", "q4_0", "default,q8-activations"),
+                ("random:qwen3-0.6b", "q4_0", "default,q8-activations")]
+
+
+@pytest.mark.parametrize("spec,dtype,passes", DECODE_CASES,
+                         ids=[f"{s.split(':')[1]}-{d or 'file'}-{p}" for s, d, p in DECODE_CASES])
+def test_captured_decode_equals_launched_decode_at_every_position(spec, dtype, passes, monkeypatch):
     ctx = 160
-    model, captured, plain, s_cap, s_plain = _decode_pair(spec, ctx)
+    model, captured, plain, s_cap, s_plain = _decode_pair(spec, ctx, dtype, passes)
     tokens = np.random.default_rng(3).integers(0, 256, ctx)
     for pos in range(ctx):  # 0, 1, every split and tile boundary of a 160-row cache, capacity - 1
         feeds = {"tokens": np.array([tokens[pos]], np.int32), "pos": np.array([pos], np.int32),
