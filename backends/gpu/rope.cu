@@ -6,10 +6,11 @@
 // norm-rope kernels, whose blocks share one token's table in shared memory.
 #include "common.cuh"
 
-// The pair (a, b) rotated by the angle whose cosine and sine are c and s: (a c - b s, a s + b c).
+// The pair (a, b) rotated by the angle whose cosine and sine are c and s: (a c - b s, a s + b c), each with
+// its fused multiply-add spelled out, so that every kernel inlining it rounds alike.
 DEVICE void rotate_pair(double a, double b, double c, double s, float* r0, float* r1) {
-    *r0 = (float)(a * c - b * s);
-    *r1 = (float)(a * s + b * c);
+    *r0 = (float)fma(a, c, -(b * s));
+    *r1 = (float)fma(a, s, b * c);
 }
 
 // The columns of rotation pair i of a head: neox (i, i + half), norm (2i, 2i + 1).
@@ -159,6 +160,10 @@ DEVICE void unit_cols(int u, int half, int neox, int* ja, int* jb) {
     *jb = *ja + (split ? half : 1);
 }
 
+// a^2 + b^2 with its one fused multiply-add spelled out, so that the one-row and the _wide bodies, whose code
+// around it differs, round a row's sum of squares alike (the compiler's own contraction need not agree).
+DEVICE float square_pair(float a, float b) { return fmaf(a, a, b * b); }
+
 // The block's table of its tokens' angles: cs[2 it half + k] = cos of token t0 + it's pair k, then the half
 // sines; one sincos per (token, pair) of the block.
 DEVICE void fill_rope_table(double* cs, const int* __restrict__ pos, const double* __restrict__ inv_freq,
@@ -224,7 +229,7 @@ DEVICE void norm_rope_block(T* out, const int* __restrict__ rows, int cap, int* 
         unit_cols(u, half, neox, &ja, &jb);
         va[k] = has_row && u < n_units ? xh[ja] : 0.0f;
         vb[k] = has_row && u < n_units && jb < head_dim ? xh[jb] : 0.0f;
-        ss += va[k] * va[k] + vb[k] * vb[k];
+        ss += square_pair(va[k], vb[k]);
     }
     fill_rope_table(cs, pos, inv_freq, freq_scale, t0, tb, n_tok, half);
     ss = group_sum(ss);
@@ -343,7 +348,7 @@ DEVICE void norm_rope_rows(T* out, const int* __restrict__ rows, int cap, int* e
         if (i >= rpg) continue;  // every lane of a group shuffles
         float ss = 0.0f;
 #pragma unroll
-        for (int k = 0; k < U; ++k) ss += va[i][k] * va[i][k] + vb[i][k] * vb[i][k];
+        for (int k = 0; k < U; ++k) ss += square_pair(va[i][k], vb[i][k]);
         const float inv = 1.0f / sqrtf(group_sum(ss) / (float)head_dim + eps);
 #pragma unroll
         for (int k = 0; k < U; ++k) {
