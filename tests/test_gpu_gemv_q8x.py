@@ -247,9 +247,17 @@ def _decode_logits(spec: str, backend: str, dtype: str, passes: str, n: int) -> 
 @gpu_only
 @pytest.mark.gpu
 def test_model_decode_through_the_pass_meets_the_reference_backend(dtype):
-    """random:qwen3-tiny decoding 24 tokens one a call: gpu and reference with default,q8-activations agree up
-    to f32 summation order (a code of x may round the other way where an x value moved by an ulp upstream)."""
+    """random:qwen3-tiny decoding 24 tokens one a call: gpu and reference with default,q8-activations agree far
+    better than the pass agrees with f32 activations. Not to an f32 summation-order bound: where an x value
+    moved by an ulp upstream (the gpu's f32 kernels sum in other orders) its 8-bit code may round the other
+    way, a step of max|x|/127 in one value (on the H200 the largest logit gap was 0.04 of a largest logit 4.3).
+    So the measure is the normalized mean squared error, bounded by a tenth of the pass's own (~3e-4 here): a
+    wrong block, scale or offset in the kernel costs far more than that."""
     got = _decode_logits("random:qwen3-tiny", "gpu", dtype, "default,q8-activations", 24)
     want = _decode_logits("random:qwen3-tiny", "reference", dtype, "default,q8-activations", 24)
-    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+    f32 = _decode_logits("random:qwen3-tiny", "reference", dtype, "default", 24)
 
+    def nmse(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.mean((a - b) ** 2) / np.mean(b ** 2))
+
+    assert nmse(got, want) <= 0.1 * nmse(want, f32), (nmse(got, want), nmse(want, f32))
