@@ -53,6 +53,7 @@ def main() -> None:
                     "(';' between variants, ',' between the -D options of one)")
     ap.add_argument("--define-files", default="matmul.cu", help="the kernel sources --defines applies to")
     ap.add_argument("--dtype", default=None, help="convert the weights on load (graphir.load's dtype=)")
+    ap.add_argument("--passes", default="default", help="the pass pipeline (e.g. default,q8-activations)")
     ap.add_argument("--verify", type=int, default=0, help="profile the greedy verify call of this many tokens "
                     "(graphir/speculative.py) instead of the decode step")
     ap.add_argument("--gemvm", default=None, help="the 2..16-token float GEMV geometry (backends/gpu/matmul.py "
@@ -71,7 +72,7 @@ def main() -> None:
 
     from graphir.generate import Settings
 
-    model = graphir.load(args.model, backend="gpu", passes="default", dtype=args.dtype)
+    model = graphir.load(args.model, backend="gpu", passes=args.passes, dtype=args.dtype)
     settings = Settings()  # greedy: the step returns the argmax id
     model.feed(np.arange(args.prompt) % 200 + 1, last_only=True)
     model._decode_sample(1, settings)
@@ -139,7 +140,7 @@ def profile_verify(args) -> None:
 
     from graphir import speculative as sp
 
-    model = graphir.load(args.model, backend="gpu", passes="default", dtype=args.dtype)
+    model = graphir.load(args.model, backend="gpu", passes=args.passes, dtype=args.dtype)
     model.feed(np.arange(args.prompt) % 200 + 1, last_only=True)
     tokens = list(range(3, 3 + args.verify))
     for _ in range(3):  # the Program is captured on its second call
