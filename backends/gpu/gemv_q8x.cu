@@ -9,15 +9,9 @@
 //
 // Why: the f32 gemv1v3 kernels spend ~3 instructions a 4-bit weight (a LOP3 building a float from the nibble,
 // an FFMA for its bias, an FFMA for the dot) and stay issue-bound at 35-65 % of copy bandwidth. Here a 32-bit
-// word of 8 q4_0 codes costs a funnel shift (re-alignment), 2 LOP3 (low nibbles; high nibbles in place) and 2
-// IDP4A; a 32-weight block and row adds 5 LDS of its words and ~6 for the scales and the float sum: ~1 instruction
-// a weight. sm_90 SASS (nvcc 13, 2026-12-02), instructions of one chunk iteration of a thread, everything
-// included (staging, quantizing x, prefetch, loop): q4_0 w4r4 327 for 128 weights (2.6 a weight: quantizing
-// x is ~80 of them, shared by the block's rows), w8r4 307 in the warps that quantize and ~230 in the others
-// (~2.1), w4r8 476 for 256 (1.9); q8_0 w4r2 260 for 64 (4.1, at 1.06 bytes a weight: 3.6x q4_0's bytes).
-// Registers (-Xptxas -v): q4_0 w4r2 55, w4r4 72, w8r2 63, w8r4 80, w4r4b2 96, w4r8 128; q8_0 64 / 93 / 64 /
-// 96 / 128 / 167; _any 48 / 56. No spills but q4_0 w4r4's (ptxas stops it at 72 registers: 12 bytes, one
-// store and one load a chunk).
+// word of 8 q4_0 codes costs a funnel shift (re-alignment), 3 logic ops (low nibbles, high nibbles) and 2 dp4a:
+// per 32-weight block and row (sm_90 SASS of gemv_q8x_q4_0_w4r4, 2026-12-02): 5 LDS, 4 SHF, 12 LOP3, 8 IDP4A
+// and ~6 for the scale and the float sum, ~1.1 instructions a weight; q8_0 ~0.9 (8 SHF + 8 IDP4A + 9 LDS).
 //  - the -8 of q4_0's codes: sum c q = sum nibble * q - 8 sum q; the block's sum of q is found once, with x.
 //  - x is quantized inside each thread block as it is staged (4 threads a 32-value block: max |x|, scale,
 //    codes, sum of codes), so no separate kernel (launch) is needed; every block computes the same codes
@@ -60,18 +54,6 @@ DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..s
 #endif
 }
 
-// (v & mask) ^ flip in ONE instruction: ptxas splits the C expression into two LOP3s (one immediate each), as
-// quant.cuh's and_or says; with the constants in registers (hoisted out of the loop) it stays one.
-DEVICE unsigned and_xor(unsigned v, unsigned mask, unsigned flip) {
-#if defined(__CUDACC__) && !defined(__HIPCC__)
-    unsigned r;
-    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(v), "r"(mask), "r"(flip));  // 0x6A: (a & b) ^ c
-    return r;
-#else
-    return (v & mask) ^ flip;
-#endif
-}
-
 DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 stay inside it on wave64 too)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += SHFL_XOR(v, o);
@@ -93,8 +75,7 @@ DEVICE unsigned q8_pack4(float a, float b, float c, float d, float inv, int& sum
 
 // Chunk layout in shared memory, 3 U4 a block: its codes (elements 0..15, 16..31), then {d bits, bias}; the
 // third U4 also shifts consecutive blocks' 48-byte records across banks, so lanes reading their own block's
-// codes with 16-byte loads do not conflict. bias = OFFSET * (sum of codes 0..15), the integer sum's start
-// (Q4_0 folds the offset of codes 16..31 into their bytes).
+// codes with 16-byte loads do not conflict. bias = OFFSET * (sum of codes), the integer sum's start.
 // Threads 4t..4t+3 quantize block t (8 values each); blocks from nbh on are written as zeros.
 template <int T, int CB, int OFFSET>
 DEVICE void q8_stage_chunk(const float* __restrict__ X, int nbh, U4* xs) {
@@ -114,7 +95,8 @@ DEVICE void q8_stage_chunk(const float* __restrict__ X, int nbh, U4* xs) {
         const float d = m / 127.0f, inv = q8_inverse(d);
         int s = 0;
         const U2 w = {q8_pack4(a.a, a.b, a.c, a.d, inv, s), q8_pack4(b.a, b.b, b.c, b.d, inv, s)};
-        s += SHFL_XOR(s, 1);  // part 0: the sum of codes 0..15
+        s += SHFL_XOR(s, 1);
+        s += SHFL_XOR(s, 2);
         ((U2*)(xs + 3 * blk))[part] = w;
         if (part == 0) xs[3 * blk + 2] = U4{__float_as_uint(d), (unsigned)(OFFSET * s), 0u, 0u};
     }
@@ -131,17 +113,14 @@ struct Q4_0 {
         *d = h2f((W[0] >> (8 * off)) & 0xFFFFu);
         const unsigned sh = 16 + 8 * off;  // qs start 2 bytes after the block: bit 16 or 32 of W[0]:W[1]
         const unsigned x_lo[4] = {xa.a, xa.b, xa.c, xa.d}, x_hi[4] = {xb.a, xb.b, xb.c, xb.d};
-        // Two chains: low nibbles (elements 4k.., x word k) as they are, their -8 in the bias; high nibbles
-        // (16 + 4k.., word 4 + k) masked in place and flipped, (16 n) ^ 0x80 = 16 (n - 8) as a signed byte: one
-        // LOP3 instead of a shift and a mask.
-        int hi = 0;
+        int hi = 0;  // two chains: low nibbles (elements 4k.., x word k), high (16 + 4k.., word 4 + k)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned q = funnel_r(W[k], W[k + 1], sh);
             acc = dot4_i8(q & 0x0F0F0F0Fu, x_lo[k], acc);
-            hi = dot4_i8(and_xor(q, 0xF0F0F0F0u, 0x80808080u), x_hi[k], hi);
+            hi = dot4_i8((q >> 4) & 0x0F0F0F0Fu, x_hi[k], hi);
         }
-        return acc + (hi >> 4);  // exact: hi is 16 times the sum (arithmetic shift)
+        return acc + hi;
     }
 };
 
@@ -187,21 +166,14 @@ DEVICE void gemv_q8x_staged(const u8* __restrict__ W, long long row_bytes, const
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
-    // This lane's pieces of each row's next chunk, by pointers advanced a chunk a load (recomputing the 64-bit
-    // addresses from the chunk index took ~9 instructions a row and chunk).
-    const U4* wp[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) wp[r] = (const U4*)wr[r] + lane;
     U4 pc[NR][PPL];
     auto load_chunk = [&](int c0) {
         const int npc = ((nb - c0 < CB ? nb - c0 : CB) * S::BB + 15) / 16;  // rows are whole pieces
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
+        for (int r = 0; r < NR; ++r)
 #pragma unroll
             for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) pc[r][p] = wp[r][32 * p];
-            wp[r] += PIECES;
-        }
+                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)c0 * S::BB))[lane + 32 * p];
     };
     load_chunk(0);
     for (int b0 = 0; b0 < nb; b0 += CB) {
@@ -282,7 +254,7 @@ DEVICE void gemv_q8x_any(const u8* __restrict__ W, long long row_bytes, const fl
 // cfg: w<G>r<NR>[b<BPL>] -> threads 32 G, rows per block G NR (gemv_q8x.py Q8X_CONFIGS mirrors it)
 #define FOR_EACH_Q8X_CFG(M, name, S)                                                                  \
     M(name, S, w4r2, 4, 2, 1) M(name, S, w4r4, 4, 4, 1) M(name, S, w8r2, 8, 2, 1) M(name, S, w8r4, 8, 4, 1) \
-    M(name, S, w4r4b2, 4, 4, 2) M(name, S, w4r8, 4, 8, 1)
+    M(name, S, w4r4b2, 4, 4, 2)
 #define DEFINE_Q8X(name, S, cfg, G, NR, BPL)                                                               \
     extern "C" __global__ void __launch_bounds__(32 * G) gemv_q8x_##name##_##cfg(                          \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \

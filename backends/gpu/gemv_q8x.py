@@ -23,12 +23,9 @@ from .layout import copy_launch
 
 # cfg -> (threads, rows per block), mirroring gemv_q8x.cu FOR_EACH_Q8X_CFG: w<G>r<NR>[b<BPL>] = G 32-lane
 # groups of NR rows, chunks of 32 BPL blocks a row.
-Q8X_CONFIGS = {"w4r2": (128, 8), "w4r4": (128, 16), "w8r2": (256, 16), "w8r4": (256, 32), "w4r4b2": (128, 16),
-               "w4r8": (128, 32)}
-# The staged geometry per format. Not yet timed on a GPU (`bench_gpu_gemv.py --q8x` picks): guessed from SASS
-# instruction counts (gemv_q8x.cu's header), 32-row blocks for q4_0 to share x's quantization over more rows, the
-# smallest blocks for q8_0, whose bytes a weight leave the most issue room.
-Q8X_KERNEL = {"q4_0": "w8r4", "q8_0": "w4r2"}
+Q8X_CONFIGS = {"w4r2": (128, 8), "w4r4": (128, 16), "w8r2": (256, 16), "w8r4": (256, 32), "w4r4b2": (128, 16)}
+# The staged geometry per format (not yet timed on a GPU: `bench_gpu_gemv.py --q8x` picks).
+Q8X_KERNEL = {"q4_0": "w4r4", "q8_0": "w4r2"}
 ANY_ROWS = 4  # gemv_q8x_<fmt>_any: one 32-lane group a row, 128 threads
 MAX_TOKENS = 16
 
