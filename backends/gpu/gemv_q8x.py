@@ -24,7 +24,13 @@ from .layout import copy_launch
 # cfg -> (threads, rows per block), mirroring gemv_q8x.cu FOR_EACH_Q8X_CFG: w<G>r<NR>[b<BPL>] = G 32-lane
 # groups of NR rows, chunks of 32 BPL blocks a row.
 Q8X_CONFIGS = {"w4r2": (128, 8), "w4r4": (128, 16), "w8r2": (256, 16), "w8r4": (256, 32), "w4r4b2": (128, 16)}
-# The staged geometry per format (not yet timed on a GPU: `bench_gpu_gemv.py --q8x` picks).
+# The staged geometry per format. H200, 2026-12-01, `bench_gpu_gemv.py --q8x --formats q4_0,q8_0`, % of copy
+# bandwidth at 4096x4096 / 12288x4096 / 4096x12288 / 151936x4096 (the f32-activation gemv1v3 default beside):
+#   q4_0 w4r2 32.8/47.2/42.4/69.5, w4r4 31.1/56.7/40.4/82.9, w8r2 32.5/49.2/42.2/72.2, w8r4 29.9/58.8/38.7/81.8,
+#        w4r4b2 32.2/49.4/45.0/79.4; f32 path 35.2/47.5/45.6/64.7
+#   q8_0 w4r2 49.6/63.4/51.5/91.8, best of the rest 48.7/63.9/54.2/95.6; f32 path 54.4/71.0/61.6/94.9
+# So 8-bit x pays for q4_0 at the large shapes only (gate|up, the LM head) and never for q8_0: each block
+# still spends ~2.6 instructions a weight, a third of them quantizing x.
 Q8X_KERNEL = {"q4_0": "w4r4", "q8_0": "w4r2"}
 ANY_ROWS = 4  # gemv_q8x_<fmt>_any: one 32-lane group a row, 128 threads
 MAX_TOKENS = 16
