@@ -72,6 +72,17 @@ def make_raw(rng: np.random.Generator, fmt: str, shape: tuple[int, int]) -> np.n
     return random_quantized(rng, fmt, shape)
 
 
+def device_copies(cp, rng: np.random.Generator, fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, int, list]:
+    """A random `fmt` weight: its host bytes, its row bytes, and enough device copies of it to rotate through
+    (ROTATE_BYTES in all, so the 50 MB L2 cannot serve a timed call)."""
+    from graphir.backends.gpu.matmul import _row_bytes
+
+    raw = make_raw(rng, fmt, shape)
+    rb = _row_bytes(fmt, shape[1])
+    dev = cp.asarray(raw.view(np.uint8).reshape(shape[0], rb))
+    return raw, rb, [dev] + [dev.copy() for _ in range(max(1, math.ceil(ROTATE_BYTES / dev.nbytes)) - 1)]
+
+
 def time_steps(steps: list, iters: int) -> tuple[float, str]:
     """Seconds per pass over `steps`, replayed from a captured CUDA graph (gpu_timing.py)."""
     def run() -> None:
@@ -123,14 +134,11 @@ def bench_variants(cp, rng, fmt: str, shape: tuple[int, int], iters: int) -> dic
     """us per call of every m == 1 variant on one weight (rotated copies); each result checked."""
     from graphir.backends.gpu import kernels
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, _row_bytes, gemv_kernel
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_V3, gemv_kernel
 
     n_out, n_in = shape
-    raw = make_raw(rng, fmt, shape)
-    rb = _row_bytes(fmt, n_in)
-    dev = cp.asarray(raw.view(np.uint8).reshape(n_out, rb))
-    copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
-    ws = [dev] + [dev.copy() for _ in range(copies - 1)]
+    raw, rb, ws = device_copies(cp, rng, fmt, shape)
+    dev, copies = ws[0], len(ws)
     x = cp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
     # reference: the weight dequantized on the device (dequant_<fmt>, bit-exact to graphir.quant)
     wf = cp.empty((n_out, n_in), np.float32)
@@ -304,17 +312,14 @@ def bench_q8x(cp, rng, fmt: str, shape: tuple[int, int], cfgs: list[str], iters:
     copies); every result checked (a wrong one is reported and timed as nan)."""
     from graphir.backends.gpu.gemv_q8x import Q8X_CONFIGS
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import _row_bytes, gemv_kernel
+    from graphir.backends.gpu.matmul import gemv_kernel
 
     from graphir.ops import OPS
     from graphir.quant import dequantize
 
     n_out, n_in = shape
-    raw = make_raw(rng, fmt, shape)
-    rb = _row_bytes(fmt, n_in)
-    dev = cp.asarray(raw.view(np.uint8).reshape(n_out, rb))
-    copies = max(1, math.ceil(ROTATE_BYTES / dev.nbytes))
-    ws = [dev] + [dev.copy() for _ in range(copies - 1)]
+    raw, rb, ws = device_copies(cp, rng, fmt, shape)
+    dev, copies = ws[0], len(ws)
     xh = rng.standard_normal((1, n_in)).astype(np.float32)
     x = cp.asarray(xh)
     rows = np.r_[0:CHECK_ROWS, n_out - CHECK_ROWS:n_out] if n_out > 2 * CHECK_ROWS else np.arange(n_out)
