@@ -38,8 +38,10 @@ What is measured (time.perf_counter, one process, in this order):
                           (accepted / drafted), draft_tokens_per_verify, draft_equals_plain (greedy outputs equal)
 
 When llama-cpp-python is importable and the model is a GGUF file, the same measurements run with
-it in the same process (n_threads=2) for a same-run comparison; otherwise `llama_cpp` is None and
-`llama_cpp_note` says why. It is not a dependency.
+it in the same process for a same-run comparison, with as many threads as graphir's kernels may use
+(`--threads N`, else numba's pool); otherwise `llama_cpp` is None and `llama_cpp_note` says why. It
+is not a dependency. On the cpu backend `cpu_threads` records graphir's thread setting and, when it is
+auto, the counts it had picked at the end of each timed decode run.
 """
 
 from __future__ import annotations
@@ -301,7 +303,7 @@ def ttft_new_process(spec: str, backend: str, passes: str, prompt: list[int], co
 
 def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
-          llama_cpp: bool = True, llama_cpp_threads: int = 2, long_prefill_tokens: int | None = None,
+          llama_cpp: bool = True, llama_cpp_threads: int | None = None, long_prefill_tokens: int | None = None,
           new_process: bool = False, compare_hf: bool = False,
           hf_compiled: bool = True, draft: str | None = None, draft_len: int = 4, tp: int = 1,
           dtype: str | None = None) -> dict[str, Any]:
@@ -342,7 +344,10 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     ttft_warm = _ttft(model, prompt)
     _prefill_s(model, prefill)  # lowers prefill_tokens' buckets
     prefill_times = [_prefill_s(model, prefill) for _ in range(repeats)]
-    decode_times = [_decode_s(model, prompt, decode_tokens) for _ in range(repeats)]
+    decode_times, picked = [], []
+    for _ in range(repeats):
+        decode_times.append(_decode_s(model, prompt, decode_tokens))
+        picked.append(_cpu_threads_now(backend))
     step_device_s = _decode_step_device_s(model) if on_gpu else float("nan")
     long_times: list[float] = []
     if long_prefill_tokens:
@@ -378,6 +383,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         "machine": {**machine(), **({"gpu": gpu_name()} if on_gpu else {})},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "llama_cpp": None, "llama_cpp_note": "", "hf_eager": None, "hf_compiled": None, "hf_note": "",
+        "cpu_threads": _cpu_threads_note(backend, picked),
     }
     if compare_hf:
         from graphir.bench_hf import hf_peers
@@ -396,10 +402,36 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
         result["ttft_cold_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=True)
     if llama_cpp:
         result["llama_cpp"], result["llama_cpp_note"] = _maybe_llama_cpp(
-            result["source"], prefill, prompt, decode_tokens, repeats, llama_cpp_threads)
+            result["source"], prefill, prompt, decode_tokens, repeats, llama_cpp_threads or _peer_threads())
     else:
         result["llama_cpp_note"] = "llama.cpp comparison not requested"
     return result
+
+
+def _cpu_threads_now(backend: str) -> int | None:
+    """The thread count the cpu backend's next kernel would use (None on other backends)."""
+    if backend != "cpu":
+        return None
+    from graphir.backends.cpu.threads import threads_now
+
+    return threads_now()
+
+
+def _cpu_threads_note(backend: str, picked: list[int | None]) -> str:
+    """'N (fixed)', or 'auto: a, b, c' (the counts at the end of each timed decode run); '' off the cpu."""
+    if backend != "cpu":
+        return ""
+    from graphir.backends.cpu.threads import get_threads
+
+    fixed = get_threads()
+    return f"{fixed} (fixed)" if fixed is not None else "auto: " + ", ".join(str(n) for n in picked)
+
+
+def _peer_threads() -> int:
+    """Threads for a CPU peer: graphir's fixed setting, else numba's pool (the most graphir's kernels use)."""
+    from graphir.backends.cpu.threads import get_threads, pool_size
+
+    return get_threads() or pool_size()
 
 
 # ---------------------------------------------------------------- llama.cpp (optional)
@@ -516,6 +548,8 @@ def header_lines(result: dict[str, Any], command: str | None = None) -> list[str
     lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
              f"numba threads {m['numba_threads']}{gpu}; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}",
              f"date: {result['date']}"]
+    if result.get("cpu_threads"):
+        lines.append(f"cpu backend threads: {result['cpu_threads']}")
     if command:
         lines.append(f"command: {command}")
     if result.get("draft"):

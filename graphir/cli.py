@@ -578,8 +578,8 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     """Measure load, time to first token (first and warm), prefill and decode tok/s, peak RSS, arena size,
     and the memory-bandwidth limit of decode, on this machine with wall-clock time.
 
-    When llama-cpp-python is importable and MODEL is a GGUF file, llama.cpp (2 threads) is measured
-    in the same run. Numbers go to stdout as a table; progress to stderr.
+    When llama-cpp-python is importable and MODEL is a GGUF file, llama.cpp is measured in the same run,
+    with --threads threads (default: numba's pool). Numbers go to stdout as a table; progress to stderr.
     """
     import json
     import shlex

@@ -42,6 +42,28 @@ def test_bench_returns_every_number() -> None:
     json.dumps(r)  # everything in it is JSON-ready
 
 
+def test_bench_records_the_cpu_threads_and_gives_a_cpu_peer_the_same(monkeypatch) -> None:
+    """The cpu backend's thread setting is in the result and the table, and a CPU peer (llama.cpp) runs with
+    graphir's fixed count, else numba's pool, never a fixed 2."""
+    from graphir.backends.cpu import threads
+
+    asked = []
+    monkeypatch.setattr(bench_mod, "_maybe_llama_cpp",
+                        lambda source, prefill, prompt, n, repeats, t: (asked.append(t), (None, "stub"))[1])
+    monkeypatch.setattr(threads, "_fixed", 1)
+    r = bench("random:llama-tiny", repeats=2, bandwidth_mb=16, **TINY)
+    assert r["cpu_threads"] == "1 (fixed)" and asked == [1]
+    buf = io.StringIO()
+    bench_mod.render(r, None, file=buf, plain=True)
+    assert "cpu backend threads: 1 (fixed)" in buf.getvalue()
+    monkeypatch.setattr(threads, "_fixed", None)
+    r = bench("random:llama-tiny", repeats=3, bandwidth_mb=16, **TINY)
+    picked = r["cpu_threads"].removeprefix("auto: ").split(", ")
+    assert r["cpu_threads"].startswith("auto: ") and len(picked) == 3, r["cpu_threads"]
+    assert all(1 <= int(n) <= threads.pool_size() for n in picked)
+    assert asked == [1, threads.pool_size()]
+
+
 def test_plain_table_has_a_llama_cpp_column_when_it_ran() -> None:
     r = {k: 1.5 for k in NUMBERS} | {
         "machine": bench_mod.machine(), "date": "2026-01-01T00:00:00+00:00", "source": "m.gguf", "backend": "cpu",
