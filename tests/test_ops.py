@@ -516,7 +516,7 @@ def test_mul_mat_q8x_rounds_x_to_8_bit_blocks(dtype, n, n_out, n_in, rng):
 
 
 def test_mul_mat_q8x_needs_a_block_quantized_weight():
-    with pytest.raises(GraphError, match="dtype f32; mul_mat_q8x takes the integer codes of q4_0, q8_0"):
+    with pytest.raises(GraphError, match="dtype f32; mul_mat_q8x takes the integer codes of q4_0, q4_1, q8_0"):
         g.mul_mat_q8x(g.param("w", (7, 32)), g.input("x", (1, 32)))
     with pytest.raises(GraphError, match="must be a 2-D weight"):
         g.mul_mat_q8x(g.param("w", (2, 7, 32), "q8_0"), g.input("x", (1, 32)))

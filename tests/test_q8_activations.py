@@ -1,6 +1,6 @@
 """The q8-activations pass and its op mul_mat_q8x on the CPU side (kernels: tests/test_gpu_gemv_q8x.py).
 
-The pass rewrites decode matmuls (at most max_rows rows of x) of q4_0 / q8_0 weights and says why it leaves the
+The pass rewrites decode matmuls (at most max_rows rows of x) of q4_0 / q4_1 / q8_0 weights and says why it leaves the
 others; a stacked gate|up activation becomes the q8x product and swiglu_split of its halves. The op's formula
 test is tests/test_ops.py's (gguf's own q8_0 codes of x); here its rounding helper is checked against C's
 roundf cases, and a model decoding through the pass on the reference and cpu backends stays near the f32 path.
@@ -26,14 +26,14 @@ def _matmul(wtype: str, rows: int, n_in: int = 64) -> Graph:
     return Graph({"y": g.mul_mat(g.param("w", (24, n_in), wtype), g.input("x", (rows, n_in)), name="proj")})
 
 
-@pytest.mark.parametrize("wtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q8_0"])
 def test_rewrites_decode_matmuls_of_block_quantized_weights(wtype):
     assert _ops(run_pipeline(_matmul(wtype, 1), "q8-activations")) == ["mul_mat_q8x"]
 
 
 @pytest.mark.parametrize("wtype,rows,why", [
     ("q4_0", 7, "7 rows of x > max_rows=1: not a decode GEMV, kept in f32"),
-    ("f32", 1, "weight dtype f32 has no integer-code GEMV (only q4_0, q8_0): kept in f32"),
+    ("f32", 1, "weight dtype f32 has no integer-code GEMV (only q4_0, q4_1, q8_0): kept in f32"),
     ("q4_k", 1, "weight dtype q4_k has no integer-code GEMV"),
 ])
 def test_rejects_prefill_and_other_weights_with_the_reason(wtype, rows, why):

@@ -33,10 +33,10 @@ import numpy as np
 
 from graphir import flags, graph_cache
 
-KINDS = ("concat0", "gemv_soa")  # derivations kept on disk (weights.derived key prefixes)
+KINDS = ("concat0", "gemv_soa", "gemv_q8x")  # derivations kept on disk (weights.derived key prefixes)
 MIN_BYTES = 1 << 20  # smaller entries derive faster than a file is opened and checked
 SAMPLE = 4096  # bytes digested at each end of a source range
-_CODE = ("weight_cache.py", "gemv_repacked.py", "matmul.py")  # beside this file; and graphir/lowering.py
+_CODE = ("weight_cache.py", "gemv_repacked.py", "gemv_q8x.py", "matmul.py")  # beside this file; and graphir/lowering.py
 
 
 @functools.cache
@@ -128,7 +128,7 @@ class DerivedCache(dict):
         """(the entry's path stem, its manifest without arrays) for a key kept on disk, else None."""
         if not (isinstance(key, tuple) and key and key[0] in KINDS):
             return None
-        # gemv_soa keys end with the repacked weight's own key, flattened: ("param", name) or ("concat0", ...)
+        # gemv_soa / gemv_q8x keys end with the repacked weight's own key, flattened: ("param", name), ("concat0", ...)
         parts = key if key[0] == "concat0" else key[:2] + (key[2:],)
         sources: list = []
         try:

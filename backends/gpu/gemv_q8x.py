@@ -1,6 +1,7 @@
 """mul_mat_q8x on the GPU (kernels in gemv_q8x.cu): the decode GEMV with x rounded to 8-bit blocks.
 
-The q8-activations pass produces the op for decode matmuls of q4_0 / q8_0 weights. Each thread block
+The q8-activations pass produces the op for decode matmuls of q4_0 / q4_1 / q8_0 weights; the gpu has kernels
+for q4_0 and q8_0 (a q4_1 one was never written: its lowering is an error). Each thread block
 quantizes x as it stages it and multiplies the weight's integer codes with dp4a. Rows of whole 16-byte
 pieces in a 16-byte aligned weight take a staged geometry (`gemv_q8x_<fmt>_<cfg>`, Q8X_KERNEL's choice);
 every other weight the `_any` kernel, which gives the same bits, slowly. x rows go along grid y: the weight
@@ -16,7 +17,6 @@ import numpy as np
 
 from graphir.dtypes import dtype as dtype_info
 from graphir.errors import BackendError
-from graphir.ops.fused import Q8X_FORMATS
 
 from .launch import GpuParam, Launch, Lowering, cdiv, i32
 from .layout import copy_launch
@@ -31,7 +31,7 @@ Q8X_CONFIGS = {"w4r2": (128, 8), "w4r4": (128, 16), "w8r2": (256, 16), "w8r4": (
 #   q8_0 w4r2 49.6/63.4/51.5/91.8, best of the rest 48.7/63.9/54.2/95.6; f32 path 54.4/71.0/61.6/94.9
 # So 8-bit x pays for q4_0 at the large shapes only (gate|up, the LM head) and never for q8_0: each block
 # still spends ~2.6 instructions a weight, a third of them quantizing x.
-Q8X_KERNEL = {"q4_0": "w4r4", "q8_0": "w4r2"}
+Q8X_KERNEL = {"q4_0": "w4r4", "q8_0": "w4r2"}  # its keys are the formats with a gpu kernel
 ANY_ROWS = 4  # gemv_q8x_<fmt>_any: one 32-lane group a row, 128 threads
 MAX_TOKENS = 16
 
@@ -39,8 +39,8 @@ MAX_TOKENS = 16
 def q8x_kernel(fmt: str, n_in: int, w_ptr: int, cfg: str | None = None) -> tuple[str, int, int]:
     """(kernel, threads, rows per block) for a [*, n_in] `fmt` weight at device address w_ptr; `cfg` (a
     Q8X_CONFIGS key) overrides Q8X_KERNEL. Rows not whole 16-byte pieces, or an unaligned weight: `_any`."""
-    if fmt not in Q8X_FORMATS:
-        raise BackendError(f"mul_mat_q8x: weight dtype {fmt} has no gpu kernel (only {', '.join(Q8X_FORMATS)})")
+    if fmt not in Q8X_KERNEL:
+        raise BackendError(f"mul_mat_q8x: weight dtype {fmt} has no gpu kernel (only {', '.join(Q8X_KERNEL)})")
     if dtype_info(fmt).row_bytes(n_in) % 16 or w_ptr % 16:
         return f"gemv_q8x_{fmt}_any", 32 * ANY_ROWS, ANY_ROWS
     cfg = cfg or Q8X_KERNEL[fmt]
@@ -51,6 +51,10 @@ def lower_mul_mat_q8x(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> l
     w, x, y = ins[0], ins[1], outs[0]
     if not (isinstance(w, GpuParam) and len(w.shape) == 2):
         raise BackendError("mul_mat_q8x: the gpu backend takes a 2-D weight (what the q8-activations pass rewrites)")
+    if w.dtype not in Q8X_KERNEL:
+        raise BackendError(f"mul_mat_q8x {n.describe()}: weight dtype {w.dtype} has no gpu kernel (the gpu's is "
+                           f"for {', '.join(Q8X_KERNEL)}): run q8-activations on the cpu backend, or use a "
+                           f"{' / '.join(Q8X_KERNEL)} weight")
     n_out, n_in = w.shape
     m = math.prod(x.shape[:-1])
     name, threads, rows = q8x_kernel(w.dtype, n_in, w.raw.data.ptr)

@@ -207,7 +207,7 @@ op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accum
 
 
 # ---------------------------------------------------------------- 8-bit activations (integer dot products)
-Q8X_FORMATS = ("q4_0", "q8_0")  # weights whose integer codes the GPU's dp4a GEMV multiplies (gemv_q8x.cu)
+Q8X_FORMATS = ("q4_0", "q4_1", "q8_0")  # weights whose integer codes a GEMV multiplies (gpu: q4_0, q8_0)
 Q8_BLOCK = 32
 _F32_TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal f32
 
@@ -237,8 +237,12 @@ def _mul_mat_q8x_infer(ts: list[Type], p: dict) -> Type:
 
 
 def _mul_mat_q8x_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    # w arrives dequantized (d_w * c, exact in f32), so w * q summed over a block in float64 is exactly
-    # d_w * (the integer sum of c * q); the blocks' sum is then float64, rounded once to f32.
+    # w arrives dequantized: d_w * c (q4_0, q8_0) is exact in f32, so w * q summed over a block in float64 is
+    # exactly d_w * (the integer sum of c * q); the blocks' sum is then float64, rounded once to f32. q4_1's
+    # d_w * c + m_w (f16 d and m, c < 16: 15 and 11 significant bits) is exact in f32 whenever d's f16 ulp is
+    # at most 2^8 times m's and m's at most 2^12 times d's (the sum fits 24 bits), and the block sum is then
+    # exactly d_w * (sum c q) + m_w * (sum q): true of every weight of SmolLM2's file (106M) and of
+    # quant.random_quantized (checked 2026-12-01).
     q, d = q8_blocks(x)
     n_out, n_in = w.shape
     wb = w.astype(np.float64).reshape(n_out, n_in // Q8_BLOCK, Q8_BLOCK)
@@ -248,10 +252,12 @@ def _mul_mat_q8x_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 # Produced by the q8-activations pass for decode GEMVs of 4- and 8-bit weights: with x in 8-bit blocks
-# the GPU multiplies integer codes with dp4a (~1 instruction a weight instead of ~3). Its meaning is
-# exact: x rounded by q8_blocks, y = sum over blocks of d_w d_x (sum c q), the inner sum exact.
-op("mul_mat_q8x", 2, "mul_mat of a q4_0 / q8_0 weight with x rounded to 8-bit blocks of 32 (q8_blocks): "
-                     "y = sum_b d_w d_x (integer sum c q)")((_mul_mat_q8x_infer, _mul_mat_q8x_ref))
+# the GPU multiplies integer codes with dp4a (~1 instruction a weight instead of ~3), the CPU with
+# vpmaddubsw (backends/cpu/gemv_q8x.py). Its meaning is exact: x rounded by q8_blocks, y = sum over
+# blocks of d_w d_x (sum c q), plus m_w d_x (sum q) for q4_1's min, the inner sums exact.
+op("mul_mat_q8x", 2, "mul_mat of a q4_0 / q4_1 / q8_0 weight with x rounded to 8-bit blocks of 32 (q8_blocks): "
+                     "y = sum_b d_w d_x (integer sum c q) [+ m_w d_x (integer sum q), q4_1]")(
+    (_mul_mat_q8x_infer, _mul_mat_q8x_ref))
 
 # ---------------------------------------------------------------- reduced-precision attention
 LOG2E = 1.4426950408889634

@@ -1,4 +1,4 @@
-"""q8-activations: decode matmuls of q4_0 / q8_0 weights with x in 8-bit blocks (mul_mat -> mul_mat_q8x).
+"""q8-activations: decode matmuls of q4_0 / q4_1 / q8_0 weights with x in 8-bit blocks (mul_mat -> mul_mat_q8x).
 
 A decode GEMV reads each weight once; at 4 bits a weight, decoding it to a float and multiplying in f32
 takes ~3 GPU instructions a weight, more than the memory system needs to deliver it. With x rounded to
@@ -6,14 +6,17 @@ int8 per 32-value block (scale max |x| / 127, llama.cpp's q8_1 activations witho
 GEMV multiplies the weight's integer codes directly, four at a time (dp4a). Measured on an H200
 (backends/gpu/gemv_q8x.py, Q8X_KERNEL's comment): faster for q4_0 at the large shapes (a 12288x4096 GEMV
 at 57 % of copy bandwidth against 48 %, the LM head 83 % against 65 %), about even or slower at 4096 rows,
-slower for q8_0: each block quantizes x itself, ~a third of its instructions.
+slower for q8_0: each block quantizes x itself, ~a third of its instructions. The gpu has no q4_1 kernel
+(lowering a q4_1 mul_mat_q8x there is an error that says so). On the cpu (backends/cpu/gemv_q8x.py) x is
+quantized once a call and the blocks' integer dot products are AVX2's vpmaddubsw / vpmaddwd, as in
+llama.cpp; BENCHMARKS.md has its numbers on SmolLM2 (q4_1).
 
 What it costs: each x value is rounded to 8 bits relative to its block's largest, an error of up to
 max|x| / 254 per value (~0.4 % of the block's largest), where the f32 path is exact. The weight's own
-rounding (q4_0: 1/16 of its block's range) stays the larger error. It is opt-in
+rounding (q4_0, q4_1: 1/16 of its block's range) stays the larger error. It is opt-in
 (`--passes default,q8-activations`); `graphir check --passes default,q8-activations` shows the cost.
 
-Only matmuls of a 2-D q4_0 / q8_0 weight (a Param, or Params stacked by stack-projections) by at most
+Only matmuls of a 2-D q4_0 / q4_1 / q8_0 weight (a Param, or Params stacked by stack-projections) by at most
 `max_rows` rows of x change: prefill is compute-bound on dequantized weights and stays in f32. A fused
 mul_mat_swiglu (its stacked gate|up product) is split back into the product, now mul_mat_q8x, and
 swiglu_split of its two halves.
@@ -31,7 +34,7 @@ from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
 
 
-@register_pass("q8-activations", "mul_mat (and mul_mat_swiglu) of a q4_0/q8_0 2-D weight by <= max_rows rows "
+@register_pass("q8-activations", "mul_mat (and mul_mat_swiglu) of a q4_0/q4_1/q8_0 2-D weight by <= max_rows rows "
                                  "-> mul_mat_q8x (x in 8-bit blocks, integer dot products): decode GEMV")
 @dataclass(frozen=True)
 class Q8Activations:

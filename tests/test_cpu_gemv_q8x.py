@@ -1,0 +1,130 @@
+"""mul_mat_q8x on the cpu (backends/cpu/gemv_q8x.py) against numpy formulas of the same integer arithmetic.
+
+The independent formula reads the weight's blocks with gguf-py's layout constants (d, q4_1's m, the codes) and
+x's codes from gguf-py's own q8_0 quantizer, takes each block's integer sums in int64 and the rest in float64.
+The kernel's float order (its module docstring) rounds each block's d_w * d_x (and q4_1's sx = d_x * sum q),
+then each exact block sum times it by one fma into one of 4 lanes (nquad = ceil(nblk / 4) fmas a lane), then
+adds 3 times (the lanes, q4_1's offsets): each of the n_in / 32 block terms is rounded at most nquad + 5 times,
+so |error| <= (nquad + 6) 2^-24 sum |terms| (one more for the second-order part of gamma_n). The AVX2 and
+portable paths must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphir import g
+from graphir.errors import BackendError
+from graphir.ops import OPS
+from graphir.ops.fused import q8_blocks
+from graphir.quant import dequantize, random_quantized
+
+gguf = pytest.importorskip("gguf")
+from graphir.backends.cpu import gemv_q8x as GQ  # noqa: E402
+
+SHAPES = [(n_out, n_in, (1, 3, 16)[(i + j) % 3]) for i, n_out in enumerate((1, 7, 511, 1025))
+          for j, n_in in enumerate((32, 64, 576, 1536))]  # every n_out with every n_in, x's rows rotating
+
+
+def activations(m: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """Normal values with an outlier, an all-zero block (scale 0) where there are two blocks, and q8_blocks'
+    rounding cases in a block whose max is 127 (scale 1)."""
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    x[0, -1] = 40.0
+    if n_in >= 64:
+        x[-1, 32:64] = 0.0
+    x[0, :7] = [127.0, 2.5, -2.5, 0.5, -0.5, 0.49999997, -126.5]
+    return x
+
+
+def blocks_of(raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(d, m, codes) float64 [rows, nblk], [rows, nblk], int64 [rows, nblk, 32] from ggml's block layout
+    (q4_0's codes with the 8 taken off, m = 0 where the format has none)."""
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[dtype.upper()]]  # (values, bytes) a block
+    b = raw.reshape(raw.shape[0], -1, size)
+    f16 = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
+    if dtype == "q8_0":
+        return f16(0), np.zeros(b.shape[:2]), b[..., 2:].copy().view(np.int8).astype(np.int64)
+    qs = b[..., -16:].astype(np.int64)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return (f16(0), f16(2), codes) if dtype == "q4_1" else (f16(0), np.zeros(b.shape[:2]), codes - 8)
+
+
+def exact_terms(raw: np.ndarray, dtype: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y in float64 [m, n_out], the sum of |terms| [m, n_out]): y = sum_b d_w d_x (sum c q) + m_w d_x (sum q)."""
+    d, mn, c = blocks_of(raw, dtype)
+    n = x.shape[0]
+    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(n, -1, 34)[..., 2:].copy().view(np.int8)
+    q = q.astype(np.int64)  # [m, nblk, 32]
+    dx = (np.abs(x).reshape(n, -1, 32).max(axis=-1) / np.float32(127)).astype(np.float64)  # [m, nblk]
+    isum = np.einsum("obi,tbi->tob", c, q)  # exact integers, [m, n_out, nblk]
+    qsum = q.sum(axis=-1)[:, None, :]
+    scale, offset = d[None] * dx[:, None], mn[None] * dx[:, None] * qsum
+    return (scale * isum + offset).sum(-1), (np.abs(scale * isum) + np.abs(offset)).sum(-1)
+
+
+def run_kernel(raw, dtype, x, path):
+    y = np.full((x.shape[0], raw.shape[0]), np.nan, np.float32)
+    run = GQ.prepare(raw, dtype, x, y, {}, ("param", "w"), path=path)
+    run()
+    return y
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n_out,n_in,m", SHAPES)
+def test_kernel_matches_the_integer_formula(dtype, n_out, n_in, m, rng):
+    raw = random_quantized(rng, dtype, (n_out, n_in))
+    x = activations(m, n_in, rng)
+    want, size = exact_terms(raw, dtype, x)
+    paths = ["avx2", "portable"] if GQ.AVX2 else ["portable"]
+    got = {p: run_kernel(raw, dtype, x, p) for p in paths}
+    nquad = (n_in // 32 + 3) // 4
+    bound = (nquad + 6) * 2.0 ** -24 * size + 1e-30
+    for p, y in got.items():
+        err = np.abs(y - want)
+        assert (err <= bound).all(), f"{p}: max error {err.max():.3g}, {(err > bound).sum()} outputs past the bound"
+    assert all(np.array_equal(y, got["portable"]) for y in got.values())  # the same float order
+
+
+def test_x_codes_are_q8_blocks_bit_for_bit(rng):
+    x = activations(3, 96, rng)
+    x[1, 32:38] = [1e-37, -3e-38, 0.0, 0.0, 0.0, 0.0]  # a block whose scale is below 2^-126: codes 0
+    x[1, 38:64] = 0.0
+    xq, dx, sx = np.ones((3, 128), np.int8), np.empty((3, 4), np.float32), np.empty((3, 4), np.float32)
+    GQ.quantize_x(x, xq, dx, sx)
+    q, d = q8_blocks(x)
+    assert np.array_equal(xq[:, :96], q) and not xq[:, 96:].any()
+    assert np.array_equal(dx[:, :3], d) and not dx[:, 3].any()
+    assert np.array_equal(sx[:, :3], (d * q.reshape(3, 3, 32).sum(-1).astype(np.float32)))
+    assert not xq[1, 32:64].any() and dx[1, 1] > 0
+
+
+def test_q4_1_reference_is_the_integer_formula(rng):
+    """The op's reference (dequantized d c + m, summed in float64) against the formula from the raw blocks:
+    one f32 rounding of the float64 sum, plus float64's own (n_in / 32 terms)."""
+    for n_out, n_in, m in [(7, 64, 3), (33, 1536, 1)]:
+        raw = random_quantized(rng, "q4_1", (n_out, n_in))
+        x = activations(m, n_in, rng)
+        want, size = exact_terms(raw, "q4_1", x)
+        got = OPS["mul_mat_q8x"].ref(dequantize(raw, "q4_1", (n_out, n_in)), x)
+        assert (np.abs(got - want) <= 2.0 ** -24 * np.abs(want) + n_in * 2.0 ** -52 * size + 1e-30).all()
+        assert np.abs(got - x.astype(np.float64) @ dequantize(raw, "q4_1", (n_out, n_in)).T).max() > 1e-4
+
+
+@pytest.mark.skipif(not GQ.AVX2, reason="numba does not compile for AVX2 here: the portable path runs")
+def test_avx2_kernel_emits_packed_integer_multiply_adds(rng):
+    run_kernel(random_quantized(rng, "q4_1", (7, 64)), "q4_1", activations(1, 64, rng), "avx2")
+    asm = GQ.asm("avx2")
+    assert "vpmaddubsw" in asm and "vpmaddwd" in asm and "vpsignb" in asm
+
+
+def test_gpu_lowering_refuses_q4_1_naming_the_node():
+    from graphir.backends.gpu.gemv_q8x import lower_mul_mat_q8x
+    from graphir.backends.gpu.launch import GpuParam
+
+    w = GpuParam.__new__(GpuParam)  # no device here: the check comes before anything touches one
+    w.dtype, w.shape = "q4_1", (8, 64)
+    node = g.mul_mat_q8x(g.param("w", (8, 64), "q4_1"), g.input("x", (1, 64)), name="blk.0.attn_q")
+    with pytest.raises(BackendError, match=r"blk\.0\.attn_q.*q4_1 has no gpu kernel.*cpu backend.*q4_0 / q8_0"):
+        lower_mul_mat_q8x(None, node, [w, None], [None], {})
