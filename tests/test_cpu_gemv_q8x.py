@@ -18,6 +18,7 @@ from graphir import g
 from graphir.errors import BackendError
 from graphir.ops import OPS
 from graphir.ops.fused import q8_blocks
+from graphir.passes import coverage
 from graphir.quant import dequantize, random_quantized
 
 gguf = pytest.importorskip("gguf")
@@ -128,3 +129,50 @@ def test_gpu_lowering_refuses_q4_1_naming_the_node():
     node = g.mul_mat_q8x(g.param("w", (8, 64), "q4_1"), g.input("x", (1, 64)), name="blk.0.attn_q")
     with pytest.raises(BackendError, match=r"blk\.0\.attn_q.*q4_1 has no gpu kernel.*cpu backend.*q4_0 / q8_0"):
         lower_mul_mat_q8x(None, node, [w, None], [None], {})
+
+
+PROMPTS = [  # tests/test_smollm2.py's parity prompts
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    model.reset()
+    logits, out, seen = model.feed(ids)[-1], [], []
+    for _ in range(n):
+        seen.append(logits)
+        out.append(int(np.argmax(logits)))
+        logits = model.feed([out[-1]])[-1]
+    return out, seen
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import graphir
+
+    try:
+        return (graphir.load("smollm2-135m", backend="cpu", passes="default"),
+                graphir.load("smollm2-135m", backend="cpu", passes="default,q8-activations"))
+    except graphir.LoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", PROMPTS[:2] + [pytest.param(PROMPTS[2], marks=pytest.mark.xfail(strict=True, reason=(
+    "measured 2026-12-01: token 1 differs where the f32 path's top two logits are 0.059 apart (a three-way tie "
+    "within 0.1; the q8x path's top three within 0.02): issue 13's near-tie bound is 0.05")))])
+def test_smollm2_greedy_text_matches_the_f32_path(smollm2, prompt):
+    """SmolLM2 (q4_1 layers, q8_0 head) through q8-activations on the cpu: 16 greedy tokens equal the f32 path's,
+    or the first divergence is at a near-tie of the f32 path (top-2 logit gap < 0.05; issue 13)."""
+    f32, q8x = smollm2
+    report = coverage(q8x.graph("decode"), "default,q8-activations")["q8-activations"]
+    assert len(report.matched) == 30 * 4 + 1 and not report.rejected  # q|k|v, o, gate|up, down a layer; the head
+    ids = f32.tokenizer.encode(prompt)
+    want, logits = greedy(f32, ids, 16)
+    got, _ = greedy(q8x, ids, 16)
+    if got != want:
+        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        top2 = np.sort(logits[i])[-2:]
+        assert top2[1] - top2[0] < 0.05, f"token {i} differs ({got[i]} vs {want[i]}), f32 top two {top2}"
