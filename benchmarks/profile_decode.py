@@ -1,6 +1,6 @@
 """Where a decode token's time goes: time every bound step of the cached CPU decode Program.
 
-    python benchmarks/profile_decode.py [MODEL] [--prompt 256] [--threads N] [--tokens 512]
+    python benchmarks/profile_decode.py [MODEL] [--prompt 256] [--threads N] [--tokens 512] [--passes default]
 
 Feeds a prompt of --prompt tokens (so attention sees that many keys), then replays the decode
 step's bound kernels one by one and prints milliseconds per token by op, largest first.
@@ -26,9 +26,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: auto, as a run decides)")
     ap.add_argument("--tokens", type=int, default=1, help="profile the call of this many tokens (1: decode)")
+    ap.add_argument("--passes", default="default", help="the pipeline (e.g. default,q8-activations)")
     args = ap.parse_args()
     threads.set_threads(args.threads)
-    model = graphir.load(args.model, backend="cpu", passes="default")
+    model = graphir.load(args.model, backend="cpu", passes=args.passes)
     model.feed(np.arange(args.prompt) % 256 + 1, last_only=True)
     model.feed([1])  # lowers the decode Program
     if args.tokens > 1:

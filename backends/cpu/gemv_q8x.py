@@ -240,7 +240,8 @@ def _row_dot_portable(fmt, w, x, dw, dx, mw, sx):
 
 # ---------------------------------------------------------------- the GEMV: output rows split over threads
 @njit(parallel=True, cache=True)
-def _gemv_avx2(fmt, qs, dw, mw, xq, dx, sx, y, nth):
+def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
+    quantize_x(x, xq, dx, sx)  # x quantized serially here: one numba dispatch a GEMV, not two
     n_out, m = qs.shape[0], xq.shape[0]
     nsup = max(1, min(n_out, nth))
     per = (n_out + nsup - 1) // nsup
@@ -256,7 +257,8 @@ def _gemv_avx2(fmt, qs, dw, mw, xq, dx, sx, y, nth):
 
 
 @njit(parallel=True, cache=True)
-def _gemv_portable(fmt, qs, dw, mw, xq, dx, sx, y, nth):
+def _gemv_portable(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
+    quantize_x(x, xq, dx, sx)
     n_out, m = qs.shape[0], xq.shape[0]
     nsup = max(1, min(n_out, nth))
     per = (n_out + nsup - 1) // nsup
@@ -302,8 +304,7 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
     def run() -> None:
         if m == 0 or rows == 0:
             return
-        quantize_x(x2, xq, dx, sx)
-        kernel(fmt, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+        kernel(fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
 
     return run
 
