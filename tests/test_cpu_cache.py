@@ -24,7 +24,8 @@ import numba
 name = sys.argv[1]
 sys.path.insert(0, sys.argv[2])
 cpu = importlib.import_module(name)
-K, MM, GR, REC = (importlib.import_module(f"{name}.{m}") for m in ("kernels", "matmul", "gemv_repacked", "recurrent"))
+MODS = ("kernels", "matmul", "gemv_repacked", "gemv_q8x", "recurrent")
+K, MM, GR, QX, REC = (importlib.import_module(f"{name}.{m}") for m in MODS)
 from graphir.quant import quantize
 rng = np.random.default_rng(7)
 x = rng.standard_normal((3, 64)).astype(np.float32)
@@ -39,16 +40,20 @@ ok["matmul"] = bool(np.allclose(MM.matmul(wq, "q8_0", x), x @ wd.T, rtol=1e-4, a
 x1, y1 = x[:1].copy(), np.empty((1, 7), np.float32)
 GR.prepare(wq, "q8_0", x1, y1)()
 ok["gemv_repacked"] = bool(np.allclose(y1, x1 @ wd.T, rtol=1e-4, atol=1e-4))
+y2 = np.empty((1, 7), np.float32)
+QX.prepare(wq, "q8_0", x1, y2)()
+from graphir.ops import OPS
+ok["gemv_q8x"] = bool(np.allclose(y2, OPS["mul_mat_q8x"].ref(wd, x1), rtol=1e-5, atol=1e-5))
 o3 = np.empty((1,) + x.shape, np.float32); REC.l2_norm(x[None], np.float32(1e-6), o3)
 ok["recurrent"] = bool(np.allclose(o3[0], x / np.sqrt((x * x).sum(1, keepdims=True) + 1e-6), rtol=1e-5, atol=1e-6))
 misses = []
-for mod in (K, MM, GR, REC):
+for mod in (K, MM, GR, QX, REC):
     for attr, d in vars(mod).items():
         if isinstance(d, numba.core.dispatcher.Dispatcher) and d.stats.cache_misses:
             misses.append(f"{mod.__name__}.{attr}")
 print(json.dumps({"ok": ok, "misses": misses, "installed": all(
     sys.modules[f"{name}.{m}"] is importlib.import_module(f"graphir.backends.cpu.{m}")
-    for m in ("kernels", "matmul", "gemv_repacked", "recurrent"))}))
+    for m in MODS)}))
 """
 
 
