@@ -159,10 +159,14 @@ def smollm2():
         pytest.skip(str(e))
 
 
+HAIKU_MISS = pytest.mark.xfail(strict=False, reason=(
+    "measured 2026-12-01 (AMD EPYC, AVX2): token 1 differs where the f32 path's top two logits are 0.059 apart "
+    "(a three-way tie within 0.1; the q8x path's top three within 0.02): issue 13's near-tie bound is 0.05. Not "
+    "strict: a CPU whose f32 kernels round otherwise (AVX-512) may land on the other side of that tie"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt", PROMPTS[:2] + [pytest.param(PROMPTS[2], marks=pytest.mark.xfail(strict=True, reason=(
-    "measured 2026-12-01: token 1 differs where the f32 path's top two logits are 0.059 apart (a three-way tie "
-    "within 0.1; the q8x path's top three within 0.02): issue 13's near-tie bound is 0.05")))])
+@pytest.mark.parametrize("prompt", PROMPTS[:2] + [pytest.param(PROMPTS[2], marks=HAIKU_MISS)])
 def test_smollm2_greedy_text_matches_the_f32_path(smollm2, prompt):
     """SmolLM2 (q4_1 layers, q8_0 head) through q8-activations on the cpu: 16 greedy tokens equal the f32 path's,
     or the first divergence is at a near-tie of the f32 path (top-2 logit gap < 0.05; issue 13)."""
