@@ -44,22 +44,6 @@ DEVICE int dot4_i8(unsigned a, unsigned b, int c) {
 #endif
 }
 
-DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..sh+31 of hi:lo, sh in 0..32 (as matmul.cu)
-#if defined(__CUDACC__) && !defined(__HIPCC__)
-    unsigned r;
-    asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh));
-    return r;
-#else
-    return (unsigned)((((unsigned long long)hi << 32) | lo) >> sh);
-#endif
-}
-
-DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 stay inside it on wave64 too)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += SHFL_XOR(v, o);
-    return v;
-}
-
 // ---------------------------------------------------------------- x in 8-bit blocks
 // d = max |x| / 127; codes roundf(x * (1 / d)), with 1/d = 0 where d is below the smallest normal f32 (it
 // would overflow): the same f32 operations as q8_blocks, so the same codes.
@@ -149,49 +133,31 @@ template <class S, int G, int NR, int BPL>
 DEVICE void gemv_q8x_staged(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                             float* __restrict__ Y, int n_out, int n_in) {
     constexpr int T = 32 * G, CB = 32 * BPL;
-    constexpr int PIECES = CB * S::BB / 16;  // 16-byte pieces of a row's chunk
-    constexpr int PPL = (PIECES + 31) / 32;  // pieces per lane
-    static_assert(CB * S::BB % 16 == 0, "chunks are whole 16-byte pieces");
-    static_assert(G * NR * PIECES * 16 + CB * 48 <= 48 * 1024, "static shared memory is at most 48 KiB");
+    typedef RowChunks<S::BB, NR, CB> Rows;
+    static_assert(G * NR * Rows::PIECES * 16 + CB * 48 <= 48 * 1024, "static shared memory is at most 48 KiB");
     __shared__ U4 xs[CB * 3];
-    __shared__ U4 ws[G][NR][PIECES];
+    __shared__ U4 ws[G][NR][Rows::PIECES];
     X += (long long)blockIdx.y * n_in;
     Y += (long long)blockIdx.y * n_out;
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * G + grp) * NR;
-    const u8* wr[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
+    Rows rows(W, row_bytes, row0, n_out);
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
-    U4 pc[NR][PPL];
-    auto load_chunk = [&](int c0) {
-        const int npc = ((nb - c0 < CB ? nb - c0 : CB) * S::BB + 15) / 16;  // rows are whole pieces
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)c0 * S::BB))[lane + 32 * p];
-    };
-    load_chunk(0);
+    rows.load(0, nb, lane);
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
-        const int npc = (nbh * S::BB + 15) / 16;
 #if !Q8X_PREFETCH
-        if (b0 > 0) load_chunk(b0);
+        if (b0 > 0) rows.load(b0, nb, lane);
 #endif
         __syncthreads();  // the previous chunk is no longer read
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) ws[grp][r][lane + 32 * p] = pc[r][p];
+        rows.store(ws[grp], Rows::pieces(b0, nb), lane);
         q8_stage_chunk<T, CB, S::OFFSET>(X + 32LL * b0, nbh, xs);
         __syncthreads();
 #if Q8X_PREFETCH
-        if (b0 + CB < nb) load_chunk(b0 + CB);
+        if (b0 + CB < nb) rows.load(b0 + CB, nb, lane);
 #endif
 #pragma unroll
         for (int j = 0; j < BPL; ++j) {

@@ -25,12 +25,6 @@
 #define GEMV_MAX_TOKENS 8  // gemv_<fmt>: up to 8 tokens; gemv16_<fmt>: 9..16 (matmul.py GEMV_MAX_TOKENS)
 #endif
 
-DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 stay inside it)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += SHFL_XOR(v, o);
-    return v;
-}
-
 DEVICE F4 ldx(const float* p) { return *(const F4*)p; }
 
 // acc += x . v over two runs of 4 (a: run 0, c: run 1). FINAL: v are the weights; otherwise
@@ -590,16 +584,6 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #define GEMV3_PREFETCH 1
 #endif
 
-DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..sh+31 of hi:lo, sh in 0..32
-#if defined(__CUDACC__) && !defined(__HIPCC__)
-    unsigned r;
-    asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh));
-    return r;
-#else
-    return (unsigned)((((unsigned long long)hi << 32) | lo) >> sh);
-#endif
-}
-
 DEVICE float dot4acc(const F4& x, const float* v, float acc) {
     return fmaf(x.d, v[3], fmaf(x.c, v[2], fmaf(x.b, v[1], fmaf(x.a, v[0], acc))));
 }
@@ -644,46 +628,28 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
                            float* __restrict__ Y, int n_out, int n_in) {
     constexpr int G = GEMV3_THREADS / 32;              // 32-lane groups per block
     constexpr int CB = 32;                             // blocks per chunk: one per lane
-    constexpr int PIECES = CB * S::BB / 16;            // 68 / 36 aligned 16-byte pieces per row
-    constexpr int PPL = (PIECES + 31) / 32;            // pieces per lane
-    static_assert(CB * S::BB % 16 == 0, "chunks are whole 16-byte pieces");
+    typedef RowChunks<S::BB, NR, CB> Rows;             // 68 / 36 aligned 16-byte pieces per row
     __shared__ F4 xs[CB * 9];                          // 8 F4 of x per block + 1 pad (bank shift)
-    __shared__ U4 ws[G][NR][PIECES];
+    __shared__ U4 ws[G][NR][Rows::PIECES];
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * G + grp) * NR;
-    const u8* wr[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
+    // The next chunk's weight pieces are loaded into registers while this chunk is decoded from shared
+    // memory (GEMV3_PREFETCH=1), so a group keeps two chunks of its rows in flight instead of one: at
+    // 4096 rows only ~4 blocks of 8 rows reach each SM, too few bytes in flight to cover DRAM latency.
+    Rows rows(W, row_bytes, row0, n_out);
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int nb = n_in / 32;
     const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
-    // The next chunk's weight pieces are loaded into registers while this chunk is decoded from shared
-    // memory (GEMV3_PREFETCH=1), so a group keeps two chunks of its rows in flight instead of one: at
-    // 4096 rows only ~4 blocks of 8 rows reach each SM, too few bytes in flight to cover DRAM latency.
-    U4 pc[NR][PPL];
-    auto load_chunk = [&](int c0) {
-        const int npc = ((nb - c0 < CB ? nb - c0 : CB) * S::BB + 15) / 16;  // rows are whole pieces
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(wr[r] + (long long)c0 * S::BB))[lane + 32 * p];
-    };
-    load_chunk(0);
+    rows.load(0, nb, lane);
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
-        const int npc = (nbh * S::BB + 15) / 16;  // <= the row's remaining pieces (rows are whole pieces)
 #if !GEMV3_PREFETCH
-        if (b0 > 0) load_chunk(b0);
+        if (b0 > 0) rows.load(b0, nb, lane);
 #endif
         __syncthreads();  // the previous chunk is no longer read
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int p = 0; p < PPL; ++p)
-                if (lane + 32 * p < npc) ws[grp][r][lane + 32 * p] = pc[r][p];
+        rows.store(ws[grp], Rows::pieces(b0, nb), lane);
 #pragma unroll
         for (int k = 0; k < CB * 8 / GEMV3_THREADS; ++k) {
             const int i = threadIdx.x + GEMV3_THREADS * k;
@@ -691,7 +657,7 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
         }
         __syncthreads();
 #if GEMV3_PREFETCH
-        if (b0 + CB < nb) load_chunk(b0 + CB);
+        if (b0 + CB < nb) rows.load(b0 + CB, nb, lane);
 #endif
         if (lane < nbh) {
             const F4* xb = xs + 9 * lane;

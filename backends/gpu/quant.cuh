@@ -558,6 +558,59 @@ DEVICE const float* init_table(float* smem) {
     return smem;
 }
 
+// ---------------------------------------------------------------- the staged decode GEMVs' shared parts
+// (matmul.cu gemv1v3, gemv_q8x.cu)
+DEVICE float sum32(float v) {  // sum over the 32-lane group (xor offsets < 32 stay inside it on wave64 too)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += SHFL_XOR(v, o);
+    return v;
+}
+
+DEVICE unsigned funnel_r(unsigned lo, unsigned hi, unsigned sh) {  // bits sh..sh+31 of hi:lo, sh in 0..32
+#if defined(__CUDACC__) && !defined(__HIPCC__)
+    unsigned r;
+    asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh));
+    return r;
+#else
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> sh);
+#endif
+}
+
+// A 32-lane group's NR weight rows, CB blocks of BB bytes a row at a time: the chunk's aligned 16-byte
+// pieces (lane l: pieces l, l + 32, ..) loaded into registers (so the next chunk's loads can be in flight
+// while this one is decoded), then stored into the group's rows in shared memory, where lanes decode the
+// 2-byte-aligned blocks. Rows past n_out are read as the last row: every thread reaches every barrier, and
+// those rows' sums are not stored.
+template <int BB, int NR, int CB>
+struct RowChunks {
+    static constexpr int PIECES = CB * BB / 16, PPL = (PIECES + 31) / 32;  // a row's chunk; pieces per lane
+    static_assert(CB * BB % 16 == 0, "chunks are whole 16-byte pieces");
+    const u8* row[NR];
+    U4 pc[NR][PPL];
+
+    __device__ __forceinline__ RowChunks(const u8* W, long long row_bytes, int row0, int n_out) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) row[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
+    }
+    // pieces of the chunk that starts at block c0 (rows are whole pieces, so a short last chunk is too)
+    MEMBER int pieces(int c0, int nb) { return ((nb - c0 < CB ? nb - c0 : CB) * BB + 15) / 16; }
+    __device__ __forceinline__ void load(int c0, int nb, int lane) {
+        const int npc = pieces(c0, nb);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int p = 0; p < PPL; ++p)
+                if (lane + 32 * p < npc) pc[r][p] = ((const U4*)(row[r] + (long long)c0 * BB))[lane + 32 * p];
+    }
+    __device__ __forceinline__ void store(U4 (*ws)[PIECES], int npc, int lane) const {
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int p = 0; p < PPL; ++p)
+                if (lane + 32 * p < npc) ws[r][lane + 32 * p] = pc[r][p];
+    }
+};
+
 // X-macro of every format: name and traits struct.
 #define FOR_EACH_QUANT(M) \
     M(q4_0, Fq4_0) M(q4_1, Fq4_1) M(q5_0, Fq5_0) M(q5_1, Fq5_1) M(q8_0, Fq8_0) \
