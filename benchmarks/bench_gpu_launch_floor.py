@@ -11,8 +11,9 @@ out (two small copies, shared by the whole chain):
   this; Qwen3-0.6B's step has 258 kernels.
 - 2 MiB a tensor (read 2 MiB, write 2 MiB): the traffic of one Gated DeltaNet layer's recurrent state at
   Qwen3.5-9B shapes (32 value heads x 128 x 128 f32), whose "state-traffic floor" issue 12 counts at
-  copy bandwidth. A kernel doing nothing but this copy, in the same setting, bounds how close any
-  separate delta-rule step kernel can come to that floor.
+  copy bandwidth. A kernel doing nothing but move these bytes, in the same setting, bounds how close
+  any separate delta-rule step kernel can come to that floor. The driver's own device-to-device copy of
+  the same bytes, captured the same way, is the third line.
 
     python benchmarks/bench_gpu_launch_floor.py [--kernels 256] [--sizes 1,524288]
 """
@@ -53,17 +54,41 @@ def graph_us(n_elems: int, kernels: int, pdl: bool, reps: int) -> float:
         assert program.captured, "the chain was not captured"
     finally:
         del os.environ["GRAPHIR_NO_PDL"]
-    s = stream()
+    us = best_replay_us(program.replay_once, stream(), reps)
+    cp.get_default_memory_pool().free_all_blocks()
+    return us
+
+
+def best_replay_us(replay, s, reps: int) -> float:
+    """Microseconds a replay(s) takes, best of 5 batches of `reps`."""
     best = float("inf")
     for _ in range(5):
         s.synchronize()
         t0 = time.perf_counter()
         for _ in range(reps):
-            program.replay_once(s)
+            replay(s)
         s.synchronize()
         best = min(best, (time.perf_counter() - t0) / reps * 1e6)
-    cp.get_default_memory_pool().free_all_blocks()
     return best
+
+
+def memcpy_chain_us(n_elems: int, copies: int, reps: int) -> float:
+    """The same chain as device-to-device cudaMemcpyAsync calls captured into a graph (the driver's own copy,
+    ping-ponging between two buffers): what the same bytes cost without any kernel of ours."""
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    a = cp.random.standard_normal(n_elems, dtype=cp.float32)
+    b = cp.empty_like(a)
+    s = cp.cuda.Stream(non_blocking=True)
+    s.begin_capture()
+    for i in range(copies):
+        src, dst = (a, b) if i % 2 == 0 else (b, a)
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, s.ptr)
+    graph = s.end_capture()
+    for _ in range(3):
+        graph.launch(s)
+    return best_replay_us(graph.launch, s, reps)
 
 
 def main() -> None:
@@ -74,15 +99,14 @@ def main() -> None:
     args = ap.parse_args()
     bw = measure_device_bandwidth()
     print(f"device copy bandwidth (1 GiB, read + write): {bw / 1e12:.3f} TB/s; chain of {args.kernels} silu kernels")
-    print(f"{'bytes a tensor':>15} {'PDL':>4} {'graph us':>10} {'us a kernel':>12} {'floor us':>9} {'% of floor':>11}")
+    print(f"{'bytes a tensor':>15} {'chain':>16} {'graph us':>10} {'us a link':>12} {'floor us':>9} {'% of floor':>11}")
     for n in (int(s) for s in args.sizes.split(",")):
-        for pdl in (True, False):
-            us = graph_us(n, args.kernels, pdl, args.reps)
+        floor = 2 * 4 * n / bw * 1e6  # read + write at copy bandwidth
+        for what, us in (("silu, PDL on", graph_us(n, args.kernels, True, args.reps)),
+                         ("silu, PDL off", graph_us(n, args.kernels, False, args.reps)),
+                         ("cudaMemcpyAsync", memcpy_chain_us(n, args.kernels, args.reps))):
             per = us / args.kernels
-            floor = 2 * 4 * n / bw * 1e6  # read + write at copy bandwidth
-            print(f"{4 * n:>15,} {'on' if pdl else 'off':>4} {us:>10.1f} {per:>12.3f} {floor:>9.3f} "
-                  f"{100 * floor / per:>10.1f}%")
-
+            print(f"{4 * n:>15,} {what:>16} {us:>10.1f} {per:>12.3f} {floor:>9.3f} {100 * floor / per:>10.1f}%")
 
 if __name__ == "__main__":
     main()
