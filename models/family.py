@@ -85,6 +85,12 @@ def step_inputs(arch: str, phase: str, n_tokens: int | None) -> tuple[int, Node,
             g.input("kv_len", (1,), "i32"))
 
 
+def graph_meta(c: ModelConfig, phase: str, n: int, last_only: bool) -> dict[str, Any]:
+    """The meta of a family's graph: its arch, phase, token count, KV capacity and whether only the
+    last token's logits are computed."""
+    return {"arch": c.arch, "phase": phase, "n_tokens": n, "ctx": c.ctx, "last_only": bool(last_only and n > 1)}
+
+
 class ParamNodes:
     """Param leaves with the weight store's dtypes (default f32), one node per name, from a family's
     name -> shape table."""
@@ -130,6 +136,15 @@ def check_weights(config: Any, weights: Weights, shapes: Mapping[str, tuple[int,
                         f"(config: {config.n_layers} layers, tied={config.tied_embeddings})")
 
 
+def checked_gguf_weights(config: Any, weights: Weights, check: Callable[[Any], None],
+                         shapes: Mapping[str, tuple[int, ...]]) -> Weights:
+    """GGUF tensors that already carry our names and conventions: `config` checked, then the tensors
+    against `shapes`; they pass through as they are."""
+    checked_config(config, check, weights.source)
+    check_weights(config, weights, shapes)
+    return weights
+
+
 def check_rules(arch: str, rules: list[tuple[bool, str]]) -> None:
     """A family's config checks: the first (ok, rule) that fails is a GraphError naming it."""
     for ok, rule in rules:
@@ -156,6 +171,16 @@ def gguf_key(md: Mapping[str, Any], arch: str, label: str) -> Callable[..., Any]
         return v
 
     return key
+
+
+def hf_default_rope(hf: Mapping[str, Any], label: str) -> Mapping[str, Any]:
+    """An HF config's rope parameters (transformers 5's rope_parameters, older configs' rope_scaling, or
+    none), which must be the default rope: rope scaling is not supported."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise LoadError(f"{label}: rope scaling {kind!r} is not supported")
+    return rope
 
 
 def rename_hf(config: Any, raw: Weights, names: NameMap, skipped: Callable[[str], bool],

@@ -38,12 +38,15 @@ from .family import (
     check_rules,
     check_weights,
     checked_config,
+    checked_gguf_weights,
     gguf_key,
+    graph_meta,
     no_state_to_reset,
     rename_hf,
     step_inputs,
 )
-from .names import NameMap
+from .layers import attention, gated_ffn, output_head, rms_norm_mul
+from .names import HF_CAUSAL_LM_GLOBAL, HF_MLP, HF_SELF_ATTN, NameMap
 
 GLOBAL_EVERY = 6  # Gemma 3's pattern when a file states none: 5 sliding layers, then 1 global
 
@@ -124,57 +127,32 @@ def build(c: Gemma3Config, phase: str = "prefill", n_tokens: int | None = None,
     x = g.scale(x, s=math.sqrt(c.d_model), name="token_embd")
     for i in range(c.n_layers):
         b = f"blk.{i}."
-        h = _norm(x, p(b + "attn_norm.weight"), c.rms_eps, b + "attn_norm")
-        a = _norm(_attention(c, p, i, h, pos, kv_idx, kv_len), p(b + "post_attention_norm.weight"), c.rms_eps,
-                  b + "post_attention_norm")
+        h = rms_norm_mul(x, p(b + "attn_norm.weight"), c.rms_eps, b + "attn_norm")
+        a = rms_norm_mul(_attention(c, p, i, h, pos, kv_idx, kv_len), p(b + "post_attention_norm.weight"),
+                         c.rms_eps, b + "post_attention_norm")
         x = g.add(x, a, name=b + "attn_res")
-        h = _norm(x, p(b + "ffn_norm.weight"), c.rms_eps, b + "ffn_norm")
-        f = _norm(_ffn(p, i, h), p(b + "post_ffw_norm.weight"), c.rms_eps, b + "post_ffw_norm")
+        h = rms_norm_mul(x, p(b + "ffn_norm.weight"), c.rms_eps, b + "ffn_norm")
+        f = rms_norm_mul(gated_ffn(p, i, h, _gelu_times), p(b + "post_ffw_norm.weight"), c.rms_eps,
+                         b + "post_ffw_norm")
         x = g.add(x, f, name=b + "out")
-    if last_only and n > 1:
-        x = g.rows(x, n - 1, 1, name="last_row")  # [1, d_model]
-    x = _norm(x, p("output_norm.weight"), c.rms_eps, "output_norm")
-    head = p("token_embd.weight" if c.tied_embeddings else "output.weight")
-    logits = g.mul_mat(head, x, name="logits" if not c.final_softcap else "logits_raw")  # [n or 1, n_vocab]
+    logits = output_head(c, p, x, last_only, "logits" if not c.final_softcap else "logits_raw")  # [n or 1, n_vocab]
     if c.final_softcap:
         # cap * tanh(y / cap) = 2 cap * sigmoid(2 y / cap) - cap: no tanh op needed
         s = g.sigmoid(g.scale(logits, s=2.0 / c.final_softcap))
         logits = g.scale(s, s=2.0 * c.final_softcap, b=-c.final_softcap, name="logits")
-    meta = {"arch": c.arch, "phase": phase, "n_tokens": n, "ctx": c.ctx, "last_only": bool(last_only and n > 1)}
-    return Graph({"logits": logits}, meta=meta)
-
-
-def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
-    return g.mul(g.rms_norm(x, eps=eps), w, name=name)
+    return Graph({"logits": logits}, meta=graph_meta(c, phase, n, last_only))
 
 
 def _attention(c: Gemma3Config, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node) -> Node:
-    n, b, hd = h.shape[0], f"blk.{i}.", c.head_dim
-    q = g.reshape(g.mul_mat(p(b + "attn_q.weight"), h), shape=(n, c.n_heads, hd))  # [n, n_head, head_dim]
-    k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
-    v = g.reshape(g.mul_mat(p(b + "attn_v.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
-    q = _norm(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
-    k = _norm(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
     local = c.sliding[i]
-    rope = {"n_dims": hd, "mode": "neox", "theta": float(c.rope_theta_local if local else c.rope_theta),
+    rope = {"n_dims": c.head_dim, "mode": "neox", "theta": float(c.rope_theta_local if local else c.rope_theta),
             "freq_scale": 1.0 if local else float(c.rope_freq_scale)}
-    q = g.rope(q, pos, name=b + "q_rope", **rope)
-    k = g.rope(k, pos, name=b + "k_rope", **rope)
-    cache_shape = (c.ctx, c.n_kv_heads, hd)  # [ctx, n_kv, head_dim]
-    k_all = g.set_rows(g.state(b + "k_cache", cache_shape), k, kv_idx, name=b + "k_cache_write")
-    v_all = g.set_rows(g.state(b + "v_cache", cache_shape), v, kv_idx, name=b + "v_cache_write")
-    o = g.flash_attn(q, k_all, v_all, pos, kv_len, scale=c.attn_scale or 1.0 / math.sqrt(hd),
-                     window=c.sliding_window if local else 0, name=b + "attn")  # [n, n_head, head_dim]
-    o = g.reshape(o, shape=(n, c.n_heads * hd))  # [n, n_head * head_dim]
-    return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
+    return attention(c, p, i, h, pos, kv_idx, kv_len, rope=rope, scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim),
+                     cache_rows=c.ctx, window=c.sliding_window if local else 0)
 
 
-def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
-    b = f"blk.{i}."
-    gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
-    up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]
-    act = g.mul(g.gelu(gate), up, name=b + "ffn_act")  # [n, d_ff]
-    return g.mul_mat(p(b + "ffn_down.weight"), act, name=b + "ffn_out")  # [n, d_model]
+def _gelu_times(gate: Node, up: Node, name: str) -> Node:
+    return g.mul(g.gelu(gate), up, name=name)  # [n, d_ff]
 
 
 # ---------------------------------------------------------------- GGUF files (llama.cpp `gemma3`)
@@ -244,35 +222,21 @@ def _gguf_pattern(md: Mapping[str, Any], n_layers: int, label: str) -> tuple[boo
 
 def weights_from_gguf(config: Gemma3Config, weights: Weights) -> Weights:
     """GGUF tensors already carry our names and norm convention: check them and pass them through."""
-    checked_config(config, check_config, weights.source)
-    check_weights(config, weights, param_shapes(config))
-    return weights
+    return checked_gguf_weights(config, weights, check_config, param_shapes(config))
 
 
 # ---------------------------------------------------------------- HF checkpoints
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
-HF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **HF_SELF_ATTN,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+    **HF_MLP,
 }
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
+HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
 HF_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 

@@ -45,12 +45,16 @@ from .family import (
     check_rules,
     check_weights,
     checked_config,
+    checked_gguf_weights,
     gguf_key,
+    graph_meta,
+    hf_default_rope,
     no_state_to_reset,
     rename_hf,
     step_inputs,
 )
-from .names import NameMap
+from .layers import attention, gated_ffn, output_head, rms_norm_mul
+from .names import HF_CAUSAL_LM_GLOBAL, HF_MLP, HF_SELF_ATTN, NameMap
 
 
 @dataclass(frozen=True)
@@ -120,61 +124,24 @@ def build(c: LlamaConfig, phase: str = "prefill", n_tokens: int | None = None,
 
     x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
     for i in range(c.n_layers):
-        h = _norm(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
+        h = rms_norm_mul(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
         x = g.add(x, _attention(c, p, i, h, pos, kv_idx, kv_len, **slots), name=f"blk.{i}.attn_res")
-        h = _norm(x, p(f"blk.{i}.ffn_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
-        x = g.add(x, _ffn(p, i, h), name=f"blk.{i}.out")
-    if last_only and n > 1:
-        x = g.rows(x, n - 1, 1, name="last_row")  # [1, d_model]
-    x = _norm(x, p("output_norm.weight"), c.rms_eps, "output_norm")
-    head = p("token_embd.weight" if c.tied_embeddings else "output.weight")
-    logits = g.mul_mat(head, x, name="logits")  # [n or 1, n_vocab]
-    meta = {"arch": c.arch, "phase": phase, "n_tokens": n, "ctx": c.ctx, "last_only": bool(last_only and n > 1)}
-    return Graph({"logits": logits}, meta=meta)
-
-
-def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
-    return g.mul(g.rms_norm(x, eps=eps), w, name=name)
-
-
-def _slot_rows(cache: Node, slot_map: Node, name: str) -> Node:
-    """The sequence's KV rows gathered from the pool [slots, n_kv, head_dim] through the slot map:
-    [ctx, n_kv, head_dim], as many rows as the slot map has (never a logical length)."""
-    slots, heads, dim = cache.shape
-    pool = g.reshape(cache, shape=(slots, heads * dim))  # [slots, n_kv * head_dim]
-    rows = g.get_rows(pool, slot_map, name=name)  # [ctx, n_kv * head_dim]
-    return g.reshape(rows, shape=(slot_map.shape[0], heads, dim))  # [ctx, n_kv, head_dim]
+        h = rms_norm_mul(x, p(f"blk.{i}.ffn_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
+        x = g.add(x, gated_ffn(p, i, h, _silu_times), name=f"blk.{i}.out")
+    logits = output_head(c, p, x, last_only)  # [n or 1, n_vocab]
+    return Graph({"logits": logits}, meta=graph_meta(c, phase, n, last_only))
 
 
 def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node,
                slot_map: Node | None = None) -> Node:
-    n, b = h.shape[0], f"blk.{i}."
-    q = g.reshape(g.mul_mat(p(b + "attn_q.weight"), h), shape=(n, c.n_heads, c.head_dim))  # [n, n_head, head_dim]
-    k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))  # [n, n_kv, head_dim]
-    v = g.reshape(g.mul_mat(p(b + "attn_v.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))  # [n, n_kv, head_dim]
-    if c.qk_norm:  # per-head RMS norm, weight [head_dim] broadcast over heads
-        q = _norm(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
-        k = _norm(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
     rope = {"n_dims": c.head_dim, "mode": c.rope_mode, "theta": float(c.rope_theta)}
-    q = g.rope(q, pos, name=b + "q_rope", **rope)
-    k = g.rope(k, pos, name=b + "k_rope", **rope)
-    cache_shape = (c.kv_slots or c.ctx, c.n_kv_heads, c.head_dim)  # [ctx or slots, n_kv, head_dim]
-    k_all = g.set_rows(g.state(b + "k_cache", cache_shape), k, kv_idx, name=b + "k_cache_write")
-    v_all = g.set_rows(g.state(b + "v_cache", cache_shape), v, kv_idx, name=b + "v_cache_write")
-    if slot_map is not None:  # kv_idx named slots; read the sequence's slots in position order
-        k_all, v_all = _slot_rows(k_all, slot_map, b + "k_slots"), _slot_rows(v_all, slot_map, b + "v_slots")
-    o = g.flash_attn(q, k_all, v_all, pos, kv_len, scale=1.0 / math.sqrt(c.head_dim), name=b + "attn")
-    o = g.reshape(o, shape=(n, c.n_heads * c.head_dim))  # [n, n_head * head_dim]
-    return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
+    return attention(c, p, i, h, pos, kv_idx, kv_len, rope=rope, scale=1.0 / math.sqrt(c.head_dim),
+                     cache_rows=c.kv_slots or c.ctx, qk_norm=c.qk_norm, slot_map=slot_map)
 
 
-def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
-    b = f"blk.{i}."
-    gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
-    up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]
+def _silu_times(gate: Node, up: Node, name: str) -> Node:
     # written unfused on purpose: the swiglu-split pass must find this pattern in real model graphs
-    act = g.mul(g.silu(gate), up, name=b + "ffn_act")  # [n, d_ff]
-    return g.mul_mat(p(b + "ffn_down.weight"), act, name=b + "ffn_out")  # [n, d_model]
+    return g.mul(g.silu(gate), up, name=name)  # [n, d_ff]
 
 
 def qwen3_config(**fields: Any) -> LlamaConfig:
@@ -220,33 +187,19 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
 
 def weights_from_gguf(config: LlamaConfig, weights: Weights) -> Weights:
     """GGUF tensors already carry our names: check them and pass them through."""
-    checked_config(config, check_config, weights.source)
-    check_weights(config, weights, param_shapes(config))
-    return weights
+    return checked_gguf_weights(config, weights, check_config, param_shapes(config))
 
 
 # ---------------------------------------------------------------- HF checkpoints
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-HF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **HF_SELF_ATTN,
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+    **HF_MLP,
 }
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old checkpoints, not a weight
-HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
+HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
 
 
 def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
@@ -270,9 +223,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise LoadError(f"{label}: {flag}=true is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise LoadError(f"{label}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    rope = hf_default_rope(hf, label)
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         fields = dict(

@@ -12,6 +12,27 @@ from collections.abc import Mapping
 
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
+# The parts of the tables every HF *ForCausalLM decoder names alike: the embedding, final norm and head,
+# and in each layer the attention projections (with Qwen3 / Gemma's per-head q/k norms) and the gated MLP.
+HF_CAUSAL_LM_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_SELF_ATTN = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+HF_MLP = {
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
 
 class NameMap:
     def __init__(self, global_names: Mapping[str, str], layer_names: Mapping[str, str]):

@@ -53,9 +53,20 @@ from graphir.quant import dequantize
 from graphir.weights import Weight, Weights
 
 from . import random_init
-from .family import Family, ParamNodes, check_rules, checked_config, gguf_key, rename_hf, step_inputs
+from .family import (
+    Family,
+    ParamNodes,
+    check_rules,
+    checked_config,
+    gguf_key,
+    graph_meta,
+    hf_default_rope,
+    rename_hf,
+    step_inputs,
+)
 from .family import check_weights as check_all_weights
-from .names import NameMap
+from .layers import attention_out, gated_ffn, norm_rope_qk, output_head, project_heads, rms_norm_mul
+from .names import HF_CAUSAL_LM_GLOBAL, HF_MLP, HF_SELF_ATTN, NameMap
 
 L2_EPS = 1e-6  # HF's l2norm and the fla kernels hard-code it
 RECURRENT_STATES = ("conv_state", "ssm_state")
@@ -194,25 +205,16 @@ def build(c: Qwen35Config, phase: str = "prefill", n_tokens: int | None = None,
     updates: list[Node] = []
     x = g.get_rows(p("token_embd.weight"), tokens, name="token_embd")  # [n, d_model]
     for i in range(c.n_layers):
-        h = _norm(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
+        h = rms_norm_mul(x, p(f"blk.{i}.attn_norm.weight"), c.rms_eps, f"blk.{i}.attn_norm")
         if is_recurrent(c, i):
             mixed = _delta_net(c, p, i, h, updates, step_rows)
         else:
             mixed = _attention(c, p, i, h, pos, kv_idx, kv_len)
         x = g.add(x, mixed, name=f"blk.{i}.attn_res")
-        h = _norm(x, p(f"blk.{i}.post_attention_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
-        x = g.add(x, _ffn(p, i, h), name=f"blk.{i}.out")
-    if last_only and n > 1:
-        x = g.rows(x, n - 1, 1, name="last_row")  # [1, d_model]
-    x = _norm(x, p("output_norm.weight"), c.rms_eps, "output_norm")
-    head = p("token_embd.weight" if c.tied_embeddings else "output.weight")
-    logits = g.mul_mat(head, x, name="logits")  # [n or 1, n_vocab]
-    meta = {"arch": c.arch, "phase": phase, "n_tokens": n, "ctx": c.ctx, "last_only": bool(last_only and n > 1)}
-    return Graph({"logits": logits}, updates, meta=meta)
-
-
-def _norm(x: Node, w: Node, eps: float, name: str) -> Node:
-    return g.mul(g.rms_norm(x, eps=eps), w, name=name)
+        h = rms_norm_mul(x, p(f"blk.{i}.post_attention_norm.weight"), c.rms_eps, f"blk.{i}.ffn_norm")
+        x = g.add(x, gated_ffn(p, i, h, g.swiglu_split), name=f"blk.{i}.out")
+    logits = output_head(c, p, x, last_only)  # [n or 1, n_vocab]
+    return Graph({"logits": logits}, updates, meta=graph_meta(c, phase, n, last_only))
 
 
 def _heads(y: Node, start: int, heads: int, dim: int, name: str) -> Node:
@@ -241,8 +243,7 @@ def build_commit(c: Qwen35Config) -> Graph:
                 flat = g.reshape(kept, shape=(VERIFY_ROWS, math.prod(state.shape)))  # [rows, state elements]
                 picked = g.get_rows(flat, row, name=f"blk.{i}.{steps}_pick")  # [1, state elements]
                 updates.append(g.assign(state, g.reshape(picked, shape=state.shape), name=f"blk.{i}.{kind}_commit"))
-    meta = {"arch": c.arch, "phase": "commit", "n_tokens": 1, "ctx": c.ctx, "last_only": False}
-    return Graph({}, updates, meta=meta)
+    return Graph({}, updates, meta=graph_meta(c, "commit", 1, False))
 
 
 def _conv_steps(c: Qwen35Config, b: str, qkv: Node, conv_state: Node, step_rows: Node,
@@ -294,7 +295,7 @@ def _delta_net(c: Qwen35Config, p: ParamNodes, i: int, h: Node, updates: list[No
         updates.append(g.set_rows(kept, g.item(gdn, index=2), step_rows, name=b + "ssm_steps_write"))
     o = g.item(gdn, index=0)  # [n, hv, dv]
 
-    o = _norm(o, p(b + "ssm_norm.weight"), c.rms_eps, b + "ssm_norm")  # per head
+    o = rms_norm_mul(o, p(b + "ssm_norm.weight"), c.rms_eps, b + "ssm_norm")  # per head
     o = g.mul(o, g.silu(g.reshape(z, shape=(n, hv, dv))), name=b + "ssm_gated")  # [n, hv, dv]
     o = g.reshape(o, shape=(n, hv * dv))  # [n, hv * dv]
     return g.mul_mat(p(b + "ssm_out.weight"), o, name=b + "ssm_out")  # [n, d_model]
@@ -307,13 +308,9 @@ def _attention(c: Qwen35Config, p: ParamNodes, i: int, h: Node, pos: Node, kv_id
     row = (2 * c.n_heads * hd, 2 * hd, 1)
     q = g.view(qg, shape=(n, c.n_heads, hd), strides=row, offset=0, name=b + "q")  # [n, n_head, head_dim]
     gate = g.view(qg, shape=(n, c.n_heads, hd), strides=row, offset=hd, name=b + "q_gate")
-    k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
-    v = g.reshape(g.mul_mat(p(b + "attn_v.weight"), h), shape=(n, c.n_kv_heads, hd))  # [n, n_kv, head_dim]
-    q = _norm(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
-    k = _norm(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
-    rope = {"n_dims": c.n_rot, "mode": "neox", "theta": float(c.rope_theta)}
-    q = g.rope(q, pos, name=b + "q_rope", **rope)
-    k = g.rope(k, pos, name=b + "k_rope", **rope)
+    k = project_heads(p, b + "attn_k.weight", h, c.n_kv_heads, hd)  # [n, n_kv, head_dim]
+    v = project_heads(p, b + "attn_v.weight", h, c.n_kv_heads, hd)  # [n, n_kv, head_dim]
+    q, k = norm_rope_qk(c, p, b, q, k, pos, {"n_dims": c.n_rot, "mode": "neox", "theta": float(c.rope_theta)})
     # Cache rows are whole tokens, [ctx, n_kv * head_dim]; attention reads them as [ctx, n_kv, head_dim].
     row, heads = c.n_kv_heads * hd, (c.ctx, c.n_kv_heads, hd)
     k_all = g.set_rows(g.state(b + "k_cache", (c.ctx, row)), g.reshape(k, shape=(n, row)), kv_idx,
@@ -323,25 +320,11 @@ def _attention(c: Qwen35Config, p: ParamNodes, i: int, h: Node, pos: Node, kv_id
     k_all, v_all = g.reshape(k_all, shape=heads), g.reshape(v_all, shape=heads)  # [ctx, n_kv, head_dim]
     o = g.flash_attn(q, k_all, v_all, pos, kv_len, scale=1.0 / math.sqrt(hd), name=b + "attn")  # [n, n_head, hd]
     o = g.mul(o, g.sigmoid(gate), name=b + "attn_gated")
-    o = g.reshape(o, shape=(n, c.n_heads * hd))  # [n, n_head * head_dim]
-    return g.mul_mat(p(b + "attn_output.weight"), o, name=b + "attn_out")  # [n, d_model]
-
-
-def _ffn(p: ParamNodes, i: int, h: Node) -> Node:
-    b = f"blk.{i}."
-    gate = g.mul_mat(p(b + "ffn_gate.weight"), h)  # [n, d_ff]
-    up = g.mul_mat(p(b + "ffn_up.weight"), h)  # [n, d_ff]
-    act = g.swiglu_split(gate, up, name=b + "ffn_act")
-    return g.mul_mat(p(b + "ffn_down.weight"), act, name=b + "ffn_out")  # [n, d_model]
+    return attention_out(p, b, o)  # [n, d_model]
 
 
 # ---------------------------------------------------------------- HF checkpoints
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-HF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -354,21 +337,14 @@ HF_LAYER = {
     "linear_attn.dt_bias": "ssm_dt.bias",
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+    **HF_SELF_ATTN,
+    **HF_MLP,
 }
 # Zero-centred RMS norms: HF computes x * (1 + w); we (and llama.cpp) store 1 + w.
 HF_CENTERED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                "output_norm.weight")
 HF_SKIPPED = re.compile(r"^(mtp\.|model\.visual\.|model\.mtp\.)|rotary_emb\.inv_freq$")
-HF_NAMES = NameMap(HF_GLOBAL, HF_LAYER)
+HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
 
 
 def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35Config:
@@ -380,9 +356,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35C
         raise LoadError(f"{label}: attn_output_gate=false is not supported")
     if text.get("hidden_act", "silu") != "silu":
         raise LoadError(f"{label}: hidden_act {text.get('hidden_act')!r} is not supported (silu only)")
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise LoadError(f"{label}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    rope = hf_default_rope(text, label)
     try:
         n_layers, d_model = int(text["num_hidden_layers"]), int(text["hidden_size"])
         head_dim = int(text.get("head_dim") or d_model // int(text["num_attention_heads"]))

@@ -14,6 +14,7 @@ from _gpu_helpers import gpu_only
 from graphir.backends.registry import get_backend
 from graphir.models import llama
 from graphir.models.family import SLOT_MAP
+from graphir.models.layers import rms_norm_mul
 from test_replay import copy_state
 from test_speculative import ScriptedDrafter
 
@@ -117,8 +118,8 @@ def pool_window_attention(logical_len: int):
         k = g.reshape(g.mul_mat(p(b + "attn_k.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))
         v = g.reshape(g.mul_mat(p(b + "attn_v.weight"), h), shape=(n, c.n_kv_heads, c.head_dim))
         if c.qk_norm:
-            q = llama._norm(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
-            k = llama._norm(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
+            q = rms_norm_mul(q, p(b + "attn_q_norm.weight"), c.rms_eps, b + "attn_q_norm")
+            k = rms_norm_mul(k, p(b + "attn_k_norm.weight"), c.rms_eps, b + "attn_k_norm")
         rope = {"n_dims": c.head_dim, "mode": c.rope_mode, "theta": float(c.rope_theta)}
         q, k = g.rope(q, pos, name=b + "q_rope", **rope), g.rope(k, pos, name=b + "k_rope", **rope)
         shape = (c.kv_slots, c.n_kv_heads, c.head_dim)
