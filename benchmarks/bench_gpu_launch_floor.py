@@ -33,6 +33,7 @@ from graphir.ir import Graph
 
 
 def chain(n_elems: int, kernels: int) -> Graph:
+    """Each silu reads the one before: two arena buffers in turn, so the data stays in L2."""
     g = Builder()
     x = g.input("x", (n_elems,))
     for i in range(kernels):
@@ -40,21 +41,33 @@ def chain(n_elems: int, kernels: int) -> Graph:
     return Graph({"y": x})
 
 
-def graph_us(n_elems: int, kernels: int, pdl: bool, reps: int) -> float:
-    """Microseconds a replay of the captured chain takes, best of 5 batches of `reps` replays."""
+def spread(n_elems: int, kernels: int) -> Graph:
+    """Each silu reads its own State buffer and writes its own output: in a replay every kernel reads bytes
+    last touched a whole replay (GBs) earlier, from DRAM, as a decode step reads a layer's recurrent state.
+    (State, not Inputs: a replay copies its Inputs in from the host.)"""
+    g = Builder()
+    outs = {f"y{i}": g.silu(g.state(f"s{i}", (n_elems,)), name=f"silu{i}") for i in range(kernels)}
+    return Graph({**outs, "x": g.silu(g.input("x", (1,)))})
+
+
+def graph_us(graph: Graph, pdl: bool, reps: int) -> float:
+    """Microseconds a replay of the captured graph takes, best of 5 batches of `reps` replays."""
     import cupy as cp
     from graphir.backends.gpu.device import stream
 
     os.environ["GRAPHIR_NO_PDL"] = "0" if pdl else "1"
     try:
-        program = get_backend("gpu").lower(chain(n_elems, kernels))
-        feeds = {"x": np.random.default_rng(0).standard_normal(n_elems).astype(np.float32)}
+        gpu = get_backend("gpu")
+        program, state = gpu.lower(graph), gpu.new_state(graph)
+        rng = np.random.default_rng(0)
+        feeds = {x.name: rng.standard_normal(x.shape).astype(np.float32) for x in graph.inputs}
         for _ in range(3):  # the second call captures
-            program(feeds, device=True)
+            program(feeds, state, device=True)
         assert program.captured, "the chain was not captured"
     finally:
         del os.environ["GRAPHIR_NO_PDL"]
     us = best_replay_us(program.replay_once, stream(), reps)
+    del program, state
     cp.get_default_memory_pool().free_all_blocks()
     return us
 
@@ -72,23 +85,28 @@ def best_replay_us(replay, s, reps: int) -> float:
     return best
 
 
-def memcpy_chain_us(n_elems: int, copies: int, reps: int) -> float:
-    """The same chain as device-to-device cudaMemcpyAsync calls captured into a graph (the driver's own copy,
-    ping-ponging between two buffers): what the same bytes cost without any kernel of ours."""
+def memcpy_us(n_elems: int, copies: int, reps: int, distinct: bool) -> float:
+    """The same links as device-to-device cudaMemcpyAsync calls captured into a graph (the driver's own copy):
+    what the same bytes cost without any kernel of ours. Two buffers in turn, or (distinct) each copy its
+    own source and destination."""
     import cupy as cp
 
     rt = cp.cuda.runtime
-    a = cp.random.standard_normal(n_elems, dtype=cp.float32)
-    b = cp.empty_like(a)
+    n_buf = copies if distinct else 1
+    a = [cp.random.standard_normal(n_elems, dtype=cp.float32) for _ in range(n_buf)]
+    b = [cp.empty_like(x) for x in a]
     s = cp.cuda.Stream(non_blocking=True)
     s.begin_capture()
     for i in range(copies):
-        src, dst = (a, b) if i % 2 == 0 else (b, a)
+        src, dst = (a[i], b[i]) if distinct else (a[0], b[0]) if i % 2 == 0 else (b[0], a[0])
         rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, s.ptr)
     graph = s.end_capture()
     for _ in range(3):
         graph.launch(s)
-    return best_replay_us(graph.launch, s, reps)
+    us = best_replay_us(graph.launch, s, reps)
+    del a, b, graph
+    cp.get_default_memory_pool().free_all_blocks()
+    return us
 
 
 def main() -> None:
@@ -98,15 +116,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     bw = measure_device_bandwidth()
-    print(f"device copy bandwidth (1 GiB, read + write): {bw / 1e12:.3f} TB/s; chain of {args.kernels} silu kernels")
-    print(f"{'bytes a tensor':>15} {'chain':>16} {'graph us':>10} {'us a link':>12} {'floor us':>9} {'% of floor':>11}")
+    print(f"device copy bandwidth (1 GiB, read + write): {bw / 1e12:.3f} TB/s; {args.kernels} links a graph "
+          "(chain: each reads the one before, in L2; spread: each its own buffers, from DRAM)")
+    print(f"{'bytes a tensor':>15} {'what':>20} {'graph us':>10} {'us a link':>10} {'floor us':>9} {'% of floor':>11}")
     for n in (int(s) for s in args.sizes.split(",")):
         floor = 2 * 4 * n / bw * 1e6  # read + write at copy bandwidth
-        for what, us in (("silu, PDL on", graph_us(n, args.kernels, True, args.reps)),
-                         ("silu, PDL off", graph_us(n, args.kernels, False, args.reps)),
-                         ("cudaMemcpyAsync", memcpy_chain_us(n, args.kernels, args.reps))):
-            per = us / args.kernels
-            print(f"{4 * n:>15,} {what:>16} {us:>10.1f} {per:>12.3f} {floor:>9.3f} {100 * floor / per:>10.1f}%")
+        k, reps = args.kernels, args.reps
+        rows = [("silu chain, PDL", graph_us, (chain(n, k), True, reps)),
+                ("silu chain, no PDL", graph_us, (chain(n, k), False, reps)),
+                ("memcpy chain", memcpy_us, (n, k, reps, False))]
+        if 4 * n >= 1 << 20:  # from DRAM: only where a tensor is more than a cache line or two
+            rows += [("silu spread, PDL", graph_us, (spread(n, k), True, reps)),
+                     ("memcpy spread", memcpy_us, (n, k, reps, True))]
+        for what, fn, fn_args in rows:
+            per = fn(*fn_args) / k
+            print(f"{4 * n:>15,} {what:>20} {per * k:>10.1f} {per:>10.3f} {floor:>9.3f} {100 * floor / per:>10.1f}%")
 
 if __name__ == "__main__":
     main()
