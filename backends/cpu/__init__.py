@@ -15,8 +15,12 @@ if __name__ != "graphir.backends.cpu":
         sys.modules[f"{__name__}.{_sub.name}"] = importlib.import_module(f"graphir.backends.cpu.{_sub.name}")
     sys.modules[__name__] = importlib.import_module("graphir.backends.cpu")
 else:
-    # compile_note registers the first-run note before any kernel compiles; cache_load makes loading them
-    # from numba's cache skip numba's compiler start-up
+    # link_private makes each kernel call its own linked-in code, compiled or loaded alike (first: before
+    # any kernel compiles); compile_note registers the first-run note before any kernel compiles;
+    # cache_load makes loading them from numba's cache skip numba's compiler start-up
+    from . import link_private
+
+    link_private.install()
     from . import cache_load, compile_note, kernels, matmul
     from .program import CpuProgram, lower
     from .threads import get_threads, set_threads
