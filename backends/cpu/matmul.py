@@ -201,19 +201,15 @@ def _hi(v: str) -> str:
     return f"u8({v} >> u8(4))"
 
 
-def _body_q4_0():
-    L = ["p = b * 18", "o = b * 32", "d = tab[r16[b * 9]]", "c = np.float32(-8.0) * d"]
-    L += [f"q{j} = row[p + {2 + j}]" for j in range(16)]
+def _body_q4(with_min: bool):
+    """q4_0: d, qs[16], element d * q - 8 d; q4_1: d, m, qs[16], element d * q + m. Low nibbles are
+    elements 0-15, high ones 16-31."""
+    bb = 20 if with_min else 18
+    L = [f"p = b * {bb}", "o = b * 32", f"d = tab[r16[b * {bb // 2}]]"]
+    L.append(f"c = tab[r16[b * {bb // 2} + 1]]" if with_min else "c = np.float32(-8.0) * d")
+    L += [f"q{j} = row[p + {bb - 16 + j}]" for j in range(16)]
     L += [f"br[o + {j}] = d * f32({_lo(f'q{j}')}) + c" for j in range(16)]
     L += [f"br[o + {16 + j}] = d * f32({_hi(f'q{j}')}) + c" for j in range(16)]
-    return L
-
-
-def _body_q4_1():
-    L = ["p = b * 20", "o = b * 32", "d = tab[r16[b * 10]]", "m = tab[r16[b * 10 + 1]]"]
-    L += [f"q{j} = row[p + {4 + j}]" for j in range(16)]
-    L += [f"br[o + {j}] = d * f32({_lo(f'q{j}')}) + m" for j in range(16)]
-    L += [f"br[o + {16 + j}] = d * f32({_hi(f'q{j}')}) + m" for j in range(16)]
     return L
 
 
@@ -253,32 +249,25 @@ def _kscales():
     return L
 
 
-def _body_q4_k():
-    """d, dmin, scales[12], qs[128]; 64-element chunk c uses qs[32c:32c+32]: low nibbles, then high."""
-    L = ["p = b * 144", "o = b * 256", "d = tab[r16[b * 72]]", "dmin = tab[r16[b * 72 + 1]]"]
+def _body_k(with_qh: bool):
+    """q4_k: d, dmin, scales[12], qs[128]; q5_k: d, dmin, scales[12], qh[32], qs[128]. 64-element chunk c
+    uses qs[32c:32c+32], low nibbles then high; q5_k takes bits 2c and 2c+1 of qh as their bit 4."""
+    bb = 176 if with_qh else 144
+    L = [f"p = b * {bb}", "o = b * 256", f"d = tab[r16[b * {bb // 2}]]", f"dmin = tab[r16[b * {bb // 2} + 1]]"]
     L += _kscales()
     L += ["for c in range(4):"]
     C = ["d1 = scr[2 * c]", "m1 = scr[8 + 2 * c]", "d2 = scr[2 * c + 1]", "m2 = scr[9 + 2 * c]"]
-    C += ["pc = p + 16 + 32 * c", "oc = o + 64 * c"]
+    C += [f"pc = p + {48 if with_qh else 16} + 32 * c", "oc = o + 64 * c"]
+    if with_qh:
+        C += ["s1 = u8(2 * c)", "s2 = u8(2 * c + 1)"]
+        C += [f"h{i} = row[p + {16 + i}]" for i in range(32)]
     C += [f"q{i} = row[pc + {i}]" for i in range(32)]
-    C += [f"br[oc + {i}] = d1 * f32({_lo(f'q{i}')}) - m1" for i in range(32)]
-    C += [f"br[oc + {32 + i}] = d2 * f32({_hi(f'q{i}')}) - m2" for i in range(32)]
-    return L + ["    " + c for c in C]
-
-
-def _body_q5_k():
-    """d, dmin, scales[12], qh[32], qs[128]; chunk c takes bits 2c and 2c+1 of qh as bit 4."""
-    L = ["p = b * 176", "o = b * 256", "d = tab[r16[b * 88]]", "dmin = tab[r16[b * 88 + 1]]"]
-    L += _kscales()
-    L += ["for c in range(4):"]
-    C = ["d1 = scr[2 * c]", "m1 = scr[8 + 2 * c]", "d2 = scr[2 * c + 1]", "m2 = scr[9 + 2 * c]"]
-    C += ["pc = p + 48 + 32 * c", "oc = o + 64 * c", "s1 = u8(2 * c)", "s2 = u8(2 * c + 1)"]
-    C += [f"h{i} = row[p + {16 + i}]" for i in range(32)]
-    C += [f"q{i} = row[pc + {i}]" for i in range(32)]
-    for i in range(32):
-        C.append(f"br[oc + {i}] = d1 * f32(u8({_lo(f'q{i}')} | (((h{i} >> s1) & u8(1)) << u8(4)))) - m1")
-    for i in range(32):
-        C.append(f"br[oc + {32 + i}] = d2 * f32(u8({_hi(f'q{i}')} | (((h{i} >> s2) & u8(1)) << u8(4)))) - m2")
+    for half, (nibble, scale, low, shift) in enumerate(((_lo, "d1", "m1", "s1"), (_hi, "d2", "m2", "s2"))):
+        for i in range(32):
+            q = nibble(f"q{i}")
+            if with_qh:
+                q = f"u8({q} | (((h{i} >> {shift}) & u8(1)) << u8(4)))"
+            C.append(f"br[oc + {32 * half + i}] = {scale} * f32({q}) - {low}")
     return L + ["    " + c for c in C]
 
 
@@ -346,13 +335,13 @@ _BODIES = {
     "f32": _row_f32,
     "f16": _row_f16,
     "bf16": _row_bf16,
-    "q4_0": _body_q4_0,
-    "q4_1": _body_q4_1,
+    "q4_0": lambda: _body_q4(False),
+    "q4_1": lambda: _body_q4(True),
     "q5_0": lambda: _body_q5(False),
     "q5_1": lambda: _body_q5(True),
     "q8_0": _body_q8_0,
-    "q4_k": _body_q4_k,
-    "q5_k": _body_q5_k,
+    "q4_k": lambda: _body_k(False),
+    "q5_k": lambda: _body_k(True),
     "q6_k": _body_q6_k,
     "iq4_xs": _body_iq4_xs,
 }
