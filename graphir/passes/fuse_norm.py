@@ -10,6 +10,15 @@ from graphir.passes import register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
 
 
+def norm_times_weight(mul: Node) -> tuple[Node, Node] | None:
+    """(norm, w) of mul = rms_norm(x) * w in either operand order (the first rms_norm source when both
+    are), or None when neither source is an rms_norm."""
+    norm = next((s for s in mul.src if s.op == "rms_norm"), None)
+    if norm is None:
+        return None
+    return norm, mul.src[1] if mul.src[0] is norm else mul.src[0]
+
+
 @dataclass
 class AddNormMul:
     add: Node
@@ -67,10 +76,10 @@ def _match_gated(gate: Node, rw: Rewriter) -> tuple[Node, Node, Node, Node] | No
     if gate.op != "swiglu_split" or gate.src[1].op != "mul":
         return None
     z, mul = gate.src
-    norm = next((s for s in mul.src if s.op == "rms_norm"), None)
-    if norm is None:
+    parts = norm_times_weight(mul)
+    if parts is None:
         return None
-    w = mul.src[1] if mul.src[0] is norm else mul.src[0]
+    norm, w = parts
     if mul.shape != norm.shape or w.shape != norm.shape[-1:] or z.shape != norm.shape:
         rw.reject(gate, "its mul is not rms_norm(x) * w with w over the last axis, or z is not shaped like x")
         return None

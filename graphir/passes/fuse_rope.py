@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
+from graphir.passes.fuse_norm import norm_times_weight
 from graphir.passes.rewrite import Rewriter, rewrite
 
 
@@ -46,11 +47,10 @@ def _match_norm_rope(n: Node, rw: Rewriter) -> tuple[Node, Node, Node, Node] | N
     if n.op != "rope" or n.src[0].op != "mul":
         return None
     mul = n.src[0]
-    norms = [s for s in mul.src if s.op == "rms_norm"]
-    if not norms:
+    parts = norm_times_weight(mul)
+    if parts is None:
         return None
-    norm = norms[0]
-    weight = mul.src[1] if mul.src[0] is norm else mul.src[0]
+    norm, weight = parts
     if rw.sole_user(mul) is not n or rw.sole_user(norm) is not mul:
         rw.reject(n, "the normed (or weighted) q/k has another user; it must stay materialized")
         return None

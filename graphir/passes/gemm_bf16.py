@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from graphir.ir import Graph, Node, toposort
+from graphir.ir import Graph, Node
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, rewrite
+from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
 
 
 @register_pass("gemm-bf16", "mul_mat of a 2-D weight by >= min_rows rows -> mul_mat_bf16 "
@@ -32,8 +32,8 @@ class GemmBf16:
         if n.op != "mul_mat":
             return None
         w, x = n.src
-        if len(w.shape) != 2 or not all(a.op in ("param", "const") for a in toposort([w]) if a.is_leaf):
-            return None  # not a weight (an activation, or with batch axes)
+        if not is_weight_matrix(w):
+            return None  # an activation, or with batch axes
         rows = math.prod(x.shape[:-1])
         if rows < self.min_rows:
             rw.reject(n, f"{rows} rows of x < min_rows={self.min_rows}: bandwidth-bound, kept in f32")

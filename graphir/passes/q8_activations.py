@@ -28,10 +28,10 @@ import math
 from dataclasses import dataclass
 
 from graphir.builder import contiguous_strides
-from graphir.ir import Graph, Node, toposort
+from graphir.ir import Graph, Node
 from graphir.ops.fused import Q8X_FORMATS
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, rewrite
+from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
 
 
 @register_pass("q8-activations", "mul_mat (and mul_mat_swiglu) of a q4_0/q4_1/q8_0 2-D weight by <= max_rows rows "
@@ -44,8 +44,8 @@ class Q8Activations:
         if n.op not in ("mul_mat", "mul_mat_swiglu"):
             return None
         w, x = n.src
-        if len(w.shape) != 2 or not all(a.op in ("param", "const") for a in toposort([w]) if a.is_leaf):
-            return None  # not a weight (an activation, or with batch axes)
+        if not is_weight_matrix(w):
+            return None  # an activation, or with batch axes
         if w.dtype not in Q8X_FORMATS:
             rw.reject(n, f"weight dtype {w.dtype} has no integer-code GEMV (only {', '.join(Q8X_FORMATS)}): "
                          "kept in f32")

@@ -115,6 +115,12 @@ class Rewriter:
         return Graph({k: self.new(v) for k, v in g.outputs.items()}, [self.new(u) for u in g.updates], g.meta)
 
 
+def is_weight_matrix(w: Node) -> bool:
+    """A 2-D operand computed from Params and Consts only (a Param, or Params stacked by stack-projections,
+    which lowering folds): a weight, not an activation, and without batch axes."""
+    return len(w.shape) == 2 and all(a.op in ("param", "const") for a in toposort([w]) if a.is_leaf)
+
+
 def rewrite(graph: Graph, rules: list[Rule]) -> Graph:
     """Apply `rules` once over the graph (one walk, old topological order); see the module doc."""
     return Rewriter(graph, rules).run()
