@@ -243,6 +243,31 @@ def _draft_options(fn: Callable) -> Callable:
                              "'lookup' (prompt n-grams); output equals plain decoding when greedy")(fn)
 
 
+def _load_options(backend_help: str, passes_help: str, ctx_holds: str) -> Callable[[Callable], Callable]:
+    """--backend, --passes and --ctx, as run and chat take them; `ctx_holds` says what the KV cache keeps."""
+    options = [
+        click.option("--backend", type=BACKEND_CHOICE, default=None, help=backend_help),
+        click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
+                     help=passes_help),
+        click.option("--ctx", type=click.IntRange(min=1), default=None,
+                     help=f"KV-cache capacity in tokens, {ctx_holds}  [default: the model's context, at most "
+                          f"{DEFAULT_MAX_CTX}]"),
+    ]
+
+    def add(fn: Callable) -> Callable:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return add
+
+
+def _threads_option(fn: Callable) -> Callable:
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is "
+                             "quiet, one fewer per core other programs keep busy]")(fn)
+
+
 def _tp_option(fn: Callable) -> Callable:
     return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
                         help="tensor parallel over N processes: one per GPU (NCCL) on gpu, sharing memory on cpu")(fn)
@@ -253,16 +278,10 @@ def _tp_option(fn: Callable) -> Callable:
 @click.option("-p", "--prompt", default="The capital of France is", show_default=True)
 @click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=0), default=32, show_default=True)
 @_sampling_options
-@click.option("--backend", type=BACKEND_CHOICE, default=None,
-              help="default: auto (gpu when CuPy sees a device, else cpu); reference for `example`")
-@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
-              help="pass pipeline applied before lowering ('' for none; see `graphir passes`)")
-@click.option("--ctx", type=click.IntRange(min=1), default=None,
-              help=f"KV-cache capacity in tokens, prompt included  [default: the model's context, at most "
-                   f"{DEFAULT_MAX_CTX}]")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
-                   "one fewer per core other programs keep busy]")
+@_load_options(backend_help="default: auto (gpu when CuPy sees a device, else cpu); reference for `example`",
+               passes_help="pass pipeline applied before lowering ('' for none; see `graphir passes`)",
+               ctx_holds="prompt included")
+@_threads_option
 @_draft_options
 @_tp_option
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
@@ -334,13 +353,9 @@ def _speculative_line(st: Any, draft: str | None, draft_len: int) -> str:
 @click.option("-n", "--max-new-tokens", "n", type=click.IntRange(min=1), default=256, show_default=True,
               help="longest reply, in tokens")
 @_sampling_options
-@click.option("--backend", type=BACKEND_CHOICE, default=None,
-              help="default: auto (gpu when CuPy sees a device, else cpu)")
-@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
-              help="pass pipeline applied before lowering ('' for none)")
-@click.option("--ctx", type=click.IntRange(min=1), default=None,
-              help=f"KV-cache capacity in tokens, the whole conversation included  [default: the model's context, "
-                   f"at most {DEFAULT_MAX_CTX}]")
+@_load_options(backend_help="default: auto (gpu when CuPy sees a device, else cpu)",
+               passes_help="pass pipeline applied before lowering ('' for none)",
+               ctx_holds="the whole conversation included")
 def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, temperature: float, top_k: int,
              top_p: float, seed: int | None, backend: str | None, pipeline: str, ctx: int | None) -> None:
     """Talk to MODEL with its own chat template: one turn with -p, else read turns from stdin until EOF.
@@ -564,9 +579,7 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
                    "or eager only (hf-eager)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers (and machine, date, command) to this JSON file")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is quiet, "
-                   "one fewer per core other programs keep busy]")
+@_threads_option
 @click.option("--dtype", default=None,
               help="convert the weights on load, e.g. q4_0 (the project's quantizer) or bf16  [default: as stored]")
 @_draft_options
