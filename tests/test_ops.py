@@ -633,21 +633,26 @@ def test_softmax(shape, scale, mask_kind, rng):
 
 
 # ---------------------------------------------------------------- flash_attn
-def _attention_loops(q, k, v, pos, kv_len, scale, window):
+def _visible_keys(q, k, pos, kv_len, window):
+    """(i, h, kh, keys) for each query row i and head h that sees a key: its kv head kh (GQA) and the key
+    rows j < kv_len it sees, j <= pos[i] and, with a window, pos[i] - j < window."""
     n_q, hq, _ = q.shape
     hk = k.shape[1]
-    out = np.zeros((n_q, hq, v.shape[2]))
     for i in range(n_q):
         for h in range(hq):
-            kh = h // (hq // hk)
             keys = [j for j in range(kv_len) if j <= pos[i] and (window == 0 or pos[i] - j < window)]
-            if not keys:
-                continue
-            s = np.array([float(np.dot(q[i, h].astype(np.float64), k[j, kh].astype(np.float64))) * scale
-                          for j in keys])
-            p = np.exp(s - s.max())
-            p /= p.sum()
-            out[i, h] = sum(pj * v[j, kh].astype(np.float64) for pj, j in zip(p, keys, strict=True))
+            if keys:
+                yield i, h, h // (hq // hk), keys
+
+
+def _attention_loops(q, k, v, pos, kv_len, scale, window):
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for i, h, kh, keys in _visible_keys(q, k, pos, kv_len, window):
+        s = np.array([float(np.dot(q[i, h].astype(np.float64), k[j, kh].astype(np.float64))) * scale
+                      for j in keys])
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        out[i, h] = sum(pj * v[j, kh].astype(np.float64) for pj, j in zip(p, keys, strict=True))
     return out
 
 
@@ -727,20 +732,13 @@ def test_flash_attn_long_prefill(rng):
 def _attention_bf16_loops(q, k, v, pos, kv_len, scale, window):
     """flash_attn_bf16 restated: bf16 q, k, v (frexp rounding), f32 scores in the log2 domain, weights
     2^(s - M) rounded to bf16 with M = ceil(max s), the weighted mean of v over their sum (float64)."""
-    n_q, hq, _ = q.shape
-    hk = k.shape[1]
     qb, kb, vb = (_to_bf16_frexp(a.astype(np.float32)) for a in (q, k, v))
-    out = np.zeros((n_q, hq, v.shape[2]))
-    for i in range(n_q):
-        for h in range(hq):
-            kh = h // (hq // hk)
-            keys = [j for j in range(kv_len) if j <= pos[i] and (window == 0 or pos[i] - j < window)]
-            if not keys:
-                continue
-            s = np.array([np.float32(np.dot(qb[i, h], kb[j, kh])) * np.float32(scale * math.log2(math.e))
-                          for j in keys], np.float32)
-            w = _to_bf16_frexp(2.0 ** (s.astype(np.float64) - math.ceil(s.max())))
-            out[i, h] = sum(wj * vb[j, kh] for wj, j in zip(w, keys, strict=True)) / w.sum()
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for i, h, kh, keys in _visible_keys(q, k, pos, kv_len, window):
+        s = np.array([np.float32(np.dot(qb[i, h], kb[j, kh])) * np.float32(scale * math.log2(math.e))
+                      for j in keys], np.float32)
+        w = _to_bf16_frexp(2.0 ** (s.astype(np.float64) - math.ceil(s.max())))
+        out[i, h] = sum(wj * vb[j, kh] for wj, j in zip(w, keys, strict=True)) / w.sum()
     return out
 
 
