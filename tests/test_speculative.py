@@ -117,6 +117,18 @@ def test_eos_ends_speculative_generation_like_plain(models):
         target.eos_ids = set()
 
 
+def check_speculative_equals_plain_up_to_near_ties(target: Model, drafter, k: int) -> None:
+    """40 greedy tokens with `drafter` drafting k at a time equal plain greedy decoding's, or part from them
+    at a near-tie of the plain path's top two logits (within 1e-4 relative)."""
+    prompt = prompt_of(9 + k, seed=k)
+    plain = list(target.generate(prompt, 40, stop_at_eos=False))
+    got = list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False))
+    i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
+    if i is not None:
+        top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
+        assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
+
+
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_greedy_speculative_equals_plain_greedy():
@@ -125,13 +137,7 @@ def test_gpu_greedy_speculative_equals_plain_greedy():
     bits: the tokens must agree, or part at a near-tie of the plain path's logits."""
     target = load("random:llama-tiny", "gpu")
     for drafter, k in ((load("random:llama-tiny", "gpu", dtype="q8_0"), 5), ("lookup", 3), ("lookup", 8)):
-        prompt = prompt_of(9 + k, seed=k)
-        plain = list(target.generate(prompt, 40, stop_at_eos=False))
-        got = list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False))
-        i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
-        if i is not None:
-            top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
-            assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
+        check_speculative_equals_plain_up_to_near_ties(target, drafter, k)
 
 
 # ---------------------------------------------------------------- SmolLM2 (its GGUF, cpu backend)
@@ -629,13 +635,7 @@ def test_gpu_recurrent_greedy_speculative_equals_plain_greedy():
     """Qwen3.5 on the gpu: tokens agree with plain greedy decoding, or part at a near-tie (see the llama test)."""
     target = load(RECURRENT, "gpu")
     for drafter, k in ((load(RECURRENT, "gpu", dtype="q8_0"), 5), ("lookup", 3), (load("random:llama-tiny", "gpu"), 8)):
-        prompt = prompt_of(9 + k, seed=k)
-        plain = list(target.generate(prompt, 40, stop_at_eos=False))
-        got = list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False))
-        i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
-        if i is not None:
-            top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
-            assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
+        check_speculative_equals_plain_up_to_near_ties(target, drafter, k)
 
 
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
