@@ -14,8 +14,9 @@ import re
 
 import numpy as np
 import pytest
-from _gpu_helpers import HAS_GPU, gpu_only
+from _gpu_helpers import HAS_GPU, captured_and_launched, gpu_only
 from graphir.backends.gpu import kernels, pdl
+from test_replay import step_inputs
 
 import graphir
 
@@ -69,12 +70,8 @@ def _first_difference(spec: str, ctx: int, monkeypatch) -> int | None:
     captured, plain, s_cap, s_plain = _decode_pair(spec, ctx)
     tokens = np.random.default_rng(5).integers(0, 256, ctx)
     for pos in range(ctx):
-        feeds = {"tokens": np.array([tokens[pos]], np.int32), "pos": np.array([pos], np.int32),
-                 "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32)}
-        got = captured(feeds, s_cap)["logits"]
-        monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
-        want = plain(feeds, s_plain)["logits"]
-        monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
+        got, want = captured_and_launched(captured, plain, step_inputs(pos, tokens[pos]), s_cap, s_plain, monkeypatch,
+                                          "logits")
         if not np.array_equal(got, want):
             return pos
     assert captured.captured and not plain.captured

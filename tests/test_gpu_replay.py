@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _gpu_helpers import gpu_only
+from _gpu_helpers import captured_and_launched, gpu_only
 from graphir.backends.gpu import matmul
 from graphir.backends.registry import get_backend
+from test_replay import step_inputs
 
 import graphir
 
@@ -45,12 +46,8 @@ def test_captured_decode_equals_launched_decode_at_every_position(spec, dtype, p
     model, captured, plain, s_cap, s_plain = _decode_pair(spec, ctx, dtype, passes)
     tokens = np.random.default_rng(3).integers(0, 256, ctx)
     for pos in range(ctx):  # 0, 1, every split and tile boundary of a 160-row cache, capacity - 1
-        feeds = {"tokens": np.array([tokens[pos]], np.int32), "pos": np.array([pos], np.int32),
-                 "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32)}
-        got = captured(feeds, s_cap)["logits"]
-        monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
-        want = plain(feeds, s_plain)["logits"]
-        monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
+        got, want = captured_and_launched(captured, plain, step_inputs(pos, tokens[pos]), s_cap, s_plain, monkeypatch,
+                                          "logits")
         assert np.array_equal(got, want), f"{spec}: logits differ at position {pos}"
     assert captured.captured and not plain.captured
     for name in s_cap:
@@ -126,12 +123,8 @@ def test_captured_sampling_step_equals_launched_step(spec, monkeypatch):
     for pos in range(ctx):
         settings = np.array([[rng.choice([0.0, 0.7, 1.3]), rng.choice([0, 1, 5, 40]), rng.choice([1.0, 0.8]),
                               rng.random()]], np.float32)
-        feeds = {"tokens": np.array([token], np.int32), "pos": np.array([pos], np.int32),
-                 "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32), "sampling": settings}
-        got = captured(feeds, s_cap)["token"]
-        monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
-        want = plain(feeds, s_plain)["token"]
-        monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
+        feeds = {**step_inputs(pos, token), "sampling": settings}
+        got, want = captured_and_launched(captured, plain, feeds, s_cap, s_plain, monkeypatch, "token")
         assert got.tolist() == want.tolist(), f"{spec}: sampled ids differ at position {pos}"
         token = int(got[0])
     assert captured.captured and not plain.captured
@@ -202,8 +195,7 @@ def test_gpu_replay_lint_and_the_numbers_catch_a_kv_row_read_while_lowering(monk
     broken = gpu.lower(graph, model.weights)
 
     def feeds(pos):
-        return {"tokens": np.array([pos % 200 + 1], np.int32), "pos": np.array([pos], np.int32),
-                "kv_idx": np.array([pos], np.int32), "kv_len": np.array([pos + 1], np.int32)}
+        return step_inputs(pos, pos % 200 + 1)
 
     s_broken, s_honest = gpu.new_state(graph), gpu.new_state(graph)
     with monkeypatch.context() as m:
