@@ -158,11 +158,12 @@ def test_smollm2_q8x_picks_the_f32_token_but_at_near_ties(smollm2):
     2.6 (twice llama.cpp's own ~1.3 on this file, issue 13).
 
     Not issue 13's greedy rule (16 equal greedy tokens, or a first divergence at an f32 top-2 gap below 0.05):
-    an x value moved by an ulp upstream can round to the other 8-bit code, and the cpu's f32 kernels differ by
-    ~3e-5 between a process that compiled them and one that loaded them from numba's cache, so that rule held
-    for two prompts in a warm process and one in a cold one (CI's), a miss reported in BENCHMARKS.md. Measured
-    2026-12-01 (AMD EPYC, AVX2): 47 (warm) and 46 (cold) of 48 agree, at f32 gaps of 0.059 and 0.22; largest
-    logit movement 1.02."""
+    an x value moved by an ulp upstream can round to the other 8-bit code, so a near-tie decides it: the rule
+    holds for two prompts and misses the haiku prompt (first divergence at an f32 top-2 gap of 0.059), a miss
+    reported in BENCHMARKS.md. (Before link_private.py a process that compiled the f32 kernels and one that
+    loaded them from numba's cache computed ~3e-5 apart, and a cold process also diverged on France, at a 0.22
+    gap; cold and warm are now the same bits.) Measured 2026-12-01 (AMD EPYC, AVX2): 47 of 48 agree, cold and
+    warm; largest logit movement 1.02."""
     f32, q8x = smollm2
     report = coverage(q8x.graph("decode"), "default,q8-activations")["q8-activations"]
     assert len(report.matched) == 30 * 4 + 1 and not report.rejected  # q|k|v, o, gate|up, down a layer; the head
