@@ -12,8 +12,8 @@ buffers: its steps are captured into a CUDA graph and replayed, so the time is t
 not Python's launch overhead (~8 us per launch). Each result is checked against a cupy einsum.
 
 Columns: us per call; GB/s = K+V bytes of the visible rows / time (the bytes decode must read);
-percent of the measured device copy bandwidth; TFLOP/s = 2*(d+dv) per visible (query, head, key).
-Decode is one kernel (its last split's block merges the partials).
+percent of the measured device copy bandwidth; TFLOP/s = 2*(d+dv) per visible (query, head, key);
+for decode, the decode kernel and attn_combine also timed alone (each replayed from its own graph).
 A summary table ends the output. --quick: 8k decode and 512 prefill only, fewer reps.
 """
 
@@ -105,7 +105,8 @@ def via_backend(q, k, v, pos, kv_len, scale):
     return res.get() if hasattr(res, "get") else np.asarray(res)
 
 
-def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, check_backend: bool = False) -> dict:
+def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, check_backend: bool = False,
+         parts: bool = False) -> dict:
     cp = cupy()
     rng = cp.random.default_rng(0)
     npdt = np.float32 if kvdt == "f32" else np.float16
@@ -129,6 +130,9 @@ def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, c
             f"{flops / t / 1e12:>8.2f} {err:>9.1e}")
     res = {"t": t, "pct": 100 * kv_bytes / t / bw, "tflops": flops / t / 1e12, "err": err,
            "kernels": [st.name for st in run.steps]}
+    if parts and len(run.steps) > 1:  # each kernel alone (the combine reads the partials the decode left)
+        res["parts"] = [time_fn(st, reps) for st in run.steps]
+        line += "  " + " + ".join(f"{st.name} {tp * 1e6:.1f}" for st, tp in zip(run.steps, res["parts"]))
     if check_backend:
         got = via_backend(q, k, v, pos, kv_len, scale)
         line += "  backend: " + ("not registered" if got is None else f"max|diff| {np.abs(got - out.get()).max():.1e}")
@@ -140,11 +144,14 @@ def case(kvdt, n_q: int, ctx: int, cap: int, reps: int, bw: float, label: str, c
 
 def summary(rows: list) -> None:
     """The table, last: one line per case."""
-    print("\nsummary:")
-    print(f"{'case':<24} {'kernel':<26} {'us/call':>8} {'%copy':>7} {'TFLOP/s':>8} {'max|err|':>9}")
+    print("\nsummary (decode us, combine us: the decode kernel and attn_combine, each replayed alone):")
+    print(f"{'case':<24} {'kernel':<26} {'us/call':>8} {'%copy':>7} {'TFLOP/s':>8} {'decode us':>10} "
+          f"{'combine us':>10} {'max|err|':>9}")
     for label, r in rows:
+        parts = r.get("parts")
+        dec, comb = (f"{parts[0] * 1e6:10.1f}", f"{parts[-1] * 1e6:10.1f}") if parts else (f"{'':>10}", f"{'':>10}")
         bad = "" if r["err"] < 1e-4 else "  MISMATCH"
-        print(f"{label:<24} {r['kernels'][0]:<26} {r['t'] * 1e6:8.1f} {r['pct']:6.1f}% {r['tflops']:8.2f} "
+        print(f"{label:<24} {r['kernels'][0]:<26} {r['t'] * 1e6:8.1f} {r['pct']:6.1f}% {r['tflops']:8.2f} {dec} {comb} "
               f"{r['err']:9.1e}{bad}")
 
 
@@ -165,7 +172,7 @@ def main() -> None:
     for kvdt in ("f16", "f32"):
         for i, ctx in enumerate(contexts):
             label = f"decode {kvdt} ctx={ctx}"
-            rows.append((label, case(kvdt, 1, ctx, CAP, reps, bw, label, check_backend=(i == 0))))
+            rows.append((label, case(kvdt, 1, ctx, CAP, reps, bw, label, check_backend=(i == 0), parts=True)))
     for kvdt in ("f16", "f32"):
         for n in [512] if a.quick else [512, 4096]:
             label = f"prefill {kvdt} n={n}"
