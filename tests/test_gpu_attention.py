@@ -144,7 +144,7 @@ def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
         case = Case(2, hq, 2, 128, 128, 1000, kvdtype, window)
         run = runner(case)
         if isinstance(run, RuleRunner):
-            assert run.kernels == [f"attn_decode_{kvdtype}_d128_g4"], run.kernels
+            assert run.kernels == [f"attn_decode_{kvdtype}_d128_g4", "attn_combine"], run.kernels
         for kv_len in [1, 33, 129, 999, 1000]:
             q, k, v = case.data(rng, kv_len)
             pos = np.array([kv_len - 1, kv_len // 2], np.int32)
@@ -161,7 +161,7 @@ def test_decode_every_class(runner, kvdtype, dk, group):
     case = Case(1, 2 * group, 2, d, dv, 1025, kvdtype, 0)
     run = runner(case)
     if isinstance(run, RuleRunner):
-        assert run.kernels == [f"attn_decode_{kvdtype}_d{dk}_g{group}"], run.kernels
+        assert run.kernels == [f"attn_decode_{kvdtype}_d{dk}_g{group}", "attn_combine"], run.kernels
     for kv_len in [1, 511, 1025]:
         q, k, v = case.data(rng, kv_len)
         for p in (kv_len - 1, kv_len // 3):
@@ -175,7 +175,7 @@ def test_decode_unaligned_kv_falls_back(kvdtype, offset):
     rng = np.random.default_rng(offset)
     case = Case(1, 8, 2, 128, 128, 300, kvdtype, 0)
     run = RuleRunner(case, kv_offset=offset)
-    assert run.kernels == [f"attn_decode_{kvdtype}_any"], run.kernels
+    assert run.kernels == [f"attn_decode_{kvdtype}_any", "attn_combine"], run.kernels
     for kv_len in [1, 300]:
         q, k, v = case.data(rng, kv_len)
         pos = np.array([kv_len - 1], np.int32)
@@ -224,8 +224,8 @@ def test_head_shapes(runner, hq, hk, d, dv, n_q, kvdtype):
     rng = np.random.default_rng(d + dv + n_q)
     case = Case(n_q, hq, hk, d, dv, 333, kvdtype, 0)
     run = runner(case)
-    if isinstance(run, RuleRunner) and d % 4:  # `_any` for decode and prefill
-        assert run.kernels == (["attn_decode_" + kvdtype + "_any"] if n_q == 1 else
+    if isinstance(run, RuleRunner) and d % 4:  # `_any` for decode and prefill, one combine
+        assert run.kernels == (["attn_decode_" + kvdtype + "_any", "attn_combine"] if n_q == 1 else
                                ["attn_prefill_" + kvdtype + "_any"]), run.kernels
     for kv_len in [1, 150, 333]:
         q, k, v = case.data(rng, kv_len)

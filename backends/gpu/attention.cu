@@ -4,11 +4,11 @@
 //   attn_decode_*   split-K flash decoding for a few queries: grid (split, kv head x head chunk,
 //                   query). Each block scores the rows of its split for every q head of one GQA
 //                   group (each K/V row is read once per kv head) and writes a partial
-//                   (max, sum, acc[dv]) per (query, head, split); the block that finishes last
-//                   among a (query, kv head, head chunk)'s active splits merges their partials
-//                   into the output (merge_splits). The shape classes (_d64_g4 ...) take R rows
-//                   per row group per step with 16-byte loads (attn_decode_tile); `_any` (odd
-//                   head dims, unaligned K/V) one row at a time with element loads (attn_decode_row).
+//                   (max, sum, acc[dv]) per (query, head, split). The shape classes (_d64_g4 ...)
+//                   take R rows per row group per step with 16-byte loads (attn_decode_tile);
+//                   `_any` (odd head dims, unaligned K/V) one row at a time with element loads
+//                   (attn_decode_row).
+//   attn_combine    merges the partials of the active splits into the output.
 //   attn_prefill_*  many queries: a block takes QT queries x one GQA head chunk, streams K/V tiles
 //                   through shared memory (converted to f32 once) and skips tiles outside the
 //                   union of its queries' visible ranges.
@@ -26,8 +26,11 @@
 #ifndef ATTN_PREFILL_THREADS
 #define ATTN_PREFILL_THREADS 128  // 2 blocks per SM at ~200 registers: one loads a tile while the other computes
 #endif
+#ifndef ATTN_COMBINE_THREADS
+#define ATTN_COMBINE_THREADS 256
+#endif
 #ifndef ATTN_MAX_SPLITS
-#define ATTN_MAX_SPLITS 1024  // the merge keeps one weight per split in shared memory
+#define ATTN_MAX_SPLITS 1024  // the combine kernel keeps one weight per split in shared memory
 #endif
 #ifndef ATTN_TILE_FLOATS
 #define ATTN_TILE_FLOATS 4096  // prefill K tile rows x DK (and the same for V): 2 x 16 KiB of shared memory
@@ -103,7 +106,7 @@ DEVICE void visible_range(int p, int L, int window, int& lo, int& hi) {
 
 // Split s of n_split covers rows [s*chunk, min((s+1)*chunk, L)): chunk follows the actual kv_len
 // (never below min_chunk), so short contexts use few splits and long ones use them all.
-// merge_splits uses the same formula to know which splits wrote a partial.
+// attn_combine uses the same formula to know which splits wrote a partial.
 DEVICE int split_chunk(int L, int n_split, int min_chunk) {
     int c = cdiv_i(L, n_split);
     return c > min_chunk ? c : min_chunk;
@@ -210,112 +213,16 @@ DEVICE void write_partials(const float (&m)[GB], const float (&l)[GB], const vf4
     }
 }
 
-// ---------------------------------------------------------------- decode: the merge
-// Each (query, kv head, head chunk) counts its finished splits in done[]; the block that finishes
-// last merges the partials of the active splits into the output and sets the count back to 0 for
-// the next call. So no combine kernel follows the splits: in a replayed decode step that kernel
-// cost ~3.3 us a layer (Qwen3-8B, H200, 2026-12-02), its launch and a dependent round trip.
-// Which block is last varies from call to call, the result does not: the merge reads every
-// active split's partial in split order. The fence before the count publishes the block's
-// partials; the last block reads the others' through L2 (L1 is not coherent across SMs).
-DEVICE float ld_l2(const float* p) {
-#if defined(__HIPCC__)
-    return *(const volatile float*)p;
-#else
-    return __ldcg(p);
-#endif
-}
-
-// out[row0 + g, :] (g < ng) from the na active splits' partials; rows are n_split partials apart.
-DEVICE void merge_splits(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                         const float* __restrict__ part_acc, float* __restrict__ out, long long row0, int ng,
-                         int n_split, int na, int dv) {
-    constexpr int NT = ATTN_DECODE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
-    __shared__ float w[ATTN_MAX_SPLITS];
-    __shared__ float red[MAX_THREADS / WARP_SIZE];
-    __shared__ vf4 sm[CSG][CW];
-    const int tid = threadIdx.x, cl = tid % CW, sg = tid / CW, nvec = (dv + 3) / 4;
-    for (int g = 0; g < ng; ++g) {
-        const long long row = row0 + g, base = row * n_split;
-        float* o = out + row * dv;
-        float M = NEG_INF;
-        for (int s = tid; s < na; s += NT) M = fmaxf(M, ld_l2(part_m + base + s));
-        M = block_max(M, red);
-        if (M == NEG_INF) {  // no visible key for this query (block-uniform)
-            for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
-            continue;
-        }
-        float ls = 0.0f;
-        for (int s = tid; s < na; s += NT) {
-            const float ws = exp2f(ld_l2(part_m + base + s) - M);  // 0 for empty splits (m = -inf)
-            w[s] = ws;
-            ls += ws != 0.0f ? ws * ld_l2(part_l + base + s) : 0.0f;
-        }
-        ls = block_sum(ls, red);  // its barriers also publish w[]
-        const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
-        for (int c0 = 0; c0 < nvec; c0 += CW) {  // block-uniform trip count (barriers inside)
-            const int cv = c0 + cl, e = cv * 4;
-            vf4 a = zero4();
-            if (cv < nvec) {
-#pragma unroll 4
-                for (int s = sg; s < na; s += CSG) {
-                    const float ws = w[s];
-                    if (ws == 0.0f) continue;  // empty splits' acc is never written (may hold anything)
-                    const float* src = part_acc + (base + s) * dv + e;
-                    a.x += ws * ld_l2(src);
-                    if (e + 1 < dv) a.y += ws * ld_l2(src + 1);
-                    if (e + 2 < dv) a.z += ws * ld_l2(src + 2);
-                    if (e + 3 < dv) a.w += ws * ld_l2(src + 3);
-                }
-            }
-            sm[sg][cl] = a;
-            __syncthreads();
-            if (sg == 0 && cv < nvec) {
-                vf4 r = zero4();
-                for (int i = 0; i < CSG; ++i) r.x += sm[i][cl].x, r.y += sm[i][cl].y, r.z += sm[i][cl].z, r.w += sm[i][cl].w;
-                const float rr[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (e + c < dv) o[e + c] = rr[c] * inv;
-            }
-            __syncthreads();  // sm and w are rewritten by the next column run or head
-        }
-    }
-}
-
-// Called by every block of an active split once its partials are written: counts it, and the last
-// of the na merges. Block-uniform (barriers inside).
-DEVICE void finish_split(int* __restrict__ done, int na, const float* __restrict__ part_m,
-                         const float* __restrict__ part_l, const float* __restrict__ part_acc, float* __restrict__ out,
-                         long long row0, int ng, int n_split, int dv) {
-    __shared__ int last;
-    const int cidx = blockIdx.z * gridDim.y + blockIdx.y;
-    __threadfence();  // this block's partials, visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done + cidx, 1) == na - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    merge_splits(part_m, part_l, part_acc, out, row0, ng, n_split, na, dv);
-    if (threadIdx.x == 0) done[cidx] = 0;  // no other block of this call touches it again
-}
-
-// No active split (kv_len 0, or a bad kv_len the kernel reports): split 0's block writes zeros.
-DEVICE void zero_heads(float* __restrict__ out, long long row0, int ng, int dv) {
-    if (blockIdx.x != 0) return;
-    for (int e = threadIdx.x; e < ng * dv; e += ATTN_DECODE_THREADS) out[row0 * dv + e] = 0.0f;
-}
-
 // ---------------------------------------------------------------- decode: split-K, row by row
 // The `_any` fallback: element loads (any d, dv, any alignment), one row per row group at a time
 // (the next row's loads are issued before this one is used). Same grid, split formula and
-// partials as attn_decode_tile; the last split's block merges either (finish_split).
+// partials as attn_decode_tile; attn_combine merges either.
 template <typename KV, int GB, int NV, int T>
 DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
                             const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
-                            float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ out,
-                            int* __restrict__ done, int hq, int hk, int d, int dv, int cap, int n_split,
-                            int min_chunk, float scale2, int window, int n_gch, int* errflag, int code) {
+                            float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
+                            int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
+                            int code) {
     typedef typename RawOf<KV>::type Raw;
     constexpr int RG = ATTN_DECODE_THREADS / T;
 
@@ -326,25 +233,22 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
 
     const int L = kv_len[0];
-    const long long row0 = (long long)qi * hq + h0;  // output row of head h0 + g: row0 + g
-    if (L <= 0 || L > cap) {
-        if (L != 0 && s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
-        zero_heads(out, row0, ng, dv);
+    if (L < 0 || L > cap) {  // attn_combine writes zeros
+        if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
     }
     const int chunk = split_chunk(L, n_split, min_chunk);
-    const int s0 = s * chunk, na = cdiv_i(L, chunk);
-    if (s0 >= L) return;  // inactive split: neither counted nor merged
+    const int s0 = s * chunk;
+    if (s0 >= L) return;  // inactive split: attn_combine does not read it
     const int s1 = s0 + chunk < L ? s0 + chunk : L;
 
     int lo, hi;
     visible_range(pos[qi], L, window, lo, hi);
     lo = lo > s0 ? lo : s0;
     hi = hi < s1 ? hi : s1;
-    const long long pbase = row0 * n_split + s;  // partial of head h0 + g: pbase + g*n_split
-    if (lo >= hi) {  // nothing visible here: a neutral partial (the merge never reads its acc)
+    const long long pbase = ((long long)qi * hq + h0) * n_split + s;  // partial of head h0 + g: pbase + g*n_split
+    if (lo >= hi) {  // nothing visible here: a neutral partial (combine never reads its acc)
         if (tid < ng) part_m[pbase + (long long)tid * n_split] = NEG_INF, part_l[pbase + (long long)tid * n_split] = 0.0f;
-        finish_split(done, na, part_m, part_l, part_acc, out, row0, ng, n_split, dv);
         return;
     }
 
@@ -390,7 +294,6 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
     }
 
     write_partials<GB, NV, T, 1>(m, l, acc, ng, pbase, n_split, dv, part_m, part_l, part_acc);
-    finish_split(done, na, part_m, part_l, part_acc, out, row0, ng, n_split, dv);
 }
 
 // ---------------------------------------------------------------- decode: split-K, tiles of rows
@@ -431,9 +334,9 @@ template <> struct TileRaw<u16, 2> { typedef vh8 type; };
 template <typename KV, int GB, int NV, int T, int R>
 DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
                              const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
-                             float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ out,
-                             int* __restrict__ done, int hq, int hk, int d, int dv, int cap, int n_split,
-                             int min_chunk, float scale2, int window, int n_gch, int* errflag, int code) {
+                             float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
+                             int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
+                             int code) {
     constexpr int W = TileW<KV, NV>::value, NL = NV / W;  // NL loads per lane per row
     typedef typename TileRaw<KV, W>::type Raw;
     constexpr int RG = ATTN_DECODE_THREADS / T, STEP = RG * R;
@@ -445,25 +348,22 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
 
     const int L = kv_len[0], p = pos[qi];  // independent loads: one round trip for both
-    const long long row0 = (long long)qi * hq + h0;  // output row of head h0 + g: row0 + g
-    if (L <= 0 || L > cap) {
-        if (L != 0 && s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
-        zero_heads(out, row0, ng, dv);
+    if (L < 0 || L > cap) {  // attn_combine writes zeros
+        if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
     }
     const int chunk = split_chunk(L, n_split, min_chunk);
-    const int s0 = s * chunk, na = cdiv_i(L, chunk);
-    if (s0 >= L) return;  // inactive split: neither counted nor merged
+    const int s0 = s * chunk;
+    if (s0 >= L) return;  // inactive split: the combine does not read it
     const int s1 = s0 + chunk < L ? s0 + chunk : L;
 
     int lo, hi;
     visible_range(p, L, window, lo, hi);
     lo = lo > s0 ? lo : s0;
     hi = hi < s1 ? hi : s1;
-    const long long pbase = row0 * n_split + s;  // partial of head h0 + g: pbase + g*n_split
-    if (lo >= hi) {  // nothing visible here: a neutral partial (the merge never reads its acc)
+    const long long pbase = ((long long)qi * hq + h0) * n_split + s;  // partial of head h0 + g: pbase + g*n_split
+    if (lo >= hi) {  // nothing visible here: a neutral partial (the combine never reads its acc)
         if (tid < ng) part_m[pbase + (long long)tid * n_split] = NEG_INF, part_l[pbase + (long long)tid * n_split] = 0.0f;
-        finish_split(done, na, part_m, part_l, part_acc, out, row0, ng, n_split, dv);
         return;
     }
 
@@ -576,7 +476,75 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
     }
 
     write_partials<GB, NV, T, W>(m, l, acc, ng, pbase, n_split, dv, part_m, part_l, part_acc);
-    finish_split(done, na, part_m, part_l, part_acc, out, row0, ng, n_split, dv);
+}
+
+// ---------------------------------------------------------------- combine
+// out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q). The splits are spread
+// over CSG thread groups (each a run of 4-element column vectors), so the partials are read with
+// CSG x unroll loads in flight instead of one split after another.
+extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
+attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
+             const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
+             int min_chunk) {
+    PDL_ENTRY();
+    constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
+    __shared__ float w[ATTN_MAX_SPLITS];
+    __shared__ float red[MAX_THREADS / WARP_SIZE];
+    __shared__ vf4 sm[CSG][CW];
+    const int tid = threadIdx.x, cl = tid % CW, sg = tid / CW;
+    const long long row = (long long)blockIdx.y * hq + blockIdx.x;
+    float* o = out + row * dv;
+    const int L = kv_len[0];
+    if (L <= 0 || L > cap) {  // empty cache, or a bad kv_len the decode kernel reported
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int na = cdiv_i(L, chunk);  // <= n_split
+    const long long base = row * n_split;
+    float M = NEG_INF;
+    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
+    M = block_max(M, red);
+    if (M == NEG_INF) {  // no visible key for this query
+        for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
+        return;
+    }
+    float ls = 0.0f;
+    for (int s = tid; s < na; s += NT) {
+        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
+        w[s] = ws;
+        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
+    }
+    ls = block_sum(ls, red);  // its barriers also publish w[]
+    const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
+    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
+    const int nvec = (dv + 3) / 4;
+    for (int c0 = 0; c0 < nvec; c0 += CW) {  // block-uniform trip count (barriers inside)
+        const int cv = c0 + cl, e = cv * 4;
+        vf4 a = zero4();
+        if (cv < nvec) {
+#pragma unroll 8
+            for (int s = sg; s < na; s += CSG) {
+                const float ws = w[s];
+                const float* src = part_acc + (base + s) * dv;
+                const vf4 x = vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
+                if (ws != 0.0f) {  // empty splits' acc is never written (may hold anything)
+                    a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
+                }
+            }
+        }
+        sm[sg][cl] = a;
+        __syncthreads();
+        if (sg == 0 && cv < nvec) {
+            vf4 r = zero4();
+            for (int i = 0; i < CSG; ++i) r.x += sm[i][cl].x, r.y += sm[i][cl].y, r.z += sm[i][cl].z, r.w += sm[i][cl].w;
+            const float rr[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (e + c < dv) o[e + c] = rr[c] * inv;
+        }
+        __syncthreads();  // sm is rewritten by the next column run
+    }
 }
 
 // ---------------------------------------------------------------- prefill
@@ -706,22 +674,22 @@ ATTN_DEFINE_KV(f16, u16)
 #define ATTN_DEFINE_TILE(KVNAME, KVT, DK, GB, NV, R, SUFFIX)                                                      \
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
-        float* part_l, float* part_acc, float* out, int* done, int hq, int hk, int d, int dv, int cap,            \
-        int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag, int code) {                \
+        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
+        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
         PDL_ENTRY();                                                                                              \
-        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, pos, kv_len, part_m, part_l, part_acc, out, \
-                                                             done, hq, hk, d, dv, cap, n_split, min_chunk,        \
-                                                             scale2, window, n_gch, errflag, code);               \
+        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,   \
+                                                             hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
+                                                             n_gch, errflag, code);                               \
     }
 #define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NV, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
-        float* part_l, float* part_acc, float* out, int* done, int hq, int hk, int d, int dv, int cap,            \
-        int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag, int code) {                \
+        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
+        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
         PDL_ENTRY();                                                                                              \
-        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, pos, kv_len, part_m, part_l, part_acc, out,  \
-                                                         done, hq, hk, d, dv, cap, n_split, min_chunk, scale2,    \
-                                                         window, n_gch, errflag, code);                           \
+        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq, hk,   \
+                                                         d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
+                                                         errflag, code);                                          \
     }
 //                                                      DK  GB NV
 #define ATTN_DEFINE_DECODE_KV(KVNAME, KVT, R1, R4, R8)                 \

@@ -7,12 +7,10 @@ dims, GB 1/4/8 q heads per block), or `_any` (element loads, one head per block)
 is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte aligned (8 for f16).
 
 - decode (n_q <= DECODE_MAX_QUERIES): `attn_decode_<kv><suffix>` over a fixed grid of n_split
-  splits per (query, kv head, head chunk); the last block of a (query, kv head, head chunk) to finish
-  merges the splits' partials into the output (a per-group counter in `done`, reset by that block,
-  so one launch, no combine kernel). A split's row count is max(MIN_CHUNK, ceil(kv_len / n_split)),
-  computed on the device, so the work follows the actual context and splits past kv_len exit at
-  once. n_split is sized so that every block of a full context is resident at once (one wave: SMs
-  x resident blocks of the decode kernel). The shape
+  splits per (query, kv head, head chunk), then `attn_combine`. A split's row count is
+  max(MIN_CHUNK, ceil(kv_len / n_split)), computed on the device, so the work follows the actual
+  context and splits past kv_len exit at once. n_split is sized so that every block of a full
+  context is resident at once (one wave: SMs x resident blocks of the decode kernel). The shape
   classes take R rows per row group per step, loads of the next step overlapping this step's math
   (R per KV dtype and GQA class: the table at the end of attention.cu); `_any` one row at a time.
   H200, 2026-11-30, `bench_gpu_attention.py --variants`, %copy at 1k/8k/32k: f16 7.3/41.5/58.5, f32 16.9/53.1/85.6
@@ -52,14 +50,15 @@ FILE = "attention.cu"
 DECODE_MAX_QUERIES = 16
 DECODE_THREADS = 128  # ATTN_DECODE_THREADS
 PREFILL_THREADS = 128  # ATTN_PREFILL_THREADS
-MAX_SPLITS = 1024  # ATTN_MAX_SPLITS (the merge's shared weights)
+COMBINE_THREADS = 256  # ATTN_COMBINE_THREADS
+MAX_SPLITS = 1024  # ATTN_MAX_SPLITS (combine's shared weights)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
 # Decode grid: TARGET_BLOCKS blocks when every split is busy; None: one wave of the decode kernel
 # (SM count x its resident blocks per SM, from its register count), so no SM idles through a second,
 # partial wave. MIN_CHUNK: rows per split at least, so a block's fixed cost (kv_len and q loads,
-# merge, partial write of GB*dv floats, the last block's merge) stays small next to its rows. It only decides
+# merge, partial write of GB*dv floats, combine reads) stays small next to its rows. It only decides
 # short contexts (below n_split x MIN_CHUNK keys), where a split's rows are walked one step after
 # another: fewer rows a split, fewer dependent steps. H200, 2026-12-01, captured decode step at ~335
 # keys (`profile_gpu_decode.py MODEL --min-chunk 64,32,16,8`), us: Qwen3-0.6B 948.5 / 902.4 / 888.3 /
@@ -166,11 +165,13 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
-    done = lw.scratch((n_q * hk * n_gch,), np.int32)  # finished splits a group; back to 0 after each call
-    done.fill(0)
-    return [Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
-                   (q, k, v, pos, kv_len, part_m, part_l, part_acc, out, done, *common, i32(n_split), i32(MIN_CHUNK),
-                    scale2, i32(window), i32(n_gch), lw.errflag, code))]
+    return [
+        Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
+               (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
+                i32(window), i32(n_gch), lw.errflag, code)),
+        Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
+               (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
+    ]
 
 
 TC_FILE = "attention_prefill.cu"
