@@ -482,6 +482,11 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
 // out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q). The splits are spread
 // over CSG thread groups (each a run of 4-element column vectors), so the partials are read with
 // CSG x unroll loads in flight instead of one split after another.
+// Merging in the decode kernel instead (the last block of a kv-head group to finish, found with a
+// fence and an atomic counter, merges that group's GB heads) was measured slower (H200, 2026-12-02,
+// profile_gpu_decode.py): Qwen3-8B 17.61 us a layer against 4.90 + 3.26 here, Qwen3-0.6B 10.98
+// against 3.90 + 3.22. The merge's dependent L2 round trips (counter, maxima, weights and sums, for
+// each head in turn) then run after the splits on one block; this kernel's launch overlaps under PDL.
 extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
              const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
