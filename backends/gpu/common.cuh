@@ -151,18 +151,6 @@ DEVICE float block_max(float v, float* scratch) {
         PDL_WAIT();    \
     } while (0)
 
-// ---------------------------------------------------------------- L2 prefetch
-// Part `part` of `n_parts` asks L2 for the 128-byte lines of [p, p + bytes): blocks a latency-bound
-// kernel runs beside its own, so a weight the next kernel streams is on its way while this one
-// waits on its round trips (backends/gpu/l2_prefetch.py). A hint only: nothing is read into the SM.
-DEVICE void l2_prefetch(const u8* p, long long bytes, int part, int n_parts) {
-#if !defined(__HIPCC__)
-    const long long lines = (bytes + 127) / 128, step = (long long)n_parts * blockDim.x;
-    for (long long l = (long long)part * blockDim.x + threadIdx.x; l < lines; l += step)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + l * 128));
-#endif
-}
-
 // ---------------------------------------------------------------- run-time error flag
 // Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of
 // range. They record the first violation instead: flag[0] = code (the step's number + 1, set by

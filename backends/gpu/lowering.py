@@ -173,9 +173,8 @@ def _add_rms_norm_mul(lw, n, ins, outs, p):
             yb = matmul.bf16_twin(lw, n, 0, y_norm)  # only GEMMs read the normed rows: write their bf16 x
             if yb is not None:
                 args = (a, b, w, yb, y_sum, i32(ncols), f32(p["eps"]))
-            no_prefetch = (i32(rows), a, np.int64(0))  # l2_prefetch.py may give it a weight and blocks
             return [Launch("norm.cu", f"add_rms_norm_mul_v{nv}_{'f32' if yb is None else 'bf16'}", rows,
-                           cdiv(cdiv(ncols // 4, nv), 32) * 32, args + no_prefetch)]
+                           cdiv(cdiv(ncols // 4, nv), 32) * 32, args)]
         return [Launch("norm.cu", "add_rms_norm_mul_f32", rows, row_block(ncols), args)]
     # other broadcasts: the same math from the unfused kernels
     normed = lw.scratch(a.shape)

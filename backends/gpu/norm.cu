@@ -79,18 +79,12 @@ DEVICE void add_rms_norm_mul_regs(const float* __restrict__ a, const float* __re
                                              s[k].w * inv * wv[k].w});
     }
 }
-// add_rms_norm_mul_v<NV>_f32 (y_norm f32) and add_rms_norm_mul_v<NV>_bf16 (y_norm bf16 bits). Blocks past
-// `rows` prefetch pf_bytes of pf into L2 (l2_prefetch.py: the weight of the GEMV that reads y_norm next).
+// add_rms_norm_mul_v<NV>_f32 (y_norm f32) and add_rms_norm_mul_v<NV>_bf16 (y_norm bf16 bits)
 #define DEFINE_ADD_RMS_NORM_MUL_REGS(NV, SUF, OUT)                                                                  \
     extern "C" __global__ void add_rms_norm_mul_v##NV##_##SUF(const float* __restrict__ a, const float* __restrict__ b, \
                                                             const float* __restrict__ w, OUT* __restrict__ y_norm,  \
-                                                            float* __restrict__ y_sum, int ncols, float eps,        \
-                                                            int rows, const u8* __restrict__ pf, long long pf_bytes) { \
+                                                            float* __restrict__ y_sum, int ncols, float eps) {      \
         PDL_ENTRY();                                                                                                \
-        if ((int)blockIdx.x >= rows) {                                                                              \
-            l2_prefetch(pf, pf_bytes, blockIdx.x - rows, gridDim.x - rows);                                         \
-            return;                                                                                                 \
-        }                                                                                                           \
         add_rms_norm_mul_regs<NV, OUT>(a, b, w, y_norm, y_sum, ncols, eps);                                         \
     }
 #define DEFINE_ADD_RMS_NORM_MUL_OUTS(NV) DEFINE_ADD_RMS_NORM_MUL_REGS(NV, f32, float) DEFINE_ADD_RMS_NORM_MUL_REGS(NV, bf16, u16)

@@ -38,7 +38,7 @@ from graphir.run_inputs import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 
-from . import l2_prefetch, pdl
+from . import pdl
 from .device import cupy, stream
 from .launch import GpuParam, Launch, Lowering, dev
 from .layout import view_layout, views_to_copy
@@ -192,7 +192,6 @@ class GpuProgram:
                 self._code_node[i + 1] = n
                 node_steps.append((n, lower_node(self.lw, n, ins, outs)))
                 env[id(n)] = ins[0] if d.writes else (outs if d.multi else outs[0])
-        l2_prefetch.wire(node_steps, self.graph.users(), env)
         self._steps = steps = merge_kv_writes(node_steps)
         self._capturable = all(getattr(step, "capturable", False) for step in steps)
         self._outputs = {name: dev(env[id(n)]) for name, n in self.graph.outputs.items()}
