@@ -128,6 +128,11 @@ DEVICE float block_max(float v, float* scratch) {
 // A GEMV prefetching its weight rows into L2 between trigger and wait was measured (H200,
 // 2026-12-01, benchmarks/profile_gpu_decode.py --defines) and made Qwen3-8B decode slower
 // (4930 -> 5566 us per captured step with bulk requests, 5614 with per-line ones), so none does.
+// Nor does the decode add+norm kernel before the q|k|v and gate|up GEMVs, with 32 extra blocks
+// asking L2 for the first MiB of the next GEMV's weight (tried 2026-12-02, one H200, captured step):
+// Qwen3-0.6B 903-913 us without, 956-962 with 8 MiB, 1,014 with 16; Qwen3-8B 4,534-4,549 without,
+// 4,652 with 16 MiB, 4,746 with 32. Issuing the requests lengthened the norm (1.66 -> 2.38 us at
+// 8 MiB) and the GEMVs after it did not get faster.
 // Nor does one load its first weight batch into registers before the wait (tried 2026-12-01): the
 // loop that allowed it made the 145 GEMVs of a Qwen3-8B step 27.39 us a call against 26.08-26.32
 // with the plain loop (H200s of one kind, three machines), more than the 15-28 us a step that the
