@@ -99,7 +99,7 @@ def persistent(cp, stages, name: str):
         if err:
             raise RuntimeError(f"cooperative launch of {name} failed: CUresult {err}")
 
-    run.keep = (mod, desc, bar)  # alive as long as the launcher
+    run.keep = (mod, desc, bar, values)  # alive as long as the launcher (params point into values)
     return run
 
 
