@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import time
 from pathlib import Path
 
 import numpy as np
+from bench_gpu_launch_floor import best_replay_us  # this directory is on sys.path when run as a script
 
 from graphir.bench import measure_device_bandwidth
 
@@ -45,18 +45,6 @@ def bf16_weights(cp, n_out: int, n_in: int, rng) -> tuple:
     f = rng.standard_normal((n_out, n_in), dtype=cp.float32) * np.float32(1 / np.sqrt(n_in))
     bits = (f.view(cp.uint32) >> 16).astype(cp.uint16)
     return bits, (bits.astype(cp.uint32) << 16).view(cp.float32)
-
-
-def best_us(run, s, reps: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        s.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run(s)
-        s.synchronize()
-        best = min(best, (time.perf_counter() - t0) / reps * 1e6)
-    return best
 
 
 def kernels_graph(cp, stages, s):
@@ -141,7 +129,7 @@ def main() -> None:
         run(s)
         s.synchronize()
         err = float(cp.abs(ys[-1] - want[-1]).max() / cp.abs(want[-1]).max())
-        us = best_us(run, s, args.reps) / args.layers
+        us = best_replay_us(run, s, args.reps) / args.layers
         bad = "" if err < 1e-3 else "  MISMATCH"
         print(f"{label:>22} {us:>11.1f} {100 * floor / us:>10.1f}% {err:>19.2e}{bad}", flush=True)
 
