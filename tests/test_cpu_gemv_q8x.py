@@ -7,6 +7,12 @@ then each exact block sum times it by one fma into one of 4 lanes (nquad = ceil(
 adds 3 times (the lanes, q4_1's offsets): each of the n_in / 32 block terms is rounded at most nquad + 5 times,
 so |error| <= (nquad + 6) 2^-24 sum |terms| (one more for the second-order part of gamma_n). The AVX2 and
 portable paths must agree bit for bit.
+
+On SmolLM2 (slow, skipped without its weights) the whole model through q8-activations is checked two ways: against
+a bound on how often and how far its greedy picks leave the f32 path's (met), and against issue 13's greedy rule
+itself (missed on the haiku prompt, so marked xfail, strict). Why no variant of the pass meets the rule: the
+8-bit path moves the f32 path's top-2 logit margin by a median 0.066, above the rule's 0.05 (BENCHMARKS.md,
+"q8-activations against issue 13's greedy rule").
 """
 
 from __future__ import annotations
@@ -157,13 +163,12 @@ def test_smollm2_q8x_picks_the_f32_token_but_at_near_ties(smollm2):
     per-step logit movement of the 8-bit path on this file (0.64, BENCHMARKS.md), and no logit moves by more than
     2.6 (twice llama.cpp's own ~1.3 on this file, issue 13).
 
-    Not issue 13's greedy rule (16 equal greedy tokens, or a first divergence at an f32 top-2 gap below 0.05):
-    an x value moved by an ulp upstream can round to the other 8-bit code, so a near-tie decides it: the rule
-    holds for two prompts and misses the haiku prompt (first divergence at an f32 top-2 gap of 0.059), a miss
-    reported in BENCHMARKS.md. (Before link_private.py a process that compiled the f32 kernels and one that
-    loaded them from numba's cache computed ~3e-5 apart, and a cold process also diverged on France, at a 0.22
-    gap; cold and warm are now the same bits.) Measured 2026-12-01 (AMD EPYC, AVX2): 47 of 48 agree, cold and
-    warm; largest logit movement 1.02."""
+    Not issue 13's greedy rule (16 equal greedy tokens, or a first divergence at an f32 top-2 gap below 0.05;
+    test_smollm2_q8x_greedy_text_meets_issue_13_rule below): the rule holds for two prompts and misses the haiku
+    prompt (first divergence at an f32 top-2 gap of 0.059), a miss reported in BENCHMARKS.md. (Before
+    link_private.py a process that compiled the f32 kernels and one that loaded them from numba's cache computed
+    ~3e-5 apart, and a cold process also diverged on France, at a 0.22 gap; cold and warm are now the same bits.)
+    Measured 2026-12-01 (AMD EPYC, AVX2): 47 of 48 agree, cold and warm; largest logit movement 1.02."""
     f32, q8x = smollm2
     report = coverage(q8x.graph("decode"), "default,q8-activations")["q8-activations"]
     assert len(report.matched) == 30 * 4 + 1 and not report.rejected  # q|k|v, o, gate|up, down a layer; the head
@@ -180,3 +185,35 @@ def test_smollm2_q8x_picks_the_f32_token_but_at_near_ties(smollm2):
             assert lf[want] - lf[got] < 0.5, f"{prompt!r} step {step}: picked {got}, f32 logit {lf[got]} vs {lf[want]}"
             lf, lq = f32.feed([want])[-1], q8x.feed([want])[-1]
     assert agree >= 44 and moved <= 2.6, (agree, moved)
+
+
+def first_divergence(f32, fast, ids: list[int], n: int = 16) -> tuple[int, float] | None:
+    """Where `fast`'s greedy text first differs from `f32`'s within n tokens, as (step, the f32 path's top-2
+    logit gap there), or None if all n agree. Up to that step both have seen the same tokens."""
+    f32.reset()
+    fast.reset()
+    lf, lq = f32.feed(ids)[-1], fast.feed(ids)[-1]
+    for step in range(n):
+        want, got = int(np.argmax(lf)), int(np.argmax(lq))
+        if got != want:
+            top2 = np.sort(lf)[-2:]
+            return step, float(top2[1] - top2[0])
+        lf, lq = f32.feed([want])[-1], fast.feed([want])[-1]
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 13's rule is missed on the haiku prompt (first divergence at step 1, f32 top-2 gap "
+                          "0.059); BENCHMARKS.md, 'q8-activations against issue 13's greedy rule'")
+def test_smollm2_q8x_greedy_text_meets_issue_13_rule(smollm2):
+    """Issue 13's parity rule for the fast path: on each parity prompt, the greedy text through q8-activations
+    equals the f32 path's for 16 tokens, or first differs where the f32 path's top-2 logit gap is below 0.05.
+    Expected to fail (strict: a pass means the note in BENCHMARKS.md and this mark are out of date)."""
+    f32, q8x = smollm2
+    misses = {}
+    for prompt in PROMPTS:
+        first = first_divergence(f32, q8x, f32.tokenizer.encode(prompt))
+        if first is not None and first[1] >= 0.05:
+            misses[prompt] = first
+    assert not misses, f"first divergence (step, f32 top-2 gap) at or above 0.05: {misses}"
