@@ -58,34 +58,10 @@ _I64 = ir.IntType(64)
 
 
 # ---------------------------------------------------------------- x's 16-bit codes
-@njit
-def quantize_x16(x, xq, dx, sx, words):
-    """x f32 [m, n_in] -> codes xq int16 [m, >= n_in], dx, sx f32 [m, >= n_in / 32] (zero past x's blocks);
-    `words`: each block's codes stored evens then odds (element j at j // 2 + 16 (j % 2)), else in order."""
-    tiny = np.float32(np.finfo(np.float32).tiny)
-    m, n_in = x.shape
-    for t in range(m):
-        for b in range(dx.shape[1]):
-            o = b * 32
-            amax = np.float32(0.0)
-            for j in range(min(32, max(0, n_in - o))):
-                amax = max(amax, abs(x[t, o + j]))
-            d = amax / np.float32(32767.0)
-            inv = np.float32(1.0) / d if d >= tiny else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                q = 0
-                if o + j < n_in:
-                    v = x[t, o + j] * inv
-                    a = abs(v)
-                    f = np.floor(a)
-                    q = int(f) + (1 if a - f >= np.float32(0.5) else 0)
-                    q = -q if v < 0 else q
-                if o + j < xq.shape[1]:
-                    xq[t, o + (j // 2 + 16 * (j % 2) if words else j)] = q
-                s += q
-            dx[t, b] = d
-            sx[t, b] = d * np.float32(s)
+# gemv_q8x.quantize_blocks with qmax 32767; "words" stores each block's codes evens then odds
+# (element j at j // 2 + 16 (j % 2)), the order its kernel reads them in.
+WORDS_ORDER = np.array([j // 2 + 16 * (j % 2) for j in range(32)])
+Q16_MAX = np.float32(32767.0)
 
 
 # ---------------------------------------------------------------- the AVX2 row dot product, in LLVM IR
@@ -221,11 +197,11 @@ def variant_of(code: int) -> tuple[str, str]:
 
 def make_gemv(code: int):
     """The GEMV of variant `code` (a closure constant, so the intrinsics see it as a literal)."""
-    words = variant_of(code)[0] == "words"
+    order = WORDS_ORDER if variant_of(code)[0] == "words" else GQ.IN_ORDER
 
     @njit(parallel=True)
     def gemv(x, qs, dw, mw, xq, dx, sx, y, nth):
-        quantize_x16(x, xq, dx, sx, words)  # serially here, as gemv_q8x: one dispatch a GEMV
+        GQ.quantize_blocks(x, xq, dx, sx, Q16_MAX, order)  # serially here, as gemv_q8x: one dispatch a GEMV
         n_out, m = qs.shape[0], xq.shape[0]
         nsup = max(1, min(n_out, nth))
         per = (n_out + nsup - 1) // nsup
@@ -279,7 +255,8 @@ class Q16x:
 
 # ---------------------------------------------------------------- the numpy formula of the same arithmetic
 def numpy_quantize16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q int64 [m, nblk, 32], d f32 [m, nblk], sx f32 [m, nblk]), quantize_x16's arithmetic in numpy f32."""
+    """(q int64 [m, nblk, 32], d f32 [m, nblk], sx f32 [m, nblk]): gemv_q8x.quantize_blocks' arithmetic
+    (qmax 32767) in numpy f32."""
     m, n_in = x.shape
     xb = x.reshape(m, n_in // 32, 32)
     d = np.abs(xb).max(axis=-1) / np.float32(32767)

@@ -66,10 +66,14 @@ def repack(w_raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.nd
     return qs, d, m
 
 
+IN_ORDER = np.arange(32)  # quantize_blocks' order for x's codes as the kernels here read them
+
+
 @njit(cache=True)
-def quantize_x(x, xq, dx, sx):
-    """x f32 [m, n_in] -> codes xq int8 [m, >= n_in], dx, sx f32 [m, >= n_in / 32] (zero past x's blocks):
-    q8_blocks in f32 (d = max |x| / 127, q = roundf(x * (1 / d)), 1 / d = 0 below 2^-126), sx = fl(d * sum q)."""
+def quantize_blocks(x, xq, dx, sx, qmax, order):
+    """x f32 [m, n_in] -> integer codes xq [m, >= n_in] (element j of block b at 32 b + order[j]), dx, sx f32
+    [m, >= n_in / 32] (zero past x's blocks): d = max |x| / qmax, q = roundf(x * (1 / d)) (1 / d = 0 below
+    2^-126), sx = fl(d * sum q). With qmax 127: q8_blocks in f32."""
     tiny = np.float32(np.finfo(np.float32).tiny)
     m, n_in = x.shape
     for t in range(m):
@@ -78,7 +82,7 @@ def quantize_x(x, xq, dx, sx):
             amax = np.float32(0.0)
             for j in range(min(32, max(0, n_in - o))):
                 amax = max(amax, abs(x[t, o + j]))
-            d = amax / np.float32(127.0)
+            d = amax / qmax
             inv = np.float32(1.0) / d if d >= tiny else np.float32(0.0)
             s = 0
             for j in range(32):
@@ -89,11 +93,17 @@ def quantize_x(x, xq, dx, sx):
                     f = np.floor(a)
                     q = int(f) + (1 if a - f >= np.float32(0.5) else 0)
                     q = -q if v < 0 else q
-                if o + j < xq.shape[1]:
-                    xq[t, o + j] = q
+                if o + order[j] < xq.shape[1]:
+                    xq[t, o + order[j]] = q
                 s += q
             dx[t, b] = d
             sx[t, b] = d * np.float32(s)
+
+
+@njit(cache=True)
+def quantize_x(x, xq, dx, sx):
+    """x's int8 codes for the kernels here: quantize_blocks with qmax 127, in element order."""
+    quantize_blocks(x, xq, dx, sx, np.float32(127.0), IN_ORDER)
 
 
 # ---------------------------------------------------------------- the AVX2 row dot product, in LLVM IR
