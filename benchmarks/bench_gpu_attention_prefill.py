@@ -1,7 +1,7 @@
 """Benchmark causal prefill attention on the GPU: the tensor-core bf16 kernel against the f32 one.
 
     python benchmarks/bench_gpu_attention_prefill.py [--shape qwen3-8b qwen3.5] [--n 512 4096]
-        [--variants default mt1 ...] [--reps N]
+        [--variants default mt1 ...] [--reps N] [--peer torch]
 
 Shapes (--shape): Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128), Qwen3.5's (16 q heads,
 4 kv heads, head_dim 256) and the same heads as Qwen3-8B at head_dim 64 (llama-d64); a prompt of n tokens
@@ -15,6 +15,11 @@ conversion, which is also timed alone.
 Columns: us per call; TFLOP/s = 4 * d per visible (query, head, key) pair (Q.K^T and P.V, causal:
 n(n+1)/2 pairs per head); speed-up over the f32 kernel; max |bf16 - f32| / max |f32| (the rounding,
 ~1e-2: a sanity check, the tests compare against the op's reference).
+
+--peer torch: PyTorch's scaled_dot_product_attention on the same shapes in the same run (bf16 q, k, v; K/V
+heads repeated to the q heads outside the timing), once per SDPA backend it has (flash, cuDNN, efficient), each
+timed from torch's own CUDA graph replay. The peer's flop count is the same causal count; its inputs are
+already bf16, so it does no K/V conversion, where the graphir time includes it.
 """
 
 from __future__ import annotations
@@ -101,6 +106,49 @@ def bench_case(shape: str, n: int, kvdtype: str, variants: list[str], reps: int)
     return rows
 
 
+def torch_peer(shape: str, n: int, reps: int) -> list[tuple]:
+    """PyTorch SDPA (causal, bf16) per backend: (case, name, seconds, TFLOP/s); skipped where torch is missing."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return []
+    hq, hk, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g).repeat_interleave(hq // hk, 1)
+    v = torch.randn(1, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g).repeat_interleave(hq // hk, 1)
+    flops = 4.0 * d * hq * n * (n + 1) / 2
+    rows = []
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                def call():
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+                graph.replay()
+                best = float("inf")
+                for _ in range(3):
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(reps):
+                        graph.replay()
+                    stop.record()
+                    stop.synchronize()
+                    best = min(best, start.elapsed_time(stop) / 1e3 / reps)
+        except RuntimeError as e:  # a backend this build or GPU lacks
+            print(f"  (torch sdpa {name}: {str(e).splitlines()[0][:80]})")
+            continue
+        rows.append((f"{shape} bf16 n={n}", f"torch sdpa {name} {torch.__version__}", best, flops / best / 1e12))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="attention shapes")
@@ -109,6 +157,7 @@ def main() -> None:
                     help="kernel variants to time (VARIANTS)")
     ap.add_argument("--kv", nargs="+", default=["f32", "f16"], choices=["f32", "f16"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--peer", choices=["torch"], help="also time PyTorch's SDPA on the same shapes")
     args = ap.parse_args()
     import cupy as cp
 
@@ -120,6 +169,9 @@ def main() -> None:
             for kvdtype in args.kv:
                 for case, name, t, tflops, speedup, diff in bench_case(shape, n, kvdtype, args.variants, args.reps):
                     print(f"{case:<24} {name:<52} {t * 1e6:9.1f} {tflops:8.1f} {speedup:6.1f} {diff:>9}")
+            if args.peer:
+                for case, name, t, tflops in torch_peer(shape, n, args.reps):
+                    print(f"{case:<24} {name:<52} {t * 1e6:9.1f} {tflops:8.1f}")
 
 
 if __name__ == "__main__":
