@@ -327,19 +327,19 @@ struct QInShared {  // the warp's own 16*MT rows x (DK + 8) bf16 of shared memor
 // full: every key of the tile is in every row's range, no mask (warp-uniform); else the ranges come
 // from `ranges` (the m-tile's 16 rows, [lo, hi) each), read only then: at MT 2 registers for them,
 // or a mask computed on every tile, make O spill.
-template <int DK>
-DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&pf)[TileKeys<DK>::value / 16][4],
+template <int DK, int BN = TileKeys<DK>::value>
+DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4],
                          float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int2* ranges, int j0, bool full,
                          float scale2, int g, int t) {
 #pragma unroll
-    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+    for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale2);  // not fused into the exponent's subtraction
     if (!full) {  // key j = j0 + 2t + k, k = 8nt + (e & 1): the row's range shifted to k, compared with constants
         const int2 a = ranges[g], b = ranges[g + 8];
         const int base = j0 + 2 * t, lo[2] = {a.x - base, b.x - base}, hi[2] = {a.y - base, b.y - base};
 #pragma unroll
-        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+        for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1, k = nt * 8 + (e & 1);
@@ -348,7 +348,7 @@ DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&
     }
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
+    for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     float sub[2], alpha[2];
@@ -372,7 +372,7 @@ DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&
             for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
     }
 #pragma unroll
-    for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc) {
+    for (int kc = 0; kc < BN / 16; ++kc) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // key columns 16kc + 8*half + 2t..+1
             const float(&c)[4] = s[2 * kc + half];
@@ -574,5 +574,233 @@ DEVICE void attn_prefill_entry(ATTN_TC_ARGS(OUT)) {
 ATTN_TC_DEFINE(64)
 ATTN_TC_DEFINE(128)
 ATTN_TC_DEFINE(256)
+
+// ---------------------------------------------------------------- Hopper: warpgroup MMA (wgmma, sm_90a only)
+// attn_prefill_wg_d128[_obf16]: the same attention as attn_prefill_bf16_d128 (the same per-row softmax code,
+// tile_softmax, so the same roundings), with its two products as warpgroup MMAs: a warpgroup (4 warps) takes
+// 64 query rows, S = Q K^T reads Q and the K tile from shared memory through matrix descriptors, O += P V
+// takes P from registers (an accumulator of S is, lane for lane, the A fragment of P, as with mma.sync) and V
+// from shared memory. mma.sync reaches about FlashAttention-2's speed here (H200, 2026-12-02,
+// bench_gpu_attention_prefill.py --peer torch, Qwen3-8B shapes at 4096 queries: 505 us against PyTorch's
+// flash backend 508 us), where cuDNN's Hopper kernel took 257 us. K/V tiles are double-buffered: the next
+// tile's cp.async copies run under this tile's products. Only sm_90 has wgmma (the "a" target: kernels.py
+// compiles this file for sm_90a on an sm_90 GPU); attention.py takes these kernels there only.
+//
+// Shared memory holds every operand in the "no swizzle" canonical layout: 8 x 8 bf16 core matrices, each 8
+// rows of 16 contiguous bytes. A tile of R rows x DK columns stores element (r, c) at bf16 index
+// ((c / 8) * R + r) * 8 + c % 8: core matrices 128 bytes apart along rows, R * 16 bytes apart along columns.
+// For Q and K (K-major: the reduction dimension d is contiguous) the descriptor's leading byte offset (between
+// core matrices along the reduction) is R * 16 and its stride byte offset (along M or N) 128. For V the
+// reduction is over keys (rows) and N over d (columns, contiguous: MN-major, transposed B): leading 128,
+// stride BN * 16. Writing 16-byte chunks with 8 consecutive lanes on 8 consecutive rows of one column chunk
+// falls on 8 distinct bank groups, and lanes 8 apart read the other half of the same 32-byte sector.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifndef ATTN_WG_GROUPS
+#define ATTN_WG_GROUPS 2  // warpgroups a block (64 query rows each); attention.py mirrors it (WG_GROUPS)
+#endif
+#ifndef ATTN_WG_BN
+#define ATTN_WG_BN 64  // keys a K/V tile; attention.py mirrors it (WG_BN)
+#endif
+#ifndef ATTN_WG_V_SWAP
+#define ATTN_WG_V_SWAP 0  // 1: V's leading and stride byte offsets exchanged (a layout check, not a setting)
+#endif
+#define ATTN_WG_THREADS (128 * ATTN_WG_GROUPS)
+
+DEVICE int wg_index(int r, int c, int rows) { return ((c >> 3) * rows + r) * 8 + (c & 7); }
+
+// Shared memory matrix descriptor: start address, leading and stride byte offsets (all in 16-byte units),
+// base offset 0, no swizzle.
+DEVICE unsigned long long wg_desc(const u16* p, unsigned int lead, unsigned int stride) {
+    return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+           ((unsigned long long)(stride >> 4) << 32);
+}
+
+DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// cp.async and st.shared write through the generic proxy, wgmma reads through the async proxy: each writer
+// fences its own writes before the barrier that publishes them.
+DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d: the m64nNk16 accumulator, N / 2 floats a lane, laid out as N / 8 mma.sync C fragments (tile_softmax's S and O).
+DEVICE void wgmma_ss_n64(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+DEVICE void wgmma_ss_n128(float (&d)[64], unsigned long long da, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+DEVICE void wgmma_rs_n128_tb(float (&d)[64], const unsigned int (&a)[4], unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+template <int N>
+DEVICE void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db, int accumulate) {
+    static_assert(N == 64 || N == 128, "S tiles of 64 or 128 keys");
+    if constexpr (N == 64) wgmma_ss_n64(reinterpret_cast<float(&)[32]>(d), da, db, accumulate);
+    else wgmma_ss_n128(reinterpret_cast<float(&)[64]>(d), da, db, accumulate);
+}
+
+// Rows j0.. of a scratch head into a tile of ATTN_WG_BN rows in the core-matrix layout; rows at and past jhi
+// zero. Chunk i of the block's copies: lane l = i % 32 takes row 8 * (i / 32 / (CH / 4)) + l % 8, column
+// chunk 4 * ((i / 32) % (CH / 4)) + l / 8.
+template <int DK>
+DEVICE void wg_load_tile(u16* tile, const u16* kvb, int head, int cap, int j0, int jhi) {
+    constexpr int CH = DK / 8, BN = ATTN_WG_BN, N = BN * CH / ATTN_WG_THREADS;
+    static_assert(BN * CH % ATTN_WG_THREADS == 0 && CH % 4 == 0, "whole 16-byte chunks a thread");
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int i = threadIdx.x + n * ATTN_WG_THREADS, lane = i & 31, rest = i >> 5;
+        const int r = (rest / (CH / 4)) * 8 + (lane & 7), c = ((rest % (CH / 4)) * 4 + (lane >> 3)) * 8;
+        const bool ok = j0 + r < jhi;
+        cp_async16(tile + wg_index(r, c, BN), ok ? kvb + ((long long)head * cap + j0 + r) * DK + c : kvb, ok);
+    }
+}
+
+template <int DK, typename OUT>
+DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__ kvb, const int* __restrict__ pos,
+                            const int* __restrict__ kv_len, OUT* __restrict__ out, int n_q, int hq, int hk, int d,
+                            int dv, int cap, float scale2, int window, int* errflag, int code) {
+    constexpr int BN = ATTN_WG_BN, WARPS = 4 * ATTN_WG_GROUPS, ROWS = 64 * ATTN_WG_GROUPS, BIG = 0x7fffffff;
+    constexpr unsigned int V_LEAD = ATTN_WG_V_SWAP ? BN * 16 : 128, V_STRIDE = ATTN_WG_V_SWAP ? 128 : BN * 16;
+    extern __shared__ __align__(128) u16 attn_wg_smem[];  // Q [ROWS x DK], then 2 stages of K and V [BN x DK]
+    __shared__ int blo, bhi;
+    __shared__ WarpRanges<1> ranges[WARPS];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3, wg = warp / 4;
+    const int h = blockIdx.x, kvh = h / (hq / hk);
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;  // the latest (longest) query tiles first
+    const int w0 = q0 + warp * 16;                       // the warp's 16 rows; its warpgroup's 64 from q0 + 64 wg
+    u16* sq = attn_wg_smem + wg * 64 * DK;
+    u16* tiles = attn_wg_smem + ROWS * DK;  // stage s: K at tiles + 2 s BN DK, V BN DK after it
+
+    const int L = kv_len[0];
+    const bool bad = L < 0 || L > cap;
+    if (bad && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) report_error(errflag, code, L);
+    int ulo = BIG, uhi = 0, ilo = 0, ihi = BIG;  // the warp's rows: union and intersection of their ranges
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = g + r * 8;
+        int lo = 0, hi = 0;
+        if (!bad && w0 + i < n_q) {
+            row_range(pos[w0 + i], L, window, lo, hi);
+            if (lo < hi) ulo = min(ulo, lo), uhi = max(uhi, hi);
+            ilo = max(ilo, lo), ihi = min(ihi, hi);
+        }
+        if (t == 0) ranges[warp].row[i] = make_int2(lo, hi);
+    }
+    if (tid == 0) blo = BIG, bhi = 0;
+    __syncthreads();
+    if (t == 0 && ulo < uhi) atomicMin(&blo, ulo), atomicMax(&bhi, uhi);
+#pragma unroll
+    for (int o = 16; o >= 4; o >>= 1) {
+        ulo = min(ulo, SHFL_XOR(ulo, o)), uhi = max(uhi, SHFL_XOR(uhi, o));
+        ilo = max(ilo, SHFL_XOR(ilo, o)), ihi = min(ihi, SHFL_XOR(ihi, o));
+    }
+    if (lane == 0) ranges[warp].any = make_int2(ulo, uhi), ranges[warp].all[0] = make_int2(ilo, ihi);
+
+    // Q rounded to bf16 into the warpgroup's 64 rows
+    const int wtid = tid & 127, qr0 = q0 + wg * 64;
+#pragma unroll 4
+    for (int i = wtid; i < 64 * DK / 2; i += 128) {
+        const int r = i / (DK / 2), c = (i % (DK / 2)) * 2;
+        *(unsigned int*)(sq + wg_index(r, c, 64)) =
+            pack_bf16(q_at(q, qr0 + r, c, n_q, hq, h, d), q_at(q, qr0 + r, c + 1, n_q, hq, h, d));
+    }
+    fence_proxy_async();
+    __syncthreads();  // ranges and Q written
+    const int jlo = blo, jhi = bhi;
+    int2 wany = make_int2(BIG, 0);  // the warpgroup's rows: the tiles it multiplies (wgmma is warpgroup-wide)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int2 a = ranges[4 * wg + i].any;
+        if (a.x < a.y) wany.x = min(wany.x, a.x), wany.y = max(wany.y, a.y);
+    }
+
+    float o[DK / 8][4];  // the m64n<DK> accumulator
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+    if (jlo < jhi) {
+        wg_load_tile<DK>(tiles, kvb, kvh, cap, jlo, jhi);
+        wg_load_tile<DK>(tiles + BN * DK, kvb, hk + kvh, cap, jlo, jhi);
+    }
+    cp_async_commit();
+    for (int j0 = jlo, stage = 0; j0 < jhi; j0 += BN, stage ^= 1) {
+        const u16* sk = tiles + 2 * stage * BN * DK;
+        const u16* sv = sk + BN * DK;
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();  // this tile landed for everyone; every warpgroup is done with the other stage
+        if (j0 + BN < jhi) {
+            u16* nk = tiles + 2 * (stage ^ 1) * BN * DK;
+            wg_load_tile<DK>(nk, kvb, kvh, cap, j0 + BN, jhi);
+            wg_load_tile<DK>(nk + BN * DK, kvb, hk + kvh, cap, j0 + BN, jhi);
+        }
+        cp_async_commit();
+        if (!(j0 < wany.y && j0 + BN > wany.x)) continue;  // warpgroup-uniform: none of its rows sees the tile
+        float s[BN / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ++ks)
+            wgmma_ss<BN>(s, wg_desc(sq + ks * 2 * 64 * 8, 64 * 16, 128), wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128),
+                         ks);
+        wgmma_commit();
+        wgmma_wait_all();
+        unsigned int pf[BN / 16][4];
+        const int2 all = ranges[warp].all[0];
+        tile_softmax<DK, BN>(s, pf, o, m, l, ranges[warp].row, j0, j0 >= all.x && j0 + BN <= all.y, scale2, g, t);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc)
+            wgmma_rs_n128_tb(reinterpret_cast<float(&)[64]>(o), pf[kc], wg_desc(sv + kc * 16 * 8, V_LEAD, V_STRIDE));
+        wgmma_commit();
+        wgmma_wait_all();
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = w0 + g + r * 8;
+        float sum = l[r] + SHFL_XOR(l[r], 1);
+        sum += SHFL_XOR(sum, 2);
+        if (row >= n_q) continue;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: 0
+        OUT* dst = out + ((long long)row * hq + h) * dv;
+#pragma unroll
+        for (int nt = 0; nt < DK / 8; ++nt) {
+            const int c = nt * 8 + 2 * t;
+            if (c < dv) store_out(dst + c, o[nt][2 * r] * inv);
+            if (c + 1 < dv) store_out(dst + c + 1, o[nt][2 * r + 1] * inv);
+        }
+    }
+}
+
+// Dynamic shared memory: (64 * ATTN_WG_GROUPS + 4 * ATTN_WG_BN) * 128 bf16 (attention.py: _wg_dynamic_shared).
+#define ATTN_WG_DEFINE(DK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK(ATTN_TC_ARGS(float)) {       \
+        PDL_ENTRY();                                                                                                 \
+        attn_prefill_wg<DK, float>(ATTN_TC_PASS);                                                                    \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK##_obf16(ATTN_TC_ARGS(u16)) { \
+        PDL_ENTRY();                                                                                                 \
+        attn_prefill_wg<DK, u16>(ATTN_TC_PASS);                                                                      \
+    }
+ATTN_WG_DEFINE(128)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 #endif  // __CUDA_ARCH__ >= 800
