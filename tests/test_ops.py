@@ -521,6 +521,54 @@ def test_mul_mat_q8x_needs_a_block_quantized_weight():
     with pytest.raises(GraphError, match="must be a 2-D weight"):
         g.mul_mat_q8x(g.param("w", (2, 7, 32), "q8_0"), g.input("x", (1, 32)))
 
+def x_codes16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q float64 [n, n_in / 32, 32], d float64 [n, n_in / 32]) of 16-bit block codes, written apart from
+    int_blocks: d = fl32(max |x| / 32767), v = fl32(x * fl32(1 / d)), then half away from zero as trunc(v +- 0.5)
+    in float64 (exact for |v| <= 32767.5, so 0.49999997 stays 0)."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(axis=-1) / np.float32(32767)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)  # no d here is below 2^-126
+    v = (xb * inv[..., None]).astype(np.float64)
+    return np.trunc(v + np.copysign(0.5, v)), d.astype(np.float64)
+
+
+@covers("mul_mat_q16x")
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("n,n_out,n_in", [(1, 1, 32), (2, 7, 96), (1, 511, 160), (3, 33, 1536)])
+def test_mul_mat_q16x_rounds_x_to_16_bit_blocks(dtype, n, n_out, n_in, rng, backend):
+    """x's codes from x_codes16, the weight gguf's dequantized blocks (exact in f32 for random_quantized), the
+    product in float64; the tolerance is test_mul_mat_q8x's (n_in / 32 + 2) * 2^-24 * the sum of |terms|. The gpu
+    has no kernel: lowering says so, naming the node."""
+    raw = random_quantized(rng, dtype, (n_out, n_in))
+    if backend == "gpu":
+        with pytest.raises(BackendError, match=r"mul_mat_q16x 'proj'.*no gpu kernel"):
+            run1(g.mul_mat_q16x(g.param("w", (n_out, n_in), dtype), g.input("x", (n, n_in)), name="proj"),
+                 {"x": normal(rng, (n, n_in))}, weights=weights_of(w=(dtype, raw, (n_out, n_in))))
+        return
+    wf = gguf.quants.dequantize(raw, qtype(dtype)).reshape(n_out, n_in).astype(np.float64)
+    x = q8x_activations(n, n_in, rng)
+    x[-1, :7] = [32767.0, 2.5, -2.5, 0.5, -0.5, 0.49999997, -32766.5]  # scale 1: 16-bit rounding's hard cases
+    q, d = x_codes16(x)
+    assert q[-1, 0, :7].tolist() == [32767, 3, -3, 1, -1, 0, -32767] and (n_in < 64 or not q[-1, 1].any())
+    terms = np.einsum("obi,nbi->nob", wf.reshape(n_out, -1, 32), q) * d[:, None, :]  # [n, n_out, n_in / 32]
+    out = run1(g.mul_mat_q16x(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape)), {"x": x},
+               weights=weights_of(w=(dtype, raw, (n_out, n_in))))
+    assert out.shape == (n, n_out) and out.dtype == np.float32
+    bound = (n_in // 32 + 2) * 2.0 ** -24 * np.abs(terms).sum(axis=-1) + 1e-30
+    err = np.abs(out - terms.sum(axis=-1))
+    assert (err <= bound).all(), f"max error {err.max():.3g}, {(err > bound).sum()} outputs past the bound"
+    exact = x.astype(np.float64) @ wf.T
+    assert 0 < np.abs(out[:1] - exact[:1]).max() < 1e-3 * np.abs(exact[:1]).max()  # x's rounding shows, 16 bits' worth
+
+
+def test_mul_mat_q16x_takes_4_bit_weights_only():
+    with pytest.raises(GraphError, match="dtype q8_0; mul_mat_q16x takes the integer codes of q4_0, q4_1"):
+        g.mul_mat_q16x(g.param("w", (7, 32), "q8_0"), g.input("x", (1, 32)))
+    with pytest.raises(GraphError, match="must be a 2-D weight"):
+        g.mul_mat_q16x(g.param("w", (2, 7, 32), "q4_1"), g.input("x", (1, 32)))
+
+
 # ---------------------------------------------------------------- get_rows
 @covers("get_rows")
 @pytest.mark.parametrize("dtype,rows,dim", [("f32", 1025, 7), ("f16", 511, 64), ("q8_0", 513, 64), ("q4_1", 37, 96),

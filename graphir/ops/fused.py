@@ -206,49 +206,69 @@ op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accum
 
 
 
-# ---------------------------------------------------------------- 8-bit activations (integer dot products)
+# ---------------------------------------------------------------- 8- and 16-bit activations (integer dot products)
 Q8X_FORMATS = ("q4_0", "q4_1", "q8_0")  # weights whose integer codes a GEMV multiplies (gpu: q4_0, q8_0)
+# With 16-bit x codes a block's integer sum stays below 2^24 (exact as f32) for 4-bit weights only:
+# 32 * 15 * 32767 < 2^24 (q4_1), 32 * 8 * 32767 (q4_0); q8_0's 32 * 128 * 32767 is past it.
+Q16X_FORMATS = ("q4_0", "q4_1")
 Q8_BLOCK = 32
 _F32_TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal f32
 
 
-def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., n] (n % 32 == 0) rounded per 32-value block to int8 codes q [..., n] and f32 scales d
-    [..., n / 32], x ~ d * q. In f32 as the GPU computes it: d = max |x| / 127, q = roundf(x * (1 / d)),
-    half away from zero, exactly (floor(|v| + 0.5) rounds 0.49999997 up). A block whose d is below
-    2^-126 (every |x| < 1.5e-36) gets 1/d = 0, so zero codes: 1/d would overflow to inf."""
+def int_blocks(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., n] (n % 32 == 0) rounded per 32-value block to integer codes q [..., n] (int64, |q| <= qmax) and
+    f32 scales d [..., n / 32], x ~ d * q. In f32 as the kernels compute it: d = max |x| / qmax, q = roundf(x *
+    (1 / d)), half away from zero, exactly (floor(|v| + 0.5) rounds 0.49999997 up). A block whose d is below
+    2^-126 (every |x| < qmax * 2^-126) gets 1/d = 0, so zero codes: 1/d would overflow to inf."""
     b = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, Q8_BLOCK)
-    d = np.abs(b).max(axis=-1) / np.float32(127)
+    d = np.abs(b).max(axis=-1) / np.float32(qmax)
     inv = np.zeros_like(d)
     np.divide(np.float32(1), d, out=inv, where=d >= _F32_TINY)
     v = b * inv[..., None]
     a = np.abs(v)
     f = np.floor(a)
     q = np.copysign(f + (a - f >= np.float32(0.5)), v)
-    return q.astype(np.int8).reshape(np.shape(x)), d
+    return q.astype(np.int64).reshape(np.shape(x)), d
 
 
-def _mul_mat_q8x_infer(ts: list[Type], p: dict) -> Type:
-    (sw, dw), (sx, _) = ts
-    need(len(sw) == 2, f"w {list(sw)} must be a 2-D weight [n_out, n_in]")
-    need(dw in Q8X_FORMATS, f"w has dtype {dw}; mul_mat_q8x takes the integer codes of {', '.join(Q8X_FORMATS)}")
-    need(sx[-1] % Q8_BLOCK == 0, f"x {list(sx)}: n_in {sx[-1]} is not a multiple of {Q8_BLOCK} (x's 8-bit blocks)")
-    return OPS["mul_mat"].infer(ts, p)
+def q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int_blocks with int8 codes (qmax 127: llama.cpp's q8_1 activations without the f16 scale)."""
+    q, d = int_blocks(x, 127)
+    return q.astype(np.int8), d
 
 
-def _mul_mat_q8x_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    # w arrives dequantized: d_w * c (q4_0, q8_0) is exact in f32, so w * q summed over a block in float64 is
-    # exactly d_w * (the integer sum of c * q); the blocks' sum is then float64, rounded once to f32. q4_1's
-    # d_w * c + m_w (f16 d and m, c < 16: 15 and 11 significant bits) is exact in f32 whenever d's f16 ulp is
-    # at most 2^8 times m's and m's at most 2^12 times d's (the sum fits 24 bits), and the block sum is then
-    # exactly d_w * (sum c q) + m_w * (sum q): true of every weight of SmolLM2's file (106M) and of
-    # quant.random_quantized (checked 2026-12-01).
-    q, d = q8_blocks(x)
-    n_out, n_in = w.shape
-    wb = w.astype(np.float64).reshape(n_out, n_in // Q8_BLOCK, Q8_BLOCK)
-    qb = q.astype(np.float64).reshape(*q.shape[:-1], 1, n_in // Q8_BLOCK, Q8_BLOCK)
-    per_block = (wb * qb).sum(axis=-1)  # [..., n_out, n_blocks]
-    return (per_block @ d[..., :, None].astype(np.float64))[..., 0].astype(np.float32)
+def q16_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int_blocks with int16 codes (qmax 32767)."""
+    q, d = int_blocks(x, 32767)
+    return q.astype(np.int16), d
+
+
+def _int_x_infer(op_name: str, formats: tuple[str, ...], bits: int):
+    def infer(ts: list[Type], p: dict) -> Type:
+        (sw, dw), (sx, _) = ts
+        need(len(sw) == 2, f"w {list(sw)} must be a 2-D weight [n_out, n_in]")
+        need(dw in formats, f"w has dtype {dw}; {op_name} takes the integer codes of {', '.join(formats)}")
+        need(sx[-1] % Q8_BLOCK == 0,
+             f"x {list(sx)}: n_in {sx[-1]} is not a multiple of {Q8_BLOCK} (x's {bits}-bit blocks)")
+        return OPS["mul_mat"].infer(ts, p)
+    return infer
+
+
+def _int_x_ref(blocks):
+    def ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        # w arrives dequantized: d_w * c (q4_0, q8_0) is exact in f32, so w * q summed over a block in float64 is
+        # exactly d_w * (the integer sum of c * q) (at most 11 + 8 + 15 + 5 bits); the blocks' sum is then float64,
+        # rounded once to f32. q4_1's d_w * c + m_w (f16 d and m, c < 16: 15 and 11 significant bits) is exact in
+        # f32 whenever d's f16 ulp is at most 2^8 times m's and m's at most 2^12 times d's (the sum fits 24 bits;
+        # times a 16-bit q and over 32 values 44 bits), and the block sum is then exactly d_w * (sum c q) + m_w *
+        # (sum q): true of every weight of SmolLM2's file (106M) and of quant.random_quantized (checked 2026-12-01).
+        q, d = blocks(x)
+        n_out, n_in = w.shape
+        wb = w.astype(np.float64).reshape(n_out, n_in // Q8_BLOCK, Q8_BLOCK)
+        qb = q.astype(np.float64).reshape(*q.shape[:-1], 1, n_in // Q8_BLOCK, Q8_BLOCK)
+        per_block = (wb * qb).sum(axis=-1)  # [..., n_out, n_blocks]
+        return (per_block @ d[..., :, None].astype(np.float64))[..., 0].astype(np.float32)
+    return ref
 
 
 # Produced by the q8-activations pass for decode GEMVs of 4- and 8-bit weights: with x in 8-bit blocks
@@ -257,7 +277,14 @@ def _mul_mat_q8x_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 # blocks of d_w d_x (sum c q), plus m_w d_x (sum q) for q4_1's min, the inner sums exact.
 op("mul_mat_q8x", 2, "mul_mat of a q4_0 / q4_1 / q8_0 weight with x rounded to 8-bit blocks of 32 (q8_blocks): "
                      "y = sum_b d_w d_x (integer sum c q) [+ m_w d_x (integer sum q), q4_1]")(
-    (_mul_mat_q8x_infer, _mul_mat_q8x_ref))
+    (_int_x_infer("mul_mat_q8x", Q8X_FORMATS, 8), _int_x_ref(q8_blocks)))
+
+# Produced by the q16-activations pass (cpu only): 8-bit x moves SmolLM2's top-2 logit margin by a median 0.066,
+# past issue 13's near-tie 0.05; ~12-bit x stays below it (BENCHMARKS.md). With int16 codes the cpu multiplies
+# with vpmaddwd (backends/cpu/gemv_q16x.py). Its meaning: mul_mat_q8x's with x rounded by q16_blocks.
+op("mul_mat_q16x", 2, "mul_mat of a q4_0 / q4_1 weight with x rounded to 16-bit blocks of 32 (q16_blocks): "
+                      "y = sum_b d_w d_x (integer sum c q) [+ m_w d_x (integer sum q), q4_1]")(
+    (_int_x_infer("mul_mat_q16x", Q16X_FORMATS, 16), _int_x_ref(q16_blocks)))
 
 # ---------------------------------------------------------------- reduced-precision attention
 LOG2E = 1.4426950408889634
