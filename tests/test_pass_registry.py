@@ -271,9 +271,9 @@ def case_attention(wtype: str) -> Graph:
 
 
 def case_decode_matmuls(wtype: str) -> Graph:
-    """One decode step's projections (1 row of x): a q4_0 weight and a stacked q4_0 gate|up activation (q8-activations
-    rewrites both whatever wtype is), a weight of wtype (rewritten where q8_0, kept where f32), and the same q4_0
-    weight times N rows (prefill: kept)."""
+    """One decode step's projections (1 row of x): a q4_0 weight and a stacked q4_0 gate|up activation (q8- and
+    q16-activations rewrite both whatever wtype is), a weight of wtype (q8-activations rewrites it where q8_0;
+    kept where f32, and by q16-activations), and the same q4_0 weight times N rows (prefill: kept)."""
     x1, xn = g.input("x1", (1, D)), _x()
     q = g.mul_mat(_w("blk.0.attn_q.weight", 40, "q4_0"), x1, name="q")
     o = g.mul_mat(_w("blk.0.attn_output.weight", 24, wtype), x1, name="o")
@@ -286,6 +286,7 @@ TARGETED_CASES: dict[str, Case] = {
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
     "attn-bf16": Case(case_attention, "flash_attn_bf16"),
     "q8-activations": Case(case_decode_matmuls, "mul_mat_q8x"),
+    "q16-activations": Case(case_decode_matmuls, "mul_mat_q16x"),
     "kv-f16": Case(case_kv_cache, "f16-state"),
     "dce": Case(case_identities, "fewer-nodes"),
     "cse": Case(case_duplicates, "fewer-nodes"),

@@ -191,6 +191,7 @@ from graphir.passes import (  # noqa: E402,F401
     gemm_bf16,
     kv_f16,
     q8_activations,
+    q16_activations,
     replay_lint,
     shard_tp,
     stack,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from graphir.builder import contiguous_strides
 from graphir.ir import Graph, Node
@@ -39,6 +40,9 @@ from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
 @dataclass(frozen=True)
 class Q8Activations:
     max_rows: int = 1
+    OP: ClassVar[str] = "mul_mat_q8x"  # what a match becomes; q16-activations subclasses with its own three
+    FORMATS: ClassVar[tuple[str, ...]] = Q8X_FORMATS
+    WHY_NOT: ClassVar[str] = "has no integer-code GEMV"
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op not in ("mul_mat", "mul_mat_swiglu"):
@@ -46,9 +50,8 @@ class Q8Activations:
         w, x = n.src
         if not is_weight_matrix(w):
             return None  # an activation, or with batch axes
-        if w.dtype not in Q8X_FORMATS:
-            rw.reject(n, f"weight dtype {w.dtype} has no integer-code GEMV (only {', '.join(Q8X_FORMATS)}): "
-                         "kept in f32")
+        if w.dtype not in self.FORMATS:
+            rw.reject(n, f"weight dtype {w.dtype} {self.WHY_NOT} (only {', '.join(self.FORMATS)}): kept in f32")
             return None
         rows = math.prod(x.shape[:-1])
         if rows > self.max_rows:
@@ -57,11 +60,12 @@ class Q8Activations:
         return n
 
     def _rewrite(self, n: Node, rw: Rewriter) -> Node:
-        rw.matched(n, "mul_mat_q8x")
+        rw.matched(n, self.OP)
         if n.op == "mul_mat":
-            return rw.make("mul_mat_q8x", *n.src, name=n.name)
-        # mul_mat_swiglu: the stacked product in q8x, then the activation of its halves (as swiglu-split left it)
-        y = rw.make("mul_mat_q8x", *n.src, name=f"{n.name}.gate_up" if n.name else None)
+            return rw.make(self.OP, *n.src, name=n.name)
+        # mul_mat_swiglu: the stacked product in integer codes, then the activation of its halves (as swiglu-split
+        # left it)
+        y = rw.make(self.OP, *n.src, name=f"{n.name}.gate_up" if n.name else None)
         half, strides = n.shape[-1], contiguous_strides(y.shape)
         gate, up = (rw.make("view", y, shape=n.shape, strides=strides, offset=o) for o in (0, half))
         return rw.make("swiglu_split", gate, up, name=n.name)
