@@ -24,8 +24,8 @@ import numba
 name = sys.argv[1]
 sys.path.insert(0, sys.argv[2])
 cpu = importlib.import_module(name)
-MODS = ("kernels", "matmul", "gemv_repacked", "gemv_q8x", "recurrent")
-K, MM, GR, QX, REC = (importlib.import_module(f"{name}.{m}") for m in MODS)
+MODS = ("kernels", "matmul", "gemv_repacked", "gemv_q8x", "gemv_q16x", "recurrent")
+K, MM, GR, QX, Q16, REC = (importlib.import_module(f"{name}.{m}") for m in MODS)
 from graphir.quant import quantize
 rng = np.random.default_rng(7)
 x = rng.standard_normal((3, 64)).astype(np.float32)
@@ -44,10 +44,15 @@ y2 = np.empty((1, 7), np.float32)
 QX.prepare(wq, "q8_0", x1, y2)()
 from graphir.ops import OPS
 ok["gemv_q8x"] = bool(np.allclose(y2, OPS["mul_mat_q8x"].ref(wd, x1), rtol=1e-5, atol=1e-5))
+w4 = quantize(w, "q4_1")
+y4 = np.empty((1, 7), np.float32)
+Q16.prepare(w4, "q4_1", x1, y4)()
+ok["gemv_q16x"] = bool(np.allclose(y4, OPS["mul_mat_q16x"].ref(dequantize(w4, "q4_1", w.shape), x1), rtol=1e-5,
+                                   atol=1e-5))
 o3 = np.empty((1,) + x.shape, np.float32); REC.l2_norm(x[None], np.float32(1e-6), o3)
 ok["recurrent"] = bool(np.allclose(o3[0], x / np.sqrt((x * x).sum(1, keepdims=True) + 1e-6), rtol=1e-5, atol=1e-6))
 misses = []
-for mod in (K, MM, GR, QX, REC):
+for mod in (K, MM, GR, QX, Q16, REC):
     for attr, d in vars(mod).items():
         if isinstance(d, numba.core.dispatcher.Dispatcher) and d.stats.cache_misses:
             misses.append(f"{mod.__name__}.{attr}")

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 from .gemv_repacked import target_features
 from .matmul import _F16, _num_threads
 
-__all__ = ["FORMATS", "repack", "quantize_x", "prepare", "AVX2"]
+__all__ = ["FORMATS", "repack", "quantize_blocks", "quantize_x", "prepare", "AVX2"]
 
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # the kernels' format codes
 _BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2)}  # bytes per ggml block, offset of its codes
@@ -112,7 +112,8 @@ _V32I8, _V16I16, _V8I32, _V4F32 = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 1
                                    ir.VectorType(_F32, 4))
 
 
-def _fn(builder, name: str, ret, args):
+def fn(builder, name: str, ret, args):
+    """The LLVM function (an intrinsic: "llvm.x86...") `name` of type ret(args), declared in builder's module."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
@@ -124,16 +125,26 @@ def _load32(builder, base, offset):
 
 def _block_isum(builder, fmt: int, w, xq):
     """<8 x i32>: lane l = the sum over elements 4l..4l+3 of the block's weight codes times x's (exact)."""
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
-    madd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+    maddubs = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
+    madd = fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
     if fmt == 1:  # q4_1: the nibbles are the unsigned operand as they are
         pairs = builder.call(maddubs, [w, xq])
     else:  # q4_0 (w = c - 8), q8_0: |w| times q with w's sign
-        sign = _fn(builder, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
-        absf = _fn(builder, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
+        sign = fn(builder, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8, _V32I8])
+        absf = fn(builder, "llvm.abs.v32i8", _V32I8, [_V32I8, ir.IntType(1)])
         pairs = builder.call(maddubs, [builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)]),
                                        builder.call(sign, [xq, w])])
     return builder.call(madd, [pairs, ir.Constant(_V16I16, [1] * 16)])
+
+
+def quad_reduce(builder, sums: list):
+    """<4 x i32>: lane e = the sum of the 8 lanes of sums[e] (2 or 4 <8 x i32>; missing ones count 0)."""
+    sums = sums + [ir.Constant(_V8I32, [0] * 8)] * (4 - len(sums))
+    hadd = fn(builder, "llvm.x86.avx2.phadd.d", _V8I32, [_V8I32, _V8I32])
+    # [s0 01, s0 23, s1 01, s1 23 | s0 45, ...], then [s0 0123, s1 0123, s2 .., s3 .. | s0 4567, ...]
+    h = builder.call(hadd, [builder.call(hadd, sums[:2]), builder.call(hadd, sums[2:])])
+    half = lambda lo: builder.shuffle_vector(h, h, ir.Constant(ir.VectorType(_I32, 4), list(range(lo, lo + 4))))  # noqa: E731
+    return builder.add(half(0), half(4))
 
 
 def _quad_isums(builder, fmt: int, w, x, b0, blocks: int):
@@ -153,12 +164,7 @@ def _quad_isums(builder, fmt: int, w, x, b0, blocks: int):
                 codes = [builder.sub(cv, ir.Constant(_V32I8, [8] * 32)) for cv in codes]
         sums += [_block_isum(builder, fmt, codes[e], _load32(builder, x, builder.mul(builder.add(b, c(e)), c(32))))
                  for e in range(2)]
-    sums += [ir.Constant(_V8I32, [0] * 8)] * (4 - len(sums))
-    hadd = _fn(builder, "llvm.x86.avx2.phadd.d", _V8I32, [_V8I32, _V8I32])
-    # [s0 01, s0 23, s1 01, s1 23 | s0 45, ...], then [s0 0123, s1 0123, s2 .., s3 .. | s0 4567, ...]
-    h = builder.call(hadd, [builder.call(hadd, sums[:2]), builder.call(hadd, sums[2:])])
-    half = lambda lo: builder.shuffle_vector(h, h, ir.Constant(ir.VectorType(_I32, 4), list(range(lo, lo + 4))))  # noqa: E731
-    return builder.add(half(0), half(4))
+    return quad_reduce(builder, sums)
 
 
 def _load4f(builder, base, b0):
@@ -166,26 +172,33 @@ def _load4f(builder, base, b0):
     return builder.load(p, align=4)
 
 
-def _emit_row_dot(builder, fmt: int, w, x, dw, dx, mw, sx, nblk2):
-    """The row's dot product over nblk2 blocks (pointers to its bytes, x's codes, the four scale rows)."""
-    fma4 = _fn(builder, "llvm.fma.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
+def for_quads(builder, nblk2, body) -> None:
+    """body(b0, blocks) for each quad of blocks b0 .. b0 + 3 (blocks 4), then for the last pair (blocks 2) where
+    nblk2 % 4 == 2."""
     i64 = ir.IntType(64)
+    nquad = builder.udiv(nblk2, ir.Constant(i64, 4))
+    with cgutils.for_range(builder, nquad) as loop:
+        body(builder.mul(loop.index, ir.Constant(i64, 4)), 4)
+    with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk2, ir.Constant(i64, 4)), ir.Constant(i64, 0))):
+        body(builder.mul(nquad, ir.Constant(i64, 4)), 2)  # the last pair: scales padded with zeros to 4
+
+
+def emit_row_dot(builder, fmt: int, quad_isums, w, x, dw, dx, mw, sx, nblk2):
+    """The row's dot product over nblk2 blocks (pointers to its bytes, x's codes, the four scale rows) in the
+    module docstring's float order; quad_isums(builder, fmt, w, x, b0, blocks) gives four blocks' integer sums."""
+    fma4 = fn(builder, "llvm.fma.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
     zero4 = ir.Constant(_V4F32, [0.0] * 4)
     acc, off = cgutils.alloca_once_value(builder, zero4), cgutils.alloca_once_value(builder, zero4)
 
     def quad(b0, blocks: int) -> None:
-        isum = builder.sitofp(_quad_isums(builder, fmt, w, x, b0, blocks), _V4F32)
+        isum = builder.sitofp(quad_isums(builder, fmt, w, x, b0, blocks), _V4F32)
         dd = builder.fmul(_load4f(builder, dw, b0), _load4f(builder, dx, b0))
         builder.store(builder.call(fma4, [isum, dd, builder.load(acc)]), acc)
         if fmt == 1:
             builder.store(builder.call(fma4, [_load4f(builder, mw, b0), _load4f(builder, sx, b0), builder.load(off)]),
                           off)
 
-    nquad = builder.udiv(nblk2, ir.Constant(i64, 4))
-    with cgutils.for_range(builder, nquad) as loop:
-        quad(builder.mul(loop.index, ir.Constant(i64, 4)), 4)
-    with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nblk2, ir.Constant(i64, 4)), ir.Constant(i64, 0))):
-        quad(builder.mul(nquad, ir.Constant(i64, 4)), 2)  # the last pair: scales padded with zeros to 4
+    for_quads(builder, nblk2, quad)
 
     def total(v):
         e = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
@@ -207,7 +220,7 @@ def _row_dot_avx2(typingctx, fmt, w, x, dw, dx, mw, sx):
         ptrs = [cgutils.create_struct_proxy(t)(context, builder, value=a).data
                 for t, a in zip(sig.args[1:], args[1:])]
         n = cgutils.create_struct_proxy(sig.args[2])(context, builder, value=args[2]).nitems
-        return _emit_row_dot(builder, code, *ptrs, builder.udiv(n, ir.Constant(n.type, 32)))
+        return emit_row_dot(builder, code, _quad_isums, *ptrs, builder.udiv(n, ir.Constant(n.type, 32)))
 
     return types.float32(fmt, w, x, dw, dx, mw, sx), codegen
 
@@ -219,7 +232,7 @@ def _fma32(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.call(_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3), list(args))
+        return builder.call(fn(builder, "llvm.fma.f32", _F32, [_F32] * 3), list(args))
 
     return types.float32(a, b, c), codegen
 
@@ -281,15 +294,10 @@ def _gemv_portable(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
 KERNELS = {"avx2": _gemv_avx2, "portable": _gemv_portable}
 
 
-def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | None = None, key=None,
-            path: str | None = None):
-    """A zero-argument callable writing out2 = mul_mat_q8x(w, x2) in place, or None where unsupported.
-
-    w_raw: uint8 [rows, row_bytes] ggml blocks of `dtype`; x2 float32 C-contiguous [m, n_in] (read at each
-    call); out2 float32 C-contiguous [m, rows]. The repacked weight is cached in `cache` under
-    ("gemv_q8x", dtype) + key. `path`: "avx2" or "portable" (default: avx2 where numba compiles for it).
-    """
-    if dtype not in FORMATS or not isinstance(w_raw, np.ndarray) or w_raw.ndim != 2 or w_raw.dtype != np.uint8:
+def gemv_shape(w_raw, dtype: str, x2, out2, formats) -> tuple[int, int, int] | None:
+    """(rows, n_in, m) where w_raw (uint8 [rows, row_bytes] ggml blocks of dtype, one of `formats`), x2 (f32 C
+    [m, n_in]) and out2 (f32 C [m, rows], writeable) make a GEMV the kernels here take, else None."""
+    if dtype not in formats or not isinstance(w_raw, np.ndarray) or w_raw.ndim != 2 or w_raw.dtype != np.uint8:
         return None
     for a in (x2, out2):
         if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.float32 or not a.flags.c_contiguous:
@@ -299,6 +307,12 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
     n_in, m = nbytes // bb * 32, x2.shape[0]
     if nbytes % bb or x2.shape[1] != n_in or out2.shape != (m, rows) or not out2.flags.writeable:
         return None
+    return rows, n_in, m
+
+
+def repacked(w_raw, dtype: str, cache: dict | None, key) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(qs, d, m) of `repack`, kept in `cache` under ("gemv_q8x", dtype) + key (weight_cache.py keeps those on
+    disk); m is d where the format has none (the kernels read it for q4_1 only)."""
     ck = ("gemv_q8x", dtype) + tuple(key or ())
     packed = cache.get(ck) if cache is not None and key else None
     if packed is None:
@@ -306,7 +320,22 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
         if cache is not None and key:
             cache[ck] = packed
     qs, dw, mw = packed
-    mw = dw if mw is None else mw  # read by q4_1 only
+    return qs, dw, dw if mw is None else mw
+
+
+def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | None = None, key=None,
+            path: str | None = None):
+    """A zero-argument callable writing out2 = mul_mat_q8x(w, x2) in place, or None where unsupported.
+
+    w_raw: uint8 [rows, row_bytes] ggml blocks of `dtype`; x2 float32 C-contiguous [m, n_in] (read at each
+    call); out2 float32 C-contiguous [m, rows]. The repacked weight is cached in `cache` under
+    ("gemv_q8x", dtype) + key. `path`: "avx2" or "portable" (default: avx2 where numba compiles for it).
+    """
+    shape = gemv_shape(w_raw, dtype, x2, out2, FORMATS)
+    if shape is None:
+        return None
+    rows, n_in, m = shape
+    qs, dw, mw = repacked(w_raw, dtype, cache, key)
     nblk2, nblk4 = padded(n_in // 32)
     xq, dx, sx = np.zeros((m, nblk2 * 32), np.int8), np.zeros((m, nblk4), np.float32), np.zeros((m, nblk4), np.float32)
     kernel, fmt = KERNELS[path or ("avx2" if AVX2 else "portable")], FORMATS[dtype]

@@ -18,6 +18,10 @@ a kernel's calls bind to its own code, the code its cache entry holds. Cache ent
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sys
+from pathlib import Path
 from typing import Any
 
 from llvmlite import binding as ll
@@ -47,6 +51,15 @@ def internalize_linked(module: Any) -> int:
     return len(copies)
 
 
+@functools.cache
+def depends_key(module: str) -> tuple[str, ...]:
+    """Hashes of the sibling sources a kernel module lists in CACHE_DEPENDS: files whose numba functions or LLVM
+    emitters its kernels compile in. numba's cache checks a kernel's own file only, so without them an edit there
+    would leave the kernel's cached machine code as it was (gemv_q16x compiles gemv_q8x's emitters)."""
+    names = getattr(sys.modules.get(module), "CACHE_DEPENDS", ())
+    return tuple(hashlib.sha256((Path(__file__).parent / n).read_bytes()).hexdigest()[:16] for n in names)
+
+
 def install() -> bool:
     """Patch numba (once) for this package's kernels; False where numba lacks the methods patched."""
     lib_cls, cache_cls = codegen.CPUCodeLibrary, caching.Cache
@@ -64,7 +77,7 @@ def install() -> bool:
     def _index_key(self: Any, sig: Any, cg: Any) -> Any:
         key = index_key(self, sig, cg)
         module = getattr(getattr(self, "_py_func", None), "__module__", "") or ""
-        return (*key, KEY_TAG) if module.startswith(PACKAGE + ".") else key
+        return (*key, KEY_TAG, *depends_key(module)) if module.startswith(PACKAGE + ".") else key
 
     _optimize_final_module._graphir_private = True  # type: ignore[attr-defined]
     lib_cls._optimize_final_module = _optimize_final_module

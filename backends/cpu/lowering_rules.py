@@ -8,6 +8,7 @@ op runs; the dedicated kernels are the ones a decode step spends its time in.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -145,17 +146,20 @@ def _mul_mat(n, ins, out, p):
     return o, lambda: MM.matmul(raw, dt, x2, o2)
 
 
-def _mul_mat_q8x(n, ins, out, p):
-    w, x, o = ins[0], ins[1], out[0]
-    if not isinstance(w, ParamRef) or len(w.shape) != 2:
-        return None  # what the op's rule refuses anyway; the reference says so
-    x2, o2 = rows2d(x), rows2d(o)
-    if x2 is None or not x2.flags.c_contiguous or x2.dtype != np.float32:
-        return None  # a strided or f16 x: the numpy reference
-    from . import gemv_q8x as GQ  # imported on first use: only models run through q8-activations compile it
-
-    run = GQ.prepare(w.raw, w.dtype, x2, o2, w.weights.derived if w.weights is not None else None, w.key)
-    return (o, run) if run is not None else None
+def _mul_mat_int_x(module: str):
+    """The rule of mul_mat_q8x / mul_mat_q16x: `module`'s prepare (gemv_q8x, gemv_q16x), imported on first use, so
+    only models run through q8- / q16-activations compile it."""
+    def rule(n, ins, out, p):
+        w, x, o = ins[0], ins[1], out[0]
+        if not isinstance(w, ParamRef) or len(w.shape) != 2:
+            return None  # what the op's rule refuses anyway; the reference says so
+        x2, o2 = rows2d(x), rows2d(o)
+        if x2 is None or not x2.flags.c_contiguous or x2.dtype != np.float32:
+            return None  # a strided or f16 x: the numpy reference
+        kernels = importlib.import_module(f"{__package__}.{module}")
+        run = kernels.prepare(w.raw, w.dtype, x2, o2, w.weights.derived if w.weights is not None else None, w.key)
+        return (o, run) if run is not None else None
+    return rule
 
 
 def _get_rows(n, ins, out, p):
@@ -413,7 +417,8 @@ F16_CACHE_RULES = ("flash_attn", "set_rows", "rope_set_rows", "rms_norm_mul_rope
 
 RULES: dict[str, Callable] = {
     "mul_mat": _mul_mat,
-    "mul_mat_q8x": _mul_mat_q8x,
+    "mul_mat_q8x": _mul_mat_int_x("gemv_q8x"),
+    "mul_mat_q16x": _mul_mat_int_x("gemv_q16x"),
     "get_rows": _get_rows,
     "add": _binary(np.add),
     "sub": _binary(np.subtract),

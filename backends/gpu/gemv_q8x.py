@@ -73,3 +73,11 @@ def lower_mul_mat_q8x(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> l
     rb = np.int64(dtype_info(w.dtype).row_bytes(n_in))
     return steps + [Launch("gemv_q8x.cu", name, (cdiv(n_out, rows), m), threads,
                            (w.raw, rb, x2, y2, i32(n_out), i32(n_in)))]
+
+
+def lower_mul_mat_q16x(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    """mul_mat_q16x (the q16-activations pass) has a cpu kernel only: an error naming the node, before any device
+    work."""
+    raise BackendError(f"{n.describe()}: no gpu kernel (16-bit activations are a cpu path, "
+                       "backends/cpu/gemv_q16x.py): run q16-activations on the cpu backend, or q8-activations on "
+                       "the gpu")

@@ -20,7 +20,7 @@ from graphir.ir import Node, toposort
 from graphir.ops import OPS
 
 from . import attention, matmul, nccl, recurrent
-from .gemv_q8x import lower_mul_mat_q8x
+from .gemv_q8x import lower_mul_mat_q8x, lower_mul_mat_q16x
 from .launch import Launch, Lowering, cdiv, dev, f32, i32
 from .layout import BLOCK, broadcast_strides, collapse, copy_launch, grid_for, is_contiguous, tname, view_layout
 
@@ -552,6 +552,7 @@ RULES: dict[str, Callable] = {
     "mul_mat_bf16": matmul.lower_mul_mat_bf16,
     "mul_mat_swiglu": matmul.lower_mul_mat_swiglu,
     "mul_mat_q8x": lower_mul_mat_q8x,
+    "mul_mat_q16x": lower_mul_mat_q16x,
     "get_rows": matmul.lower_get_rows,
     "flash_attn": attention.lower_flash_attn,
     "flash_attn_bf16": attention.lower_flash_attn_bf16,

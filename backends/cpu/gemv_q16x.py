@@ -1,0 +1,208 @@
+"""mul_mat_q16x on the CPU: x rounded to 16-bit blocks once a call, integer block dot products (q4_0, q4_1).
+
+gemv_q8x.py's GEMV with int16 codes of x (why: graphir/ops/fused.py, mul_mat_q16x): the same repacked weight
+(gemv_q8x.repack, and its cache entry), the same quad reduction and float order, so its module docstring
+holds here with these changes:
+  * x per row (`quantize_x`): gemv_q8x.quantize_blocks with qmax 32767, codes int16 [nblk2 * 32], each block
+    stored evens then odds (element j at j // 2 + 16 (j % 2), WORDS_ORDER), the order the AVX2 path reads.
+  * The weight's 32 bytes of a block pair read as 16 words ("words" layout): word i's nibbles, low to high,
+    are element 2i of block b, 2i of block b + 1, 2i + 1 of b, 2i + 1 of b + 1, so shifts by 0 / 4 / 8 / 12 and
+    a mask give four int16 vectors without widening (q4_0 then subtracts 8). `vpmaddwd` of codes by x's gives
+    exact int32 pair sums: a block's sum is at most 32 * 15 * 32767 < 2^24 (q4_1; q4_0 32 * 8 * 32767), exact
+    as f32 too. As many multiply-adds a block as q8x (two `vpmaddwd` for a `vpmaddubsw` and a `vpmaddwd`); the
+    extra cost is the shift / mask work and twice x's bytes (BENCHMARKS.md, "int16 activations for q4_1":
+    1.02-1.20x q8x's time at SmolLM2's shapes; zero-extending bytes instead, `vpmovzxbw`, measured 1.19-1.33x
+    slower again and was dropped).
+The portable path (no AVX2) is gemv_q8x's row loop on int16 codes in element order: the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import gemv_q8x as GQ
+from .matmul import _num_threads
+
+__all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
+
+CACHE_DEPENDS = ("gemv_q8x.py",)  # compiled into the kernels here: its quantizer, row loop and emitters
+FORMATS = {"q4_0": 0, "q4_1": 1}  # gemv_q8x's format codes; q8_0 x 16-bit sums pass 2^24 (not exact as f32)
+AVX2 = GQ.AVX2
+Q16_MAX = np.float32(32767.0)
+WORDS_ORDER = np.array([j // 2 + 16 * (j % 2) for j in range(32)])  # x's code of element j at WORDS_ORDER[j]
+_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V16I16, _V8I32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+
+
+@njit(cache=True)
+def quantize_x(x, xq, dx, sx):
+    """x's int16 codes as the AVX2 path reads them: quantize_blocks with qmax 32767, each block evens then odds."""
+    GQ.quantize_blocks(x, xq, dx, sx, Q16_MAX, WORDS_ORDER)
+
+
+@njit(cache=True)
+def quantize_x_in_order(x, xq, dx, sx):
+    """The same codes in element order (the portable path's)."""
+    GQ.quantize_blocks(x, xq, dx, sx, Q16_MAX, GQ.IN_ORDER)
+
+
+# ---------------------------------------------------------------- the AVX2 row dot product, in LLVM IR
+def _c64(v: int):
+    return ir.Constant(_I64, v)
+
+
+def _pair_codes(builder, fmt: int, w, b):
+    """codes[e][h] <16 x i16>: block b + e's codes meeting x's words 16h .. 16h + 15 (evens, then odds)."""
+    v = builder.load(builder.bitcast(builder.gep(w, [builder.mul(b, _c64(16))]), _V16I16.as_pointer()), align=1)
+    const = lambda n: ir.Constant(_V16I16, [n] * 16)  # noqa: E731
+    nib = lambda s: builder.and_(builder.lshr(v, const(s)), const(15)) if s < 12 else builder.lshr(v, const(s))  # noqa: E731
+    codes = [[nib(0), nib(8)], [nib(4), nib(12)]]  # block b: shifts 0 (evens), 8 (odds); block b + 1: 4, 12
+    if fmt == 0:  # q4_0: w = c - 8
+        codes = [[builder.sub(c, const(8)) for c in pair] for pair in codes]
+    return codes
+
+
+def _pair_isums(builder, fmt: int, w, x, b):
+    """[<8 x i32>] * 2: blocks b and b + 1 (b even), lane l the sum of 4 of the block's code x code products."""
+    madd = GQ.fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+    codes = _pair_codes(builder, fmt, w, b)
+
+    def xload(e: int, h: int):
+        off = builder.add(builder.mul(builder.add(b, _c64(e)), _c64(32)), _c64(16 * h))
+        return builder.load(builder.bitcast(builder.gep(x, [off]), _V16I16.as_pointer()), align=2)
+
+    return [builder.add(*[builder.call(madd, [codes[e][h], xload(e, h)]) for h in range(2)]) for e in range(2)]
+
+
+def _quad_isums(builder, fmt: int, w, x, b0, blocks: int):
+    """<4 x i32>: the integer sums of blocks b0 .. b0 + 3 (the first `blocks`, 2 or 4, read; the rest 0)."""
+    sums = []
+    for p in range(blocks // 2):
+        sums += _pair_isums(builder, fmt, w, x, builder.add(b0, _c64(2 * p)))
+    return GQ.quad_reduce(builder, sums)
+
+
+def _data(context, builder, ty, val):
+    return cgutils.create_struct_proxy(ty)(context, builder, value=val)
+
+
+@intrinsic
+def _row_dot_avx2(typingctx, fmt, w, x, dw, dx, mw, sx):
+    """float32 row dot product (gemv_q8x's float order): fmt a literal format code; w the weight row's bytes, x the
+    int16 codes (nblk2 * 32, WORDS_ORDER), dw / mw the row's scales, dx / sx x's (nblk4; 1-D C arrays)."""
+    if not isinstance(fmt, types.IntegerLiteral):
+        return None
+    code = fmt.literal_value
+
+    def codegen(context, builder, sig, args):
+        ptrs = [_data(context, builder, t, a).data for t, a in zip(sig.args[1:], args[1:])]
+        nblk2 = builder.udiv(_data(context, builder, sig.args[2], args[2]).nitems, _c64(32))
+        return GQ.emit_row_dot(builder, code, _quad_isums, *ptrs, nblk2)
+
+    return types.float32(fmt, w, x, dw, dx, mw, sx), codegen
+
+
+@intrinsic
+def _row_isums_avx2(typingctx, fmt, w, x, out):
+    """out int32 [nblk4] = the row's integer block sums, from _row_dot_avx2's emitter (for the tests)."""
+    if not isinstance(fmt, types.IntegerLiteral):
+        return None
+    code = fmt.literal_value
+
+    def codegen(context, builder, sig, args):
+        wp, xp, op = [_data(context, builder, t, a).data for t, a in zip(sig.args[1:], args[1:])]
+        nblk2 = builder.udiv(_data(context, builder, sig.args[2], args[2]).nitems, _c64(32))
+
+        def body(b0, blocks: int) -> None:
+            p = builder.bitcast(builder.gep(op, [b0]), ir.VectorType(_I32, 4).as_pointer())
+            builder.store(_quad_isums(builder, code, wp, xp, b0, blocks), p, align=4)
+
+        GQ.for_quads(builder, nblk2, body)
+        return context.get_dummy_value()
+
+    return types.none(fmt, w, x, out), codegen
+
+
+# ---------------------------------------------------------------- the GEMV: output rows split over threads
+@njit(parallel=True, cache=True)
+def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
+    quantize_x(x, xq, dx, sx)  # serially here: one numba dispatch a GEMV, as gemv_q8x
+    n_out, m = qs.shape[0], xq.shape[0]
+    nsup = max(1, min(n_out, nth))
+    per = (n_out + nsup - 1) // nsup
+    for s in prange(nsup):
+        for r in range(s * per, min(n_out, (s + 1) * per)):
+            for t in range(m):  # the weight row stays in L1 across x's rows
+                if fmt == 0:
+                    y[t, r] = _row_dot_avx2(0, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+                else:
+                    y[t, r] = _row_dot_avx2(1, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+
+
+@njit(parallel=True, cache=True)
+def _gemv_portable(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
+    quantize_x_in_order(x, xq, dx, sx)
+    n_out, m = qs.shape[0], xq.shape[0]
+    nsup = max(1, min(n_out, nth))
+    per = (n_out + nsup - 1) // nsup
+    for s in prange(nsup):
+        for r in range(s * per, min(n_out, (s + 1) * per)):
+            for t in range(m):
+                y[t, r] = GQ._row_dot_portable(fmt, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+
+
+@njit(cache=True)
+def _isums_avx2(fmt, qs, xq, out):
+    for r in range(qs.shape[0]):
+        for t in range(xq.shape[0]):
+            if fmt == 0:
+                _row_isums_avx2(0, qs[r], xq[t], out[t, r])
+            else:
+                _row_isums_avx2(1, qs[r], xq[t], out[t, r])
+
+
+KERNELS = {"avx2": _gemv_avx2, "portable": _gemv_portable}
+
+
+def block_isums(w_raw: np.ndarray, dtype: str, xq: np.ndarray) -> np.ndarray:
+    """int32 [m, rows, nblk4]: the AVX2 path's integer block sums of w_raw's codes by xq (int16 [m, nblk2 * 32] in
+    WORDS_ORDER, as quantize_x leaves them); blocks past the weight's are 0."""
+    qs, _, _ = GQ.repack(w_raw, dtype)
+    out = np.zeros((xq.shape[0], qs.shape[0], GQ.padded(qs.shape[1] // 16)[1]), np.int32)
+    _isums_avx2(FORMATS[dtype], qs, np.ascontiguousarray(xq), out)
+    return out
+
+
+def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | None = None, key=None,
+            path: str | None = None):
+    """A zero-argument callable writing out2 = mul_mat_q16x(w, x2) in place, or None where unsupported
+    (gemv_q8x.prepare's arguments; the repacked weight is gemv_q8x's, under its cache key)."""
+    shape = GQ.gemv_shape(w_raw, dtype, x2, out2, FORMATS)
+    if shape is None:
+        return None
+    rows, n_in, m = shape
+    qs, dw, mw = GQ.repacked(w_raw, dtype, cache, key)
+    nblk2, nblk4 = GQ.padded(n_in // 32)
+    xq = np.zeros((m, nblk2 * 32), np.int16)
+    dx, sx = np.zeros((m, nblk4), np.float32), np.zeros((m, nblk4), np.float32)
+    kernel, fmt = KERNELS[path or ("avx2" if AVX2 else "portable")], FORMATS[dtype]
+
+    def run() -> None:
+        if m == 0 or rows == 0:
+            return
+        kernel(fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+
+    return run
+
+
+def asm(path: str = "avx2") -> str:
+    """The assembly of `path`'s kernel for the signature it was first called with, compiled afresh (numba keeps
+    no assembly for kernels loaded from its cache)."""
+    k = KERNELS[path]
+    fresh = njit(parallel=True)(k.py_func)
+    fresh.compile(k.signatures[0])
+    return "\n".join(fresh.inspect_asm().values())
