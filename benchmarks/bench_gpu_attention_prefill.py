@@ -56,11 +56,12 @@ VARIANTS = {
     "mt2-bn32": (("ATTN_TC_MT=2", "ATTN_TC_BN_D128=32"), {**_MMA_SYNC, "TC_MT": 2}),
     "w8": (("ATTN_TC_WARPS=8",), {**_MMA_SYNC, "TC_WARPS": 8}),
     "bn32": (("ATTN_TC_BN_D128=32", "ATTN_TC_BN_D64=32"), _MMA_SYNC),
-    "wg-bn128": (("ATTN_WG_BN=128",), {"WG_BN": 128}),
+    "wg-bn128": (("ATTN_WG_BN=128", "ATTN_WG_STAGES=3"), {"WG_BN": 128, "WG_STAGES": 3}),
+    "wg-s3": (("ATTN_WG_STAGES=3",), {"WG_STAGES": 3}),
     "wg-1": (("ATTN_WG_GROUPS=1",), {"WG_GROUPS": 1}),
     "wg-vswap": (("ATTN_WG_V_SWAP=1",), {}),  # a layout check: must come out wrong
 }
-_MIRRORS = ("TC_MT", "TC_Q_SHARED", "TC_WARPS", "WGMMA", "WG_BN", "WG_GROUPS")
+_MIRRORS = ("TC_MT", "TC_Q_SHARED", "TC_WARPS", "WGMMA", "WG_BN", "WG_GROUPS", "WG_STAGES")
 
 
 def use_variant(name: str) -> None:

@@ -327,10 +327,13 @@ struct QInShared {  // the warp's own 16*MT rows x (DK + 8) bf16 of shared memor
 // full: every key of the tile is in every row's range, no mask (warp-uniform); else the ranges come
 // from `ranges` (the m-tile's 16 rows, [lo, hi) each), read only then: at MT 2 registers for them,
 // or a mask computed on every tile, make O spill.
-template <int DK, int BN = TileKeys<DK>::value>
-DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4],
-                         float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int2* ranges, int j0, bool full,
-                         float scale2, int g, int t) {
+// tile_max: this tile's scores scaled and masked, the running max m and sum l updated; alpha the factor each of
+// the lane's two rows of O must be rescaled by (rescale_rows), 1 where its max did not move; sub what the
+// weights subtract. tile_weights then makes the bf16 weights pf (the A fragments of P); tile_softmax does both
+// and the rescale.
+template <int BN>
+DEVICE void tile_max(float (&s)[BN / 8][4], float (&sub)[2], float (&alpha)[2], float (&m)[2], float (&l)[2],
+                     const int2* ranges, int j0, bool full, float scale2, int g, int t) {
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
@@ -351,7 +354,6 @@ DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4],
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    float sub[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));  // the 4 lanes of a row group hold one row
@@ -362,15 +364,13 @@ DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4],
         sub[r] = mn == NEG_INF ? 0.0f : mn;  // nothing seen yet: every weight is 0
         l[r] *= alpha[r];
     }
-    // The integer running max of a row rarely moves after its first tiles, so most tiles rescale O by 1:
-    // skipped when no row of the warp moved (exact either way; DK / 2 multiplies a lane, about as many
-    // instructions as the tile's mma).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
-    }
+}
+
+template <int BN>
+DEVICE void tile_weights(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4], float (&alpha)[2], float (&m)[2],
+                         float (&l)[2], const int2* ranges, int j0, bool full, float scale2, int g, int t) {
+    float sub[2];
+    tile_max<BN>(s, sub, alpha, m, l, ranges, j0, full, scale2, g, t);
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
 #pragma unroll
@@ -383,6 +383,56 @@ DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4],
             l[1] += bf16_lo(p1) + bf16_hi(p1);
         }
     }
+}
+
+// tile_weights with the weights left in s as f32 values of bf16 numbers (the same roundings and sums), for a
+// caller whose weight registers are still being read: pack_weights makes the A fragments from them later.
+template <int BN>
+DEVICE void tile_weights_in_place(float (&s)[BN / 8][4], float (&alpha)[2], float (&m)[2], float (&l)[2],
+                                  const int2* ranges, int j0, bool full, float scale2, int g, int t) {
+    float sub[2];
+    tile_max<BN>(s, sub, alpha, m, l, ranges, j0, full, scale2, g, t);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+        float(&c)[4] = s[nt];
+        const unsigned int p0 = pack_bf16(exp2_fast(c[0] - sub[0]), exp2_fast(c[1] - sub[0]));
+        const unsigned int p1 = pack_bf16(exp2_fast(c[2] - sub[1]), exp2_fast(c[3] - sub[1]));
+        c[0] = bf16_lo(p0), c[1] = bf16_hi(p0), c[2] = bf16_lo(p1), c[3] = bf16_hi(p1);
+        l[0] += c[0] + c[1];
+        l[1] += c[2] + c[3];
+    }
+}
+
+template <int BN>
+DEVICE void pack_weights(const float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4]) {  // exact: bf16 values
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float(&c)[4] = s[2 * kc + half];
+            pf[kc][2 * half] = pack_bf16(c[0], c[1]), pf[kc][2 * half + 1] = pack_bf16(c[2], c[3]);
+        }
+}
+
+// The integer running max of a row rarely moves after its first tiles, so most tiles rescale O by 1: skipped
+// when no row of the warp moved (exact either way; DK / 2 multiplies a lane, about as many instructions as the
+// tile's mma).
+template <int DK>
+DEVICE void rescale_rows(float (&o)[DK / 8][4], const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
+    }
+}
+
+template <int DK, int BN = TileKeys<DK>::value>
+DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4], float (&o)[DK / 8][4], float (&m)[2],
+                         float (&l)[2], const int2* ranges, int j0, bool full, float scale2, int g, int t) {
+    float alpha[2];
+    tile_weights<BN>(s, pf, alpha, m, l, ranges, j0, full, scale2, g, t);
+    rescale_rows<DK>(o, alpha);
 }
 
 // O[MT][16 rows x DK] += P V for this warp's rows: each V fragment loaded feeds the mma of every m-tile.
@@ -582,9 +632,10 @@ ATTN_TC_DEFINE(256)
 // takes P from registers (an accumulator of S is, lane for lane, the A fragment of P, as with mma.sync) and V
 // from shared memory. mma.sync reaches about FlashAttention-2's speed here (H200, 2026-12-02,
 // bench_gpu_attention_prefill.py --peer torch, Qwen3-8B shapes at 4096 queries: 505 us against PyTorch's
-// flash backend 508 us), where cuDNN's Hopper kernel took 257 us. K/V tiles are double-buffered: the next
-// tile's cp.async copies run under this tile's products. Only sm_90 has wgmma (the "a" target: kernels.py
-// compiles this file for sm_90a on an sm_90 GPU); attention.py takes these kernels there only.
+// flash backend 508 us), where cuDNN's Hopper kernel took 257 us. K/V tiles load ATTN_WG_STAGES - 2 steps
+// ahead (cp.async, every thread of the block), and each warpgroup overlaps its own products with its softmax
+// (the step loop below). Only sm_90 has wgmma (the "a" target: kernels.py compiles this file for sm_90a on an
+// sm_90 GPU); attention.py takes these kernels there only.
 //
 // Shared memory holds every operand in the "no swizzle" canonical layout: 8 x 8 bf16 core matrices, each 8
 // rows of 16 contiguous bytes. A tile of R rows x DK columns stores element (r, c) at bf16 index
@@ -600,6 +651,9 @@ ATTN_TC_DEFINE(256)
 #endif
 #ifndef ATTN_WG_BN
 #define ATTN_WG_BN 64  // keys a K/V tile; attention.py mirrors it (WG_BN)
+#endif
+#ifndef ATTN_WG_STAGES
+#define ATTN_WG_STAGES 4  // K/V tile stages in shared memory (>= 3); attention.py mirrors it (WG_STAGES)
 #endif
 #ifndef ATTN_WG_V_SWAP
 #define ATTN_WG_V_SWAP 0  // 1: V's leading and stride byte offsets exchanged (a layout check, not a setting)
@@ -617,10 +671,23 @@ DEVICE unsigned long long wg_desc(const u16* p, unsigned int lead, unsigned int 
 
 DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 // cp.async and st.shared write through the generic proxy, wgmma reads through the async proxy: each writer
 // fences its own writes before the barrier that publishes them.
 DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+template <int N>
+DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+template <int N>
+DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// A wgmma writes its accumulator after the instruction that issued it, which the compiler does not know: each
+// register passes through an empty asm after the wait, so nothing reads it (or moves it) before then.
+template <int R, int C>
+DEVICE void wg_fence_operand(float (&x)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int k = 0; k < C; ++k) asm volatile("" : "+f"(x[i][k])::"memory");
+}
 
 // d: the m64nNk16 accumulator, N / 2 floats a lane, laid out as N / 8 mma.sync C fragments (tile_softmax's S and O).
 DEVICE void wgmma_ss_n64(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate) {
@@ -674,9 +741,11 @@ template <int DK, typename OUT>
 DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__ kvb, const int* __restrict__ pos,
                             const int* __restrict__ kv_len, OUT* __restrict__ out, int n_q, int hq, int hk, int d,
                             int dv, int cap, float scale2, int window, int* errflag, int code) {
-    constexpr int BN = ATTN_WG_BN, WARPS = 4 * ATTN_WG_GROUPS, ROWS = 64 * ATTN_WG_GROUPS, BIG = 0x7fffffff;
+    constexpr int BN = ATTN_WG_BN, WARPS = 4 * ATTN_WG_GROUPS, ROWS = 64 * ATTN_WG_GROUPS, BIG = 0x7fffffff,
+                  STAGES = ATTN_WG_STAGES;
+    static_assert(STAGES >= 3, "tile j + 1 is read in step j, tile j + STAGES - 1 loads then");
     constexpr unsigned int V_LEAD = ATTN_WG_V_SWAP ? BN * 16 : 128, V_STRIDE = ATTN_WG_V_SWAP ? 128 : BN * 16;
-    extern __shared__ __align__(128) u16 attn_wg_smem[];  // Q [ROWS x DK], then 2 stages of K and V [BN x DK]
+    extern __shared__ __align__(128) u16 attn_wg_smem[];  // Q [ROWS x DK], then STAGES stages of K and V [BN x DK]
     __shared__ int blo, bhi;
     __shared__ WarpRanges<1> ranges[WARPS];
 
@@ -685,7 +754,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
     const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;  // the latest (longest) query tiles first
     const int w0 = q0 + warp * 16;                       // the warp's 16 rows; its warpgroup's 64 from q0 + 64 wg
     u16* sq = attn_wg_smem + wg * 64 * DK;
-    u16* tiles = attn_wg_smem + ROWS * DK;  // stage s: K at tiles + 2 s BN DK, V BN DK after it
+    u16* tiles = attn_wg_smem + ROWS * DK;  // stage i: K at tiles + 2 i BN DK, V BN DK after it
 
     const int L = kv_len[0];
     const bool bad = L < 0 || L > cap;
@@ -735,41 +804,78 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
 #pragma unroll
     for (int nt = 0; nt < DK / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
 
-    if (jlo < jhi) {
-        wg_load_tile<DK>(tiles, kvb, kvh, cap, jlo, jhi);
-        wg_load_tile<DK>(tiles + BN * DK, kvb, hk + kvh, cap, jlo, jhi);
-    }
-    cp_async_commit();
-    for (int j0 = jlo, stage = 0; j0 < jhi; j0 += BN, stage ^= 1) {
-        const u16* sk = tiles + 2 * stage * BN * DK;
-        const u16* sv = sk + BN * DK;
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();  // this tile landed for everyone; every warpgroup is done with the other stage
-        if (j0 + BN < jhi) {
-            u16* nk = tiles + 2 * (stage ^ 1) * BN * DK;
-            wg_load_tile<DK>(nk, kvb, kvh, cap, j0 + BN, jhi);
-            wg_load_tile<DK>(nk + BN * DK, kvb, hk + kvh, cap, j0 + BN, jhi);
+    // Tile j (keys jlo + j BN..) lives in stage j % STAGES. Tiles 0..STAGES-2 load before the loop, tile
+    // j + STAGES - 1 at the top of step j, into the stage of tile j - 1, which every warpgroup is done with by
+    // then; one cp.async group a tile. Step j needs tile j + 1 (for S of the next tile).
+    const int n_tiles = jlo < jhi ? (jhi - jlo + BN - 1) / BN : 0;
+    auto load = [&](int j) {
+        if (j < n_tiles) {
+            u16* sk = tiles + 2 * (j % STAGES) * BN * DK;
+            wg_load_tile<DK>(sk, kvb, kvh, cap, jlo + j * BN, jhi);
+            wg_load_tile<DK>(sk + BN * DK, kvb, hk + kvh, cap, jlo + j * BN, jhi);
         }
         cp_async_commit();
-        if (!(j0 < wany.y && j0 + BN > wany.x)) continue;  // warpgroup-uniform: none of its rows sees the tile
-        float s[BN / 8][4];
+    };
+    auto scores = [&](float (&sc)[BN / 8][4], int j) {  // S = Q K_j^T, issued (not waited for)
+        const u16* sk = tiles + 2 * (j % STAGES) * BN * DK;
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < DK / 16; ++ks)
-            wgmma_ss<BN>(s, wg_desc(sq + ks * 2 * 64 * 8, 64 * 16, 128), wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128),
+            wgmma_ss<BN>(sc, wg_desc(sq + ks * 2 * 64 * 8, 64 * 16, 128), wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128),
                          ks);
         wgmma_commit();
-        wgmma_wait_all();
-        unsigned int pf[BN / 16][4];
+    };
+    auto weights = [&](float (&sc)[BN / 8][4], float (&alpha)[2], int j) {
         const int2 all = ranges[warp].all[0];
-        tile_softmax<DK, BN>(s, pf, o, m, l, ranges[warp].row, j0, j0 >= all.x && j0 + BN <= all.y, scale2, g, t);
+        const int j0 = jlo + j * BN;
+        tile_weights_in_place<BN>(sc, alpha, m, l, ranges[warp].row, j0, j0 >= all.x && j0 + BN <= all.y, scale2, g, t);
+    };
+    // The tiles this warpgroup multiplies, [wj0, wj1): those its rows' union of key ranges meets (wgmma is
+    // warpgroup-wide, so a warp whose own rows see none of such a tile masks all of it).
+    const int wj0 = wany.x < wany.y ? max(0, (wany.x - jlo) / BN) : 0;
+    const int wj1 = wany.x < wany.y ? min(n_tiles, (wany.y - jlo + BN - 1) / BN) : 0;
+
+    float sc[BN / 8][4], alpha[2];
+    unsigned int p[BN / 16][4];
+#pragma unroll 1
+    for (int j = 0; j < STAGES - 1; ++j) load(j);
+    // One step, as FlashAttention-3 overlaps a warpgroup with itself: S of tile j + 1 goes out, O is rescaled and
+    // P V of tile j goes out behind it; the lanes turn S of tile j + 1 into weights while P V runs (in place, as
+    // f32 values of bf16 numbers: P's registers are still being read), and pack them once it is done. ptxas
+    // keeps the products asynchronous only while no other instruction touches a product's accumulator before
+    // its wait, and none is issued or waited for under a condition.
+#pragma unroll 1
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<STAGES - 3>();  // tile j + 1 landed (this thread's copies)
+        fence_proxy_async();
+        __syncthreads();  // everyone's copies of tile j + 1; every warpgroup is done with tile j - 1
+        load(j + STAGES - 1);
+        if (j < wj0 || j >= wj1) continue;  // warpgroup-uniform
+        if (j == wj0) {  // the first tile: its S alone
+            scores(sc, j);
+            wgmma_wait<0>();
+            wg_fence_operand(sc);
+            weights(sc, alpha, j);
+            pack_weights<BN>(sc, p);
+        }
+        // S of the next tile goes out at every step, also past the warpgroup's last (then on tile j again, unused):
+        // ptxas serializes every wgmma of a kernel where a product's issue or wait sits under a condition.
+        const bool ahead = j + 1 < wj1;
+        scores(sc, min(j + 1, n_tiles - 1));
+        wg_fence_operand(o);
+        rescale_rows<DK>(o, alpha);
+        const u16* sv = tiles + (2 * (j % STAGES) + 1) * BN * DK;
         wgmma_fence();
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc)
-            wgmma_rs_n128_tb(reinterpret_cast<float(&)[64]>(o), pf[kc], wg_desc(sv + kc * 16 * 8, V_LEAD, V_STRIDE));
+            wgmma_rs_n128_tb(reinterpret_cast<float(&)[64]>(o), p[kc], wg_desc(sv + kc * 16 * 8, V_LEAD, V_STRIDE));
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<1>();  // S of tile j + 1 (older than this P V)
+        wg_fence_operand(sc);
+        if (ahead) weights(sc, alpha, j + 1);
+        wgmma_wait<0>();
+        wg_fence_operand(o);
+        if (ahead) pack_weights<BN>(sc, p);
     }
 
 #pragma unroll
@@ -789,7 +895,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
     }
 }
 
-// Dynamic shared memory: (64 * ATTN_WG_GROUPS + 4 * ATTN_WG_BN) * 128 bf16 (attention.py: _wg_dynamic_shared).
+// Dynamic shared memory: (64 * ATTN_WG_GROUPS + 2 * ATTN_WG_STAGES * ATTN_WG_BN) * DK bf16 (attention.py).
 #define ATTN_WG_DEFINE(DK)                                                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK(ATTN_TC_ARGS(float)) {       \
         PDL_ENTRY();                                                                                                 \
