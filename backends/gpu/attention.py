@@ -277,9 +277,9 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
     if n_q == 0 or hq == 0 or dv == 0:
         return []
     dk = _tc_dk(d, dv)
-    if _wgmma(dk):  # Q and WG_STAGES K and V tiles, all dynamic (attention_prefill.cu)
+    if _wgmma(dk):  # WG_STAGES K and V tiles, dynamic (attention_prefill.cu)
         name, rows, threads, shared = f"attn_prefill_wg_d{dk}", 64 * WG_GROUPS, 128 * WG_GROUPS, \
-            (64 * WG_GROUPS + 2 * WG_STAGES * WG_BN) * dk * 2
+            2 * WG_STAGES * WG_BN * dk * 2
     else:
         name, rows, threads, shared = f"attn_prefill_bf16_d{dk}", _tc_rows(dk), 32 * TC_WARPS, _tc_dynamic_shared(dk)
     if not all(_tc_kernel_fits(kernels.get(TC_FILE, kernel), shared) for kernel in (name, name + "_obf16")):

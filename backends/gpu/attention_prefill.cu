@@ -234,9 +234,8 @@ using TileWeights = unsigned int[MTiles<DK>::value][TileKeys<DK>::value / 16][4]
 template <int DK>
 using RowAcc = float[MTiles<DK>::value][DK / 8][4];  // O: m-tile, 8 columns, C
 
-template <int DK>
+template <int DK, int MT = MTiles<DK>::value>
 struct QInRegisters {  // DK / 4 registers a lane per m-tile
-    static constexpr int MT = MTiles<DK>::value;
     unsigned int f[MT][DK / 16][4];
 
     TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
@@ -628,9 +627,10 @@ ATTN_TC_DEFINE(256)
 // ---------------------------------------------------------------- Hopper: warpgroup MMA (wgmma, sm_90a only)
 // attn_prefill_wg_d128[_obf16]: the same attention as attn_prefill_bf16_d128 (the same per-row softmax code,
 // tile_softmax, so the same roundings), with its two products as warpgroup MMAs: a warpgroup (4 warps) takes
-// 64 query rows, S = Q K^T reads Q and the K tile from shared memory through matrix descriptors, O += P V
-// takes P from registers (an accumulator of S is, lane for lane, the A fragment of P, as with mma.sync) and V
-// from shared memory. mma.sync reaches about FlashAttention-2's speed here (H200, 2026-12-02,
+// 64 query rows, S = Q K^T takes Q from registers (the mma.sync A fragments) and the K tile from shared memory
+// through a matrix descriptor, O += P V takes P from registers (an accumulator of S is, lane for lane, the A
+// fragment of P, as with mma.sync) and V from shared memory. (With Q from shared memory too, S's products read
+// 4 KiB per 64 x 64 x 16 product, 128 bytes a clock: all of shared memory's bandwidth.) mma.sync reaches about FlashAttention-2's speed here (H200, 2026-12-02,
 // bench_gpu_attention_prefill.py --peer torch, Qwen3-8B shapes at 4096 queries: 505 us against PyTorch's
 // flash backend 508 us), where cuDNN's Hopper kernel took 257 us. K/V tiles load ATTN_WG_STAGES - 2 steps
 // ahead (cp.async, every thread of the block), and each warpgroup overlaps its own products with its softmax
@@ -640,8 +640,8 @@ ATTN_TC_DEFINE(256)
 // Shared memory holds every operand in the "no swizzle" canonical layout: 8 x 8 bf16 core matrices, each 8
 // rows of 16 contiguous bytes. A tile of R rows x DK columns stores element (r, c) at bf16 index
 // ((c / 8) * R + r) * 8 + c % 8: core matrices 128 bytes apart along rows, R * 16 bytes apart along columns.
-// For Q and K (K-major: the reduction dimension d is contiguous) the descriptor's leading byte offset (between
-// core matrices along the reduction) is R * 16 and its stride byte offset (along M or N) 128. For V the
+// For K (K-major: the reduction dimension d is contiguous) the descriptor's leading byte offset (between core
+// matrices along the reduction) is R * 16 and its stride byte offset (along N) 128. For V the
 // reduction is over keys (rows) and N over d (columns, contiguous: MN-major, transposed B): leading 128,
 // stride BN * 16. Writing 16-byte chunks with 8 consecutive lanes on 8 consecutive rows of one column chunk
 // falls on 8 distinct bank groups, and lanes 8 apart read the other half of the same 32-byte sector.
@@ -690,22 +690,21 @@ DEVICE void wg_fence_operand(float (&x)[R][C]) {
 }
 
 // d: the m64nNk16 accumulator, N / 2 floats a lane, laid out as N / 8 mma.sync C fragments (tile_softmax's S and O).
-DEVICE void wgmma_ss_n64(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate) {
+DEVICE void wgmma_rs_n64(float (&d)[32], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-DEVICE void wgmma_ss_n128(float (&d)[64], unsigned long long da, unsigned long long db, int accumulate) {
+DEVICE void wgmma_rs_n128(float (&d)[64], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-
 DEVICE void wgmma_rs_n128_tb(float (&d)[64], const unsigned int (&a)[4], unsigned long long db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -715,10 +714,10 @@ DEVICE void wgmma_rs_n128_tb(float (&d)[64], const unsigned int (&a)[4], unsigne
 }
 
 template <int N>
-DEVICE void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db, int accumulate) {
+DEVICE void wgmma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
     static_assert(N == 64 || N == 128, "S tiles of 64 or 128 keys");
-    if constexpr (N == 64) wgmma_ss_n64(reinterpret_cast<float(&)[32]>(d), da, db, accumulate);
-    else wgmma_ss_n128(reinterpret_cast<float(&)[64]>(d), da, db, accumulate);
+    if constexpr (N == 64) wgmma_rs_n64(reinterpret_cast<float(&)[32]>(d), a, db, accumulate);
+    else wgmma_rs_n128(reinterpret_cast<float(&)[64]>(d), a, db, accumulate);
 }
 
 // Rows j0.. of a scratch head into a tile of ATTN_WG_BN rows in the core-matrix layout; rows at and past jhi
@@ -745,7 +744,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
                   STAGES = ATTN_WG_STAGES;
     static_assert(STAGES >= 3, "tile j + 1 is read in step j, tile j + STAGES - 1 loads then");
     constexpr unsigned int V_LEAD = ATTN_WG_V_SWAP ? BN * 16 : 128, V_STRIDE = ATTN_WG_V_SWAP ? 128 : BN * 16;
-    extern __shared__ __align__(128) u16 attn_wg_smem[];  // Q [ROWS x DK], then STAGES stages of K and V [BN x DK]
+    extern __shared__ __align__(128) u16 attn_wg_smem[];  // STAGES stages of K and V [BN x DK]
     __shared__ int blo, bhi;
     __shared__ WarpRanges<1> ranges[WARPS];
 
@@ -753,8 +752,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
     const int h = blockIdx.x, kvh = h / (hq / hk);
     const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;  // the latest (longest) query tiles first
     const int w0 = q0 + warp * 16;                       // the warp's 16 rows; its warpgroup's 64 from q0 + 64 wg
-    u16* sq = attn_wg_smem + wg * 64 * DK;
-    u16* tiles = attn_wg_smem + ROWS * DK;  // stage i: K at tiles + 2 i BN DK, V BN DK after it
+    u16* tiles = attn_wg_smem;  // stage i: K at tiles + 2 i BN DK, V BN DK after it
 
     const int L = kv_len[0];
     const bool bad = L < 0 || L > cap;
@@ -781,16 +779,9 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
     }
     if (lane == 0) ranges[warp].any = make_int2(ulo, uhi), ranges[warp].all[0] = make_int2(ilo, ihi);
 
-    // Q rounded to bf16 into the warpgroup's 64 rows
-    const int wtid = tid & 127, qr0 = q0 + wg * 64;
-#pragma unroll 4
-    for (int i = wtid; i < 64 * DK / 2; i += 128) {
-        const int r = i / (DK / 2), c = (i % (DK / 2)) * 2;
-        *(unsigned int*)(sq + wg_index(r, c, 64)) =
-            pack_bf16(q_at(q, qr0 + r, c, n_q, hq, h, d), q_at(q, qr0 + r, c + 1, n_q, hq, h, d));
-    }
-    fence_proxy_async();
-    __syncthreads();  // ranges and Q written
+    QInRegisters<DK, 1> qa;  // the warp's 16 rows as A fragments: S's A from registers, so its products read only K
+    qa.load(q, w0, n_q, hq, h, d, lane);  // from shared memory (Q and K from there took the whole bandwidth)
+    __syncthreads();  // ranges written
     const int jlo = blo, jhi = bhi;
     int2 wany = make_int2(BIG, 0);  // the warpgroup's rows: the tiles it multiplies (wgmma is warpgroup-wide)
 #pragma unroll
@@ -820,9 +811,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
         const u16* sk = tiles + 2 * (j % STAGES) * BN * DK;
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < DK / 16; ++ks)
-            wgmma_ss<BN>(sc, wg_desc(sq + ks * 2 * 64 * 8, 64 * 16, 128), wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128),
-                         ks);
+        for (int ks = 0; ks < DK / 16; ++ks) wgmma_rs<BN>(sc, qa.f[0][ks], wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128), ks);
         wgmma_commit();
     };
     auto weights = [&](float (&sc)[BN / 8][4], float (&alpha)[2], int j) {
@@ -895,7 +884,7 @@ DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__
     }
 }
 
-// Dynamic shared memory: (64 * ATTN_WG_GROUPS + 2 * ATTN_WG_STAGES * ATTN_WG_BN) * DK bf16 (attention.py).
+// Dynamic shared memory: 2 * ATTN_WG_STAGES * ATTN_WG_BN * DK bf16 (attention.py).
 #define ATTN_WG_DEFINE(DK)                                                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK(ATTN_TC_ARGS(float)) {       \
         PDL_ENTRY();                                                                                                 \
