@@ -46,34 +46,25 @@ def lower(rule, bufs, out, d: int):
     return steps, lw
 
 
-# Kernel variants to time: name -> (attention_prefill.cu defines, attention.py mirrors that must match them).
-# "default" is what the backend ships (on an sm_90 GPU: the warpgroup-MMA kernel at head dim 128).
-_MMA_SYNC = {"WGMMA": False}
+# Kernel variants to time (attention_prefill.cu defines, and the attention.py mirrors that must match them):
+# name -> (defines, TC_MT, TC_Q_SHARED, TC_WARPS). "default" is what the backend ships.
 VARIANTS = {
-    "default": ((), {}),
-    "mma": ((), _MMA_SYNC),
-    "mt2": (("ATTN_TC_MT=2",), {**_MMA_SYNC, "TC_MT": 2}),
-    "mt2-bn32": (("ATTN_TC_MT=2", "ATTN_TC_BN_D128=32"), {**_MMA_SYNC, "TC_MT": 2}),
-    "w8": (("ATTN_TC_WARPS=8",), {**_MMA_SYNC, "TC_WARPS": 8}),
-    "bn32": (("ATTN_TC_BN_D128=32", "ATTN_TC_BN_D64=32"), _MMA_SYNC),
-    "wg-bn128": (("ATTN_WG_BN=128", "ATTN_WG_STAGES=3"), {"WG_BN": 128, "WG_STAGES": 3}),
-    "wg-s3": (("ATTN_WG_STAGES=3",), {"WG_STAGES": 3}),
-    "wg-1": (("ATTN_WG_GROUPS=1",), {"WG_GROUPS": 1}),
-    "wg-vswap": (("ATTN_WG_V_SWAP=1",), {}),  # a layout check: must come out wrong
+    "default": ((), 1, {64: False, 128: None}, 4),
+    "mt2": (("ATTN_TC_MT=2",), 2, {64: False, 128: None}, 4),
+    "mt2-bn32": (("ATTN_TC_MT=2", "ATTN_TC_BN_D128=32"), 2, {64: False, 128: None}, 4),
+    "w8": (("ATTN_TC_WARPS=8",), 1, {64: False, 128: None}, 8),
+    "bn32": (("ATTN_TC_BN_D128=32", "ATTN_TC_BN_D64=32"), 1, {64: False, 128: None}, 4),
 }
-_MIRRORS = ("TC_MT", "TC_Q_SHARED", "TC_WARPS", "WGMMA", "WG_BN", "WG_GROUPS", "WG_STAGES")
 
 
 def use_variant(name: str) -> None:
     """Compile attention_prefill.cu as VARIANTS[name] for the Launches lowered from now on."""
     from graphir.backends.gpu import attention, kernels
 
-    defaults = use_variant.__dict__.setdefault("defaults", {m: getattr(attention, m) for m in _MIRRORS})
-    defines, mirrors = VARIANTS[name]
+    defines, mt, q_shared, warps = VARIANTS[name]
     kernels.SOURCES[attention.TC_FILE] = tuple(defines)
     kernels.module.cache_clear()  # Launches made before keep their compiled kernels
-    for m in _MIRRORS:
-        setattr(attention, m, mirrors.get(m, defaults[m]))
+    attention.TC_MT, attention.TC_Q_SHARED, attention.TC_WARPS = mt, dict(q_shared), warps
 
 
 def run_steps(steps) -> None:
@@ -162,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="attention shapes")
     ap.add_argument("--n", type=int, nargs="+", default=[512, 4096], help="prompt lengths")
-    ap.add_argument("--variants", nargs="+", default=["default", "mma"], choices=list(VARIANTS),
+    ap.add_argument("--variants", nargs="+", default=["default", "mt2"], choices=list(VARIANTS),
                     help="kernel variants to time (VARIANTS)")
     ap.add_argument("--kv", nargs="+", default=["f32", "f16"], choices=["f32", "f16"])
     ap.add_argument("--reps", type=int, default=10)

@@ -74,14 +74,8 @@ def close_bf16(got, want):
 
 
 def _kernels(kvdtype, d, dv):
-    """The conversion and attention kernels lower_flash_attn_bf16 should choose: at DK 128 on an sm_90 GPU the
-    warpgroup-MMA kernel (unless attention.WGMMA is off), else the mma.sync one."""
-    from graphir.backends.gpu import attention, kernels
-
     dk = 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
-    hopper = bool(kernels.arch_options(attention.TC_FILE))
-    kind = "wg" if dk == 128 and attention.WGMMA and hopper else "bf16"
-    return [f"attn_kv_bf16_{kvdtype}", f"attn_prefill_{kind}_d{dk}"]
+    return [f"attn_kv_bf16_{kvdtype}", f"attn_prefill_bf16_d{dk}"]
 
 
 def _check_kernels(run, case):
@@ -360,9 +354,8 @@ def test_two_m_tiles_bitwise_as_one(recompile, d, group):
     (with a window a block's tiles start at the first key its rows see, which depends on the rows it holds)."""
     n_q, cap = 300, 700
     case = Case(n_q, 2 * group, 2, d, d, cap, "f16")
-    recompile(WGMMA=False)  # the mma.sync kernels, also on an sm_90 GPU
     one = RuleRunner(case)  # the default build
-    recompile("ATTN_TC_MT=2", TC_MT=2, WGMMA=False)
+    recompile("ATTN_TC_MT=2", TC_MT=2)
     two = RuleRunner(case)
     rng = np.random.default_rng(d + group)
     for start, kv_len in ((0, n_q), (cap - n_q, cap), (37, 600)):
@@ -371,38 +364,6 @@ def test_two_m_tiles_bitwise_as_one(recompile, d, group):
             got = two(q, k, v, pos, kv_len)
             np.testing.assert_array_equal(got, one(q, k, v, pos, kv_len), err_msg=f"start {start}, kv_len {kv_len}")
             close_bf16(got, case.ref(q, k, v, pos, kv_len))
-
-
-def _hopper() -> bool:
-    from graphir.backends.gpu import attention, kernels
-
-    return _tensor_cores() and bool(kernels.arch_options(attention.TC_FILE))
-
-
-@pytest.mark.skipif(not _hopper(), reason="no sm_90 GPU: the warpgroup-MMA kernel is not used")
-@pytest.mark.parametrize("kvdtype", ["f32", "f16"])
-@pytest.mark.parametrize("n_q,start,window,group", [(1, 0, 0, 1), (7, 300, 0, 4), (129, 0, 0, 8), (300, 37, 0, 4),
-                                                    (511, 1000, 0, 1), (1025, 0, 0, 4), (300, 37, 61, 4)])
-def test_wgmma_and_mma_sync_kernels_agree(recompile, n_q, start, window, group, kvdtype):
-    """At DK 128 an sm_90 GPU runs attn_prefill_wg_d128 (warpgroup MMA); every other CUDA GPU the mma.sync kernel.
-    Both against the op's reference on the same inputs, and against each other (the same roundings, only the
-    products' summation order differs), with d and dv below 128 (zero columns of the tiles) in one of them."""
-    d, dv = (128, 128) if group != 8 else (96, 80)
-    case = Case(n_q, 2 * group, 2, d, dv, start + n_q + 50, kvdtype, window=window)
-    wg = RuleRunner(case)
-    recompile(WGMMA=False)
-    mma = RuleRunner(case)
-    assert wg.kernels[1] == "attn_prefill_wg_d128" and mma.kernels[1] == "attn_prefill_bf16_d128"
-    rng = np.random.default_rng(n_q + start + group)
-    kv_len = start + n_q
-    q, k, v = case.data(rng, kv_len)
-    runs = [np.arange(start, kv_len, dtype=np.int32)] + ([_positions(rng, n_q, kv_len)] if n_q >= 5 else [])
-    for pos in runs:
-        want = case.ref(q, k, v, pos, kv_len)
-        a, b = wg(q, k, v, pos, kv_len), mma(q, k, v, pos, kv_len)
-        close_bf16(a, want)
-        close_bf16(b, want)
-        close_bf16(a, b.astype(np.float64))
 
 
 def _f32_to_bf16(x):
@@ -479,9 +440,8 @@ def test_o_projection_reads_the_bf16_output(monkeypatch):
         y = host(program(case.feeds(q, k, v, pos, cap))["y"])
         runs[twins] = y, [getattr(st, "name", "") for st in program._steps]
     (got, names), (want, plain_names) = runs[True], runs[False]
-    kernel = _kernels("f16", d, d)[1]
-    assert kernel + "_obf16" in names and not any(nm.startswith("cast_f32_bf16") for nm in names), names
-    assert kernel in plain_names and any(nm.startswith("cast_f32_bf16") for nm in plain_names)
+    assert "attn_prefill_bf16_d128_obf16" in names and not any(nm.startswith("cast_f32_bf16") for nm in names), names
+    assert "attn_prefill_bf16_d128" in plain_names and any(nm.startswith("cast_f32_bf16") for nm in plain_names)
     np.testing.assert_array_equal(got, want)
     ref = bf16_round(case.ref(q, k, v, pos, cap).reshape(n_q, hq * d)).astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()

@@ -183,12 +183,6 @@ TC_Q_SHARED: dict[int, bool | None] = {64: False, 128: None}
 TC_MAX_HEAD_DIM = 256
 TC_BN_D256 = 32  # ATTN_TC_BN_D256: keys per K/V tile at DK 256
 KV_CONVERT_THREADS = 256  # ATTN_KV_CONVERT_THREADS
-# Warpgroup-MMA kernels (attn_prefill_wg_d128, sm_90a): used at DK 128 on an sm_90 GPU unless WGMMA is False
-# (benchmarks and tests set it to compare the two).
-WGMMA = True
-WG_GROUPS = 2  # ATTN_WG_GROUPS: warpgroups of 64 query rows a block
-WG_BN = 64  # ATTN_WG_BN: keys a K/V tile
-WG_STAGES = 4  # ATTN_WG_STAGES: K/V tiles in shared memory at once
 KV_BF16_KEY = "attn_bf16_kv_scratch"
 
 
@@ -199,11 +193,6 @@ def _tensor_cores() -> bool:
 
     cp = cupy()
     return not cp.cuda.runtime.is_hip and int(cp.cuda.Device().compute_capability) >= 80
-
-
-def _wgmma(dk: int) -> bool:
-    """Whether attn_prefill_bf16 at head dim class dk runs as the warpgroup-MMA kernel (sm_90 only)."""
-    return WGMMA and dk == 128 and _tensor_cores() and bool(kernels.arch_options(TC_FILE))
 
 
 def _tc_dk(d: int, dv: int) -> int:
@@ -277,11 +266,8 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
     if n_q == 0 or hq == 0 or dv == 0:
         return []
     dk = _tc_dk(d, dv)
-    if _wgmma(dk):  # WG_STAGES K and V tiles, dynamic (attention_prefill.cu)
-        name, rows, threads, shared = f"attn_prefill_wg_d{dk}", 64 * WG_GROUPS, 128 * WG_GROUPS, \
-            2 * WG_STAGES * WG_BN * dk * 2
-    else:
-        name, rows, threads, shared = f"attn_prefill_bf16_d{dk}", _tc_rows(dk), 32 * TC_WARPS, _tc_dynamic_shared(dk)
+    shared = _tc_dynamic_shared(dk)
+    name = f"attn_prefill_bf16_d{dk}"
     if not all(_tc_kernel_fits(kernels.get(TC_FILE, kernel), shared) for kernel in (name, name + "_obf16")):
         return lower_flash_attn(lw, n, ins, outs, p)
     pos, kv_len, out = ins[3], ins[4], outs[0]
@@ -291,7 +277,8 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
     code = lw.code_arg(f"flash_attn_bf16: kv_len {{value}} outside 0..{cap} (the KV capacity)")
     # where only bf16 GEMMs read the output, they get it as bf16 from the kernel and `out` stays unwritten
     twin = matmul.bf16_twin(lw, n, 0, out)
-    attend = Launch(TC_FILE, name if twin is None else name + "_obf16", (hq, cdiv(n_q, rows)), threads,
+    attend = Launch(TC_FILE, name if twin is None else name + "_obf16", (hq, cdiv(n_q, _tc_rows(dk))),
+                    32 * TC_WARPS,
                     (q, kvb, pos, kv_len, out if twin is None else twin, i32(n_q), i32(hq), i32(hk), i32(d),
                      i32(dv), i32(cap), f32(float(p["scale"]) * LOG2E), i32(window), lw.errflag, code),
                     shared=shared)

@@ -234,8 +234,9 @@ using TileWeights = unsigned int[MTiles<DK>::value][TileKeys<DK>::value / 16][4]
 template <int DK>
 using RowAcc = float[MTiles<DK>::value][DK / 8][4];  // O: m-tile, 8 columns, C
 
-template <int DK, int MT = MTiles<DK>::value>
+template <int DK>
 struct QInRegisters {  // DK / 4 registers a lane per m-tile
+    static constexpr int MT = MTiles<DK>::value;
     unsigned int f[MT][DK / 16][4];
 
     TC_MEMBER void load(const float* __restrict__ q, int row0, int n_q, int hq, int h, int d, int lane) {
@@ -326,22 +327,19 @@ struct QInShared {  // the warp's own 16*MT rows x (DK + 8) bf16 of shared memor
 // full: every key of the tile is in every row's range, no mask (warp-uniform); else the ranges come
 // from `ranges` (the m-tile's 16 rows, [lo, hi) each), read only then: at MT 2 registers for them,
 // or a mask computed on every tile, make O spill.
-// tile_max: this tile's scores scaled and masked, the running max m and sum l updated; alpha the factor each of
-// the lane's two rows of O must be rescaled by (rescale_rows), 1 where its max did not move; sub what the
-// weights subtract. tile_weights then makes the bf16 weights pf (the A fragments of P); tile_softmax does both
-// and the rescale.
-template <int BN>
-DEVICE void tile_max(float (&s)[BN / 8][4], float (&sub)[2], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                     const int2* ranges, int j0, bool full, float scale2, int g, int t) {
+template <int DK>
+DEVICE void tile_softmax(float (&s)[TileKeys<DK>::value / 8][4], unsigned int (&pf)[TileKeys<DK>::value / 16][4],
+                         float (&o)[DK / 8][4], float (&m)[2], float (&l)[2], const int2* ranges, int j0, bool full,
+                         float scale2, int g, int t) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
+    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale2);  // not fused into the exponent's subtraction
     if (!full) {  // key j = j0 + 2t + k, k = 8nt + (e & 1): the row's range shifted to k, compared with constants
         const int2 a = ranges[g], b = ranges[g + 8];
         const int base = j0 + 2 * t, lo[2] = {a.x - base, b.x - base}, hi[2] = {a.y - base, b.y - base};
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+        for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1, k = nt * 8 + (e & 1);
@@ -350,9 +348,10 @@ DEVICE void tile_max(float (&s)[BN / 8][4], float (&sub)[2], float (&alpha)[2], 
     }
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
+    for (int nt = 0; nt < TileKeys<DK>::value / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+    float sub[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));  // the 4 lanes of a row group hold one row
@@ -363,15 +362,17 @@ DEVICE void tile_max(float (&s)[BN / 8][4], float (&sub)[2], float (&alpha)[2], 
         sub[r] = mn == NEG_INF ? 0.0f : mn;  // nothing seen yet: every weight is 0
         l[r] *= alpha[r];
     }
-}
-
-template <int BN>
-DEVICE void tile_weights(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4], float (&alpha)[2], float (&m)[2],
-                         float (&l)[2], const int2* ranges, int j0, bool full, float scale2, int g, int t) {
-    float sub[2];
-    tile_max<BN>(s, sub, alpha, m, l, ranges, j0, full, scale2, g, t);
+    // The integer running max of a row rarely moves after its first tiles, so most tiles rescale O by 1:
+    // skipped when no row of the warp moved (exact either way; DK / 2 multiplies a lane, about as many
+    // instructions as the tile's mma).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
+    }
+#pragma unroll
+    for (int kc = 0; kc < TileKeys<DK>::value / 16; ++kc) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // key columns 16kc + 8*half + 2t..+1
             const float(&c)[4] = s[2 * kc + half];
@@ -382,56 +383,6 @@ DEVICE void tile_weights(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4], 
             l[1] += bf16_lo(p1) + bf16_hi(p1);
         }
     }
-}
-
-// tile_weights with the weights left in s as f32 values of bf16 numbers (the same roundings and sums), for a
-// caller whose weight registers are still being read: pack_weights makes the A fragments from them later.
-template <int BN>
-DEVICE void tile_weights_in_place(float (&s)[BN / 8][4], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                                  const int2* ranges, int j0, bool full, float scale2, int g, int t) {
-    float sub[2];
-    tile_max<BN>(s, sub, alpha, m, l, ranges, j0, full, scale2, g, t);
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-        float(&c)[4] = s[nt];
-        const unsigned int p0 = pack_bf16(exp2_fast(c[0] - sub[0]), exp2_fast(c[1] - sub[0]));
-        const unsigned int p1 = pack_bf16(exp2_fast(c[2] - sub[1]), exp2_fast(c[3] - sub[1]));
-        c[0] = bf16_lo(p0), c[1] = bf16_hi(p0), c[2] = bf16_lo(p1), c[3] = bf16_hi(p1);
-        l[0] += c[0] + c[1];
-        l[1] += c[2] + c[3];
-    }
-}
-
-template <int BN>
-DEVICE void pack_weights(const float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4]) {  // exact: bf16 values
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float(&c)[4] = s[2 * kc + half];
-            pf[kc][2 * half] = pack_bf16(c[0], c[1]), pf[kc][2 * half + 1] = pack_bf16(c[2], c[3]);
-        }
-}
-
-// The integer running max of a row rarely moves after its first tiles, so most tiles rescale O by 1: skipped
-// when no row of the warp moved (exact either way; DK / 2 multiplies a lane, about as many instructions as the
-// tile's mma).
-template <int DK>
-DEVICE void rescale_rows(float (&o)[DK / 8][4], const float (&alpha)[2]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int nt = 0; nt < DK / 8; ++nt) o[nt][2 * r] *= alpha[r], o[nt][2 * r + 1] *= alpha[r];
-    }
-}
-
-template <int DK, int BN = TileKeys<DK>::value>
-DEVICE void tile_softmax(float (&s)[BN / 8][4], unsigned int (&pf)[BN / 16][4], float (&o)[DK / 8][4], float (&m)[2],
-                         float (&l)[2], const int2* ranges, int j0, bool full, float scale2, int g, int t) {
-    float alpha[2];
-    tile_weights<BN>(s, pf, alpha, m, l, ranges, j0, full, scale2, g, t);
-    rescale_rows<DK>(o, alpha);
 }
 
 // O[MT][16 rows x DK] += P V for this warp's rows: each V fragment loaded feeds the mma of every m-tile.
@@ -623,279 +574,5 @@ DEVICE void attn_prefill_entry(ATTN_TC_ARGS(OUT)) {
 ATTN_TC_DEFINE(64)
 ATTN_TC_DEFINE(128)
 ATTN_TC_DEFINE(256)
-
-// ---------------------------------------------------------------- Hopper: warpgroup MMA (wgmma, sm_90a only)
-// attn_prefill_wg_d128[_obf16]: the same attention as attn_prefill_bf16_d128 (the same per-row softmax code,
-// tile_softmax, so the same roundings), with its two products as warpgroup MMAs: a warpgroup (4 warps) takes
-// 64 query rows, S = Q K^T takes Q from registers (the mma.sync A fragments) and the K tile from shared memory
-// through a matrix descriptor, O += P V takes P from registers (an accumulator of S is, lane for lane, the A
-// fragment of P, as with mma.sync) and V from shared memory. (With Q from shared memory too, S's products read
-// 4 KiB per 64 x 64 x 16 product, 128 bytes a clock: all of shared memory's bandwidth.) mma.sync reaches about FlashAttention-2's speed here (H200, 2026-12-02,
-// bench_gpu_attention_prefill.py --peer torch, Qwen3-8B shapes at 4096 queries: 505 us against PyTorch's
-// flash backend 508 us), where cuDNN's Hopper kernel took 257 us. K/V tiles load ATTN_WG_STAGES - 2 steps
-// ahead (cp.async, every thread of the block), and each warpgroup overlaps its own products with its softmax
-// (the step loop below). Only sm_90 has wgmma (the "a" target: kernels.py compiles this file for sm_90a on an
-// sm_90 GPU); attention.py takes these kernels there only.
-//
-// Shared memory holds every operand in the "no swizzle" canonical layout: 8 x 8 bf16 core matrices, each 8
-// rows of 16 contiguous bytes. A tile of R rows x DK columns stores element (r, c) at bf16 index
-// ((c / 8) * R + r) * 8 + c % 8: core matrices 128 bytes apart along rows, R * 16 bytes apart along columns.
-// For K (K-major: the reduction dimension d is contiguous) the descriptor's leading byte offset (between core
-// matrices along the reduction) is R * 16 and its stride byte offset (along N) 128. For V the
-// reduction is over keys (rows) and N over d (columns, contiguous: MN-major, transposed B): leading 128,
-// stride BN * 16. Writing 16-byte chunks with 8 consecutive lanes on 8 consecutive rows of one column chunk
-// falls on 8 distinct bank groups, and lanes 8 apart read the other half of the same 32-byte sector.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#ifndef ATTN_WG_GROUPS
-#define ATTN_WG_GROUPS 2  // warpgroups a block (64 query rows each); attention.py mirrors it (WG_GROUPS)
-#endif
-#ifndef ATTN_WG_BN
-#define ATTN_WG_BN 64  // keys a K/V tile; attention.py mirrors it (WG_BN)
-#endif
-#ifndef ATTN_WG_STAGES
-#define ATTN_WG_STAGES 4  // K/V tile stages in shared memory (>= 3); attention.py mirrors it (WG_STAGES)
-#endif
-#ifndef ATTN_WG_V_SWAP
-#define ATTN_WG_V_SWAP 0  // 1: V's leading and stride byte offsets exchanged (a layout check, not a setting)
-#endif
-#define ATTN_WG_THREADS (128 * ATTN_WG_GROUPS)
-
-DEVICE int wg_index(int r, int c, int rows) { return ((c >> 3) * rows + r) * 8 + (c & 7); }
-
-// Shared memory matrix descriptor: start address, leading and stride byte offsets (all in 16-byte units),
-// base offset 0, no swizzle.
-DEVICE unsigned long long wg_desc(const u16* p, unsigned int lead, unsigned int stride) {
-    return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
-           ((unsigned long long)(stride >> 4) << 32);
-}
-
-DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// cp.async and st.shared write through the generic proxy, wgmma reads through the async proxy: each writer
-// fences its own writes before the barrier that publishes them.
-DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-template <int N>
-DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-template <int N>
-DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-// A wgmma writes its accumulator after the instruction that issued it, which the compiler does not know: each
-// register passes through an empty asm after the wait, so nothing reads it (or moves it) before then.
-template <int R, int C>
-DEVICE void wg_fence_operand(float (&x)[R][C]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-        for (int k = 0; k < C; ++k) asm volatile("" : "+f"(x[i][k])::"memory");
-}
-
-// d: the m64nNk16 accumulator, N / 2 floats a lane, laid out as N / 8 mma.sync C fragments (tile_softmax's S and O).
-DEVICE void wgmma_rs_n64(float (&d)[32], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
-DEVICE void wgmma_rs_n128(float (&d)[64], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-DEVICE void wgmma_rs_n128_tb(float (&d)[64], const unsigned int (&a)[4], unsigned long long db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-template <int N>
-DEVICE void wgmma_rs(float (&d)[N / 8][4], const unsigned int (&a)[4], unsigned long long db, int accumulate) {
-    static_assert(N == 64 || N == 128, "S tiles of 64 or 128 keys");
-    if constexpr (N == 64) wgmma_rs_n64(reinterpret_cast<float(&)[32]>(d), a, db, accumulate);
-    else wgmma_rs_n128(reinterpret_cast<float(&)[64]>(d), a, db, accumulate);
-}
-
-// Rows j0.. of a scratch head into a tile of ATTN_WG_BN rows in the core-matrix layout; rows at and past jhi
-// zero. Chunk i of the block's copies: lane l = i % 32 takes row 8 * (i / 32 / (CH / 4)) + l % 8, column
-// chunk 4 * ((i / 32) % (CH / 4)) + l / 8.
-template <int DK>
-DEVICE void wg_load_tile(u16* tile, const u16* kvb, int head, int cap, int j0, int jhi) {
-    constexpr int CH = DK / 8, BN = ATTN_WG_BN, N = BN * CH / ATTN_WG_THREADS;
-    static_assert(BN * CH % ATTN_WG_THREADS == 0 && CH % 4 == 0, "whole 16-byte chunks a thread");
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-        const int i = threadIdx.x + n * ATTN_WG_THREADS, lane = i & 31, rest = i >> 5;
-        const int r = (rest / (CH / 4)) * 8 + (lane & 7), c = ((rest % (CH / 4)) * 4 + (lane >> 3)) * 8;
-        const bool ok = j0 + r < jhi;
-        cp_async16(tile + wg_index(r, c, BN), ok ? kvb + ((long long)head * cap + j0 + r) * DK + c : kvb, ok);
-    }
-}
-
-template <int DK, typename OUT>
-DEVICE void attn_prefill_wg(const float* __restrict__ q, const u16* __restrict__ kvb, const int* __restrict__ pos,
-                            const int* __restrict__ kv_len, OUT* __restrict__ out, int n_q, int hq, int hk, int d,
-                            int dv, int cap, float scale2, int window, int* errflag, int code) {
-    constexpr int BN = ATTN_WG_BN, WARPS = 4 * ATTN_WG_GROUPS, ROWS = 64 * ATTN_WG_GROUPS, BIG = 0x7fffffff,
-                  STAGES = ATTN_WG_STAGES;
-    static_assert(STAGES >= 3, "tile j + 1 is read in step j, tile j + STAGES - 1 loads then");
-    constexpr unsigned int V_LEAD = ATTN_WG_V_SWAP ? BN * 16 : 128, V_STRIDE = ATTN_WG_V_SWAP ? 128 : BN * 16;
-    extern __shared__ __align__(128) u16 attn_wg_smem[];  // STAGES stages of K and V [BN x DK]
-    __shared__ int blo, bhi;
-    __shared__ WarpRanges<1> ranges[WARPS];
-
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3, wg = warp / 4;
-    const int h = blockIdx.x, kvh = h / (hq / hk);
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * ROWS;  // the latest (longest) query tiles first
-    const int w0 = q0 + warp * 16;                       // the warp's 16 rows; its warpgroup's 64 from q0 + 64 wg
-    u16* tiles = attn_wg_smem;  // stage i: K at tiles + 2 i BN DK, V BN DK after it
-
-    const int L = kv_len[0];
-    const bool bad = L < 0 || L > cap;
-    if (bad && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0) report_error(errflag, code, L);
-    int ulo = BIG, uhi = 0, ilo = 0, ihi = BIG;  // the warp's rows: union and intersection of their ranges
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = g + r * 8;
-        int lo = 0, hi = 0;
-        if (!bad && w0 + i < n_q) {
-            row_range(pos[w0 + i], L, window, lo, hi);
-            if (lo < hi) ulo = min(ulo, lo), uhi = max(uhi, hi);
-            ilo = max(ilo, lo), ihi = min(ihi, hi);
-        }
-        if (t == 0) ranges[warp].row[i] = make_int2(lo, hi);
-    }
-    if (tid == 0) blo = BIG, bhi = 0;
-    __syncthreads();
-    if (t == 0 && ulo < uhi) atomicMin(&blo, ulo), atomicMax(&bhi, uhi);
-#pragma unroll
-    for (int o = 16; o >= 4; o >>= 1) {
-        ulo = min(ulo, SHFL_XOR(ulo, o)), uhi = max(uhi, SHFL_XOR(uhi, o));
-        ilo = max(ilo, SHFL_XOR(ilo, o)), ihi = min(ihi, SHFL_XOR(ihi, o));
-    }
-    if (lane == 0) ranges[warp].any = make_int2(ulo, uhi), ranges[warp].all[0] = make_int2(ilo, ihi);
-
-    QInRegisters<DK, 1> qa;  // the warp's 16 rows as A fragments: S's A from registers, so its products read only K
-    qa.load(q, w0, n_q, hq, h, d, lane);  // from shared memory (Q and K from there took the whole bandwidth)
-    __syncthreads();  // ranges written
-    const int jlo = blo, jhi = bhi;
-    int2 wany = make_int2(BIG, 0);  // the warpgroup's rows: the tiles it multiplies (wgmma is warpgroup-wide)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int2 a = ranges[4 * wg + i].any;
-        if (a.x < a.y) wany.x = min(wany.x, a.x), wany.y = max(wany.y, a.y);
-    }
-
-    float o[DK / 8][4];  // the m64n<DK> accumulator
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int nt = 0; nt < DK / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-
-    // Tile j (keys jlo + j BN..) lives in stage j % STAGES. Tiles 0..STAGES-2 load before the loop, tile
-    // j + STAGES - 1 at the top of step j, into the stage of tile j - 1, which every warpgroup is done with by
-    // then; one cp.async group a tile. Step j needs tile j + 1 (for S of the next tile).
-    const int n_tiles = jlo < jhi ? (jhi - jlo + BN - 1) / BN : 0;
-    auto load = [&](int j) {
-        if (j < n_tiles) {
-            u16* sk = tiles + 2 * (j % STAGES) * BN * DK;
-            wg_load_tile<DK>(sk, kvb, kvh, cap, jlo + j * BN, jhi);
-            wg_load_tile<DK>(sk + BN * DK, kvb, hk + kvh, cap, jlo + j * BN, jhi);
-        }
-        cp_async_commit();
-    };
-    auto scores = [&](float (&sc)[BN / 8][4], int j) {  // S = Q K_j^T, issued (not waited for)
-        const u16* sk = tiles + 2 * (j % STAGES) * BN * DK;
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < DK / 16; ++ks) wgmma_rs<BN>(sc, qa.f[0][ks], wg_desc(sk + ks * 2 * BN * 8, BN * 16, 128), ks);
-        wgmma_commit();
-    };
-    auto weights = [&](float (&sc)[BN / 8][4], float (&alpha)[2], int j) {
-        const int2 all = ranges[warp].all[0];
-        const int j0 = jlo + j * BN;
-        tile_weights_in_place<BN>(sc, alpha, m, l, ranges[warp].row, j0, j0 >= all.x && j0 + BN <= all.y, scale2, g, t);
-    };
-    // The tiles this warpgroup multiplies, [wj0, wj1): those its rows' union of key ranges meets (wgmma is
-    // warpgroup-wide, so a warp whose own rows see none of such a tile masks all of it).
-    const int wj0 = wany.x < wany.y ? max(0, (wany.x - jlo) / BN) : 0;
-    const int wj1 = wany.x < wany.y ? min(n_tiles, (wany.y - jlo + BN - 1) / BN) : 0;
-
-    float sc[BN / 8][4], alpha[2];
-    unsigned int p[BN / 16][4];
-#pragma unroll 1
-    for (int j = 0; j < STAGES - 1; ++j) load(j);
-    // One step, as FlashAttention-3 overlaps a warpgroup with itself: S of tile j + 1 goes out, O is rescaled and
-    // P V of tile j goes out behind it; the lanes turn S of tile j + 1 into weights while P V runs (in place, as
-    // f32 values of bf16 numbers: P's registers are still being read), and pack them once it is done. ptxas
-    // keeps the products asynchronous only while no other instruction touches a product's accumulator before
-    // its wait, and none is issued or waited for under a condition.
-#pragma unroll 1
-    for (int j = 0; j < n_tiles; ++j) {
-        cp_async_wait<STAGES - 3>();  // tile j + 1 landed (this thread's copies)
-        fence_proxy_async();
-        __syncthreads();  // everyone's copies of tile j + 1; every warpgroup is done with tile j - 1
-        load(j + STAGES - 1);
-        if (j < wj0 || j >= wj1) continue;  // warpgroup-uniform
-        if (j == wj0) {  // the first tile: its S alone
-            scores(sc, j);
-            wgmma_wait<0>();
-            wg_fence_operand(sc);
-            weights(sc, alpha, j);
-            pack_weights<BN>(sc, p);
-        }
-        // S of the next tile goes out at every step, also past the warpgroup's last (then on tile j again, unused):
-        // ptxas serializes every wgmma of a kernel where a product's issue or wait sits under a condition.
-        const bool ahead = j + 1 < wj1;
-        scores(sc, min(j + 1, n_tiles - 1));
-        wg_fence_operand(o);
-        rescale_rows<DK>(o, alpha);
-        const u16* sv = tiles + (2 * (j % STAGES) + 1) * BN * DK;
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < BN / 16; ++kc)
-            wgmma_rs_n128_tb(reinterpret_cast<float(&)[64]>(o), p[kc], wg_desc(sv + kc * 16 * 8, V_LEAD, V_STRIDE));
-        wgmma_commit();
-        wgmma_wait<1>();  // S of tile j + 1 (older than this P V)
-        wg_fence_operand(sc);
-        if (ahead) weights(sc, alpha, j + 1);
-        wgmma_wait<0>();
-        wg_fence_operand(o);
-        if (ahead) pack_weights<BN>(sc, p);
-    }
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = w0 + g + r * 8;
-        float sum = l[r] + SHFL_XOR(l[r], 1);
-        sum += SHFL_XOR(sum, 2);
-        if (row >= n_q) continue;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: 0
-        OUT* dst = out + ((long long)row * hq + h) * dv;
-#pragma unroll
-        for (int nt = 0; nt < DK / 8; ++nt) {
-            const int c = nt * 8 + 2 * t;
-            if (c < dv) store_out(dst + c, o[nt][2 * r] * inv);
-            if (c + 1 < dv) store_out(dst + c + 1, o[nt][2 * r + 1] * inv);
-        }
-    }
-}
-
-// Dynamic shared memory: 2 * ATTN_WG_STAGES * ATTN_WG_BN * DK bf16 (attention.py).
-#define ATTN_WG_DEFINE(DK)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK(ATTN_TC_ARGS(float)) {       \
-        PDL_ENTRY();                                                                                                 \
-        attn_prefill_wg<DK, float>(ATTN_TC_PASS);                                                                    \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(ATTN_WG_THREADS) attn_prefill_wg_d##DK##_obf16(ATTN_TC_ARGS(u16)) { \
-        PDL_ENTRY();                                                                                                 \
-        attn_prefill_wg<DK, u16>(ATTN_TC_PASS);                                                                      \
-    }
-ATTN_WG_DEFINE(128)
-
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 #endif  // __CUDA_ARCH__ >= 800

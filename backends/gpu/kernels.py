@@ -36,11 +36,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
 
 HEADERS = ("common.cuh", "quant.cuh")
 
-# Sources with kernels for an arch-specific target: on an sm_90 GPU (Hopper) attention_prefill.cu compiles for
-# sm_90a, the target with wgmma, which its attn_prefill_wg_* kernels use (attention.py takes them only then).
-# NVRTC keeps the "a" target where CuPy appends its own -arch=sm_90 (NVRTC 13, 2026-12-02).
-ARCH_SPECIFIC = frozenset({"attention_prefill.cu"})
-
 
 @functools.cache
 def source(name: str) -> str:
@@ -56,22 +51,11 @@ def nvrtc_options(defines: tuple[str, ...] = ()) -> list[str]:
 
 
 @functools.cache
-def arch_options(name: str) -> tuple[str, ...]:
-    """("-arch=sm_90a",) for an ARCH_SPECIFIC source on an sm_90 CUDA GPU, else ()."""
-    from .device import cupy
-
-    cp = cupy()
-    if name not in ARCH_SPECIFIC or cp.cuda.runtime.is_hip or str(cp.cuda.Device().compute_capability) != "90":
-        return ()
-    return ("-arch=sm_90a",)
-
-
-@functools.cache
 def module(name: str) -> Any:
     """The compiled RawModule of one source file (NVRTC on CUDA, hiprtc on ROCm)."""
     from .device import cupy
 
-    return cupy().RawModule(code=source(name), options=(*nvrtc_options(SOURCES[name]), *arch_options(name)))
+    return cupy().RawModule(code=source(name), options=tuple(nvrtc_options(SOURCES[name])))
 
 
 def get(name: str, kernel: str) -> Any:
