@@ -1,6 +1,7 @@
 """Issue 13's greedy rule for a fast cpu pipeline against the f32 one, on the parity prompts and 54 held-out ones.
 
     python benchmarks/q8x_greedy_rule.py [--passes default,q8-activations] [--held-out] [--x-bits N]
+    python benchmarks/q8x_greedy_rule.py --passes default,q16-activations --held-out   (the 16-bit path)
 
 The rule (issue 13): the fast path's greedy text equals the f32 path's for 16 tokens, or first differs where the
 f32 path's top-2 logit gap is below 0.05. Per prompt: '.' equal, 'n' first differs at a near-tie, 'X' a miss.
