@@ -1,11 +1,11 @@
-"""The q4_1 decode GEMV with int16 activations (backends/cpu/gemv_q16x.py) timed against the f32 and q8x paths.
+"""The decode GEMV with int16 activations (backends/cpu/gemv_q16x.py) timed against the f32 and q8x paths.
 
     python benchmarks/bench_gemv_q16x.py [--reps 300] [--rounds 10] [--threads 1,2]
 
-One token, SmolLM2's q4_1 layer shapes, random blocks, one weight per shape; the three kernels on the same weight
-called in turn (`rounds` rounds of best-of-(reps / rounds) each, so a slow spell of the machine lands on all three),
-x's quantizing included. Prints ns per 32-value block. Before timing, each kernel's output is checked against its
-op's numpy reference (the exact checks are tests/test_cpu_gemv_q16x.py's).
+One token, SmolLM2's q4_1 layer shapes and its q8_0 head (49152 x 576), random blocks, one weight per shape; the
+three kernels on the same weight called in turn (`rounds` rounds of best-of-(reps / rounds) each, so a slow spell of
+the machine lands on all three), x's quantizing included. Prints ns per 32-value block. Before timing, each
+kernel's output is checked against its op's numpy reference (the exact checks are tests/test_cpu_gemv_q16x.py's).
 
 This began as a prototype with its own copy of the kernel, two nibble layouts and planted bugs (BENCHMARKS.md, "int16
 activations for q4_1: a measured prototype"); the "words" layout became the library kernel, the "zext" one
@@ -26,20 +26,21 @@ from graphir.backends.cpu import gemv_repacked as GR
 from graphir.ops import OPS
 from graphir.quant import dequantize, random_quantized
 
-SHAPES = [("attn_qkv", 960, 576), ("attn_output", 576, 576), ("ffn_gate_up", 3072, 576), ("ffn_down", 576, 1536)]
+SHAPES = [("attn_qkv", 960, 576, "q4_1"), ("attn_output", 576, 576, "q4_1"), ("ffn_gate_up", 3072, 576, "q4_1"),
+          ("ffn_down", 576, 1536, "q4_1"), ("output", 49152, 576, "q8_0")]
 
 
-def kernels(raw: np.ndarray, x: np.ndarray) -> dict:
+def kernels(raw: np.ndarray, dtype: str, x: np.ndarray) -> dict:
     """name -> (a zero-argument GEMV writing its y, y, the op whose reference it computes)."""
     out = {}
     for name, mod, op in (("f32", GR, "mul_mat"), ("q8x", GQ, "mul_mat_q8x"), ("q16x", G16, "mul_mat_q16x")):
         y = np.empty((x.shape[0], raw.shape[0]), np.float32)
-        out[name] = (mod.prepare(raw, "q4_1", x, y), y, op)
+        out[name] = (mod.prepare(raw, dtype, x, y), y, op)
     return out
 
 
-def check(raw: np.ndarray, x: np.ndarray, runs: dict) -> None:
-    wf = dequantize(raw, "q4_1", (raw.shape[0], x.shape[1]))
+def check(raw: np.ndarray, dtype: str, x: np.ndarray, runs: dict) -> None:
+    wf = dequantize(raw, dtype, (raw.shape[0], x.shape[1]))
     for name, (run, y, op) in runs.items():
         run()
         want = OPS[op].ref(wf, x)
@@ -50,11 +51,11 @@ def time_shapes(reps: int, rounds: int, threads: list[int]) -> None:
     rng = np.random.default_rng(0)
     print("| shape | threads | f32 path | q8x | q16x | q16x / q8x | f32 / q16x |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, n_out, n_in in SHAPES:
-        raw = random_quantized(rng, "q4_1", (n_out, n_in))
+    for name, n_out, n_in, dtype in SHAPES:
+        raw = random_quantized(rng, dtype, (n_out, n_in))
         x = rng.standard_normal((1, n_in)).astype(np.float32)
-        runs = kernels(raw, x)
-        check(raw, x, runs)
+        runs = kernels(raw, dtype, x)
+        check(raw, dtype, x, runs)
         blocks = n_out * n_in // 32
         for th in threads:
             numba.set_num_threads(th)
@@ -63,7 +64,8 @@ def time_shapes(reps: int, rounds: int, threads: list[int]) -> None:
                 for k, (run, _, _) in runs.items():
                     best[k] = min(best[k], best_ns(run, max(1, reps // rounds)) / blocks)
             a, b, c = best["f32"], best["q8x"], best["q16x"]
-            print(f"| {name} [{n_out} x {n_in}] | {th} | {a:.2f} | {b:.2f} | {c:.2f} | {c / b:.2f} | {a / c:.2f}x |")
+            print(f"| {name} [{n_out} x {n_in}] {dtype} | {th} | {a:.2f} | {b:.2f} | {c:.2f} | {c / b:.2f} "
+                  f"| {a / c:.2f}x |")
 
 
 def main() -> None:

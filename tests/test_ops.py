@@ -534,7 +534,7 @@ def x_codes16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @covers("mul_mat_q16x")
-@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("n,n_out,n_in", [(1, 1, 32), (2, 7, 96), (1, 511, 160), (3, 33, 1536)])
 def test_mul_mat_q16x_rounds_x_to_16_bit_blocks(dtype, n, n_out, n_in, rng, backend):
     """x's codes from x_codes16, the weight gguf's dequantized blocks (exact in f32 for random_quantized), the
@@ -562,9 +562,9 @@ def test_mul_mat_q16x_rounds_x_to_16_bit_blocks(dtype, n, n_out, n_in, rng, back
     assert 0 < np.abs(out[:1] - exact[:1]).max() < 1e-3 * np.abs(exact[:1]).max()  # x's rounding shows, 16 bits' worth
 
 
-def test_mul_mat_q16x_takes_4_bit_weights_only():
-    with pytest.raises(GraphError, match="dtype q8_0; mul_mat_q16x takes the integer codes of q4_0, q4_1"):
-        g.mul_mat_q16x(g.param("w", (7, 32), "q8_0"), g.input("x", (1, 32)))
+def test_mul_mat_q16x_takes_q4_0_q4_1_q8_0_weights_only():
+    with pytest.raises(GraphError, match="dtype q5_0; mul_mat_q16x takes the integer codes of q4_0, q4_1, q8_0"):
+        g.mul_mat_q16x(g.param("w", (7, 32), "q5_0"), g.input("x", (1, 32)))
     with pytest.raises(GraphError, match="must be a 2-D weight"):
         g.mul_mat_q16x(g.param("w", (2, 7, 32), "q4_1"), g.input("x", (1, 32)))
 

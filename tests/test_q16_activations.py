@@ -1,7 +1,7 @@
 """The q16-activations pass and its op mul_mat_q16x on the CPU side (kernel: tests/test_cpu_gemv_q16x.py).
 
-The pass is q8-activations' rules with mul_mat_q16x and 4-bit weights only: it rewrites decode matmuls (at most
-max_rows rows of x) of q4_0 / q4_1 weights, says why it leaves the others (q8_0: no 16-bit GEMV), and splits a
+The pass is q8-activations' rules with mul_mat_q16x: it rewrites decode matmuls (at most max_rows rows of x) of
+q4_0 / q4_1 / q8_0 weights, says why it leaves the others (e.g. q5_0: no 16-bit GEMV), and splits a
 stacked gate|up activation into the product and swiglu_split. The op's formula test is tests/test_ops.py's; here a
 model decodes through the pass on the reference and cpu backends, near the f32 path. The real SmolLM2 graph's
 sites: tests/test_cpu_gemv_q16x.py (slow).
@@ -26,14 +26,14 @@ def _matmul(wtype: str, rows: int, n_in: int = 64) -> Graph:
     return Graph({"y": g.mul_mat(g.param("w", (24, n_in), wtype), g.input("x", (rows, n_in)), name="proj")})
 
 
-@pytest.mark.parametrize("wtype", ["q4_0", "q4_1"])
-def test_rewrites_decode_matmuls_of_4_bit_weights(wtype):
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q8_0"])
+def test_rewrites_decode_matmuls_of_integer_code_weights(wtype):
     assert _ops(run_pipeline(_matmul(wtype, 1), "q16-activations")) == ["mul_mat_q16x"]
 
 
 @pytest.mark.parametrize("wtype,rows,why", [
     ("q4_1", 7, "7 rows of x > max_rows=1: not a decode GEMV, kept in f32"),
-    ("q8_0", 1, "weight dtype q8_0 has no 16-bit-activation GEMV (only q4_0, q4_1): kept in f32"),
+    ("q5_0", 1, "weight dtype q5_0 has no 16-bit-activation GEMV (only q4_0, q4_1, q8_0): kept in f32"),
     ("f32", 1, "weight dtype f32 has no 16-bit-activation GEMV"),
 ])
 def test_rejects_prefill_and_other_weights_with_the_reason(wtype, rows, why):

@@ -1,4 +1,4 @@
-"""mul_mat_q16x on the CPU: x rounded to 16-bit blocks once a call, integer block dot products (q4_0, q4_1).
+"""mul_mat_q16x on the CPU: x rounded to 16-bit blocks once a call, integer block dot products (q4_0, q4_1, q8_0).
 
 gemv_q8x.py's GEMV with int16 codes of x (why: graphir/ops/fused.py, mul_mat_q16x): the same repacked weight
 (gemv_q8x.repack, and its cache entry), the same quad reduction and float order, so its module docstring
@@ -13,6 +13,11 @@ holds here with these changes:
     extra cost is the shift / mask work and twice x's bytes (BENCHMARKS.md, "int16 activations for q4_1":
     1.02-1.20x q8x's time at SmolLM2's shapes; zero-extending bytes instead, `vpmovzxbw`, measured 1.19-1.33x
     slower again and was dropped).
+  * q8_0 (gemv_q8x's layout: a block's 32 signed bytes): read as 16 words, the low bytes (elements 2i, x's
+    evens) sign-extended by a shift left and an arithmetic shift right by 8, the high bytes (odds) by the shift
+    right alone, then `vpmaddwd` as above. A block's sum reaches 32 * 128 * 32767 < 2^27: exact in int32, but
+    converted to f32 it is rounded once (the only rounding q4's path does not have; the tests' bound has one more
+    2^-24 a term for it).
 The portable path (no AVX2) is gemv_q8x's row loop on int16 codes in element order: the same bits.
 """
 
@@ -30,7 +35,7 @@ from .matmul import _num_threads
 __all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
 
 CACHE_DEPENDS = ("gemv_q8x.py",)  # compiled into the kernels here: its quantizer, row loop and emitters
-FORMATS = {"q4_0": 0, "q4_1": 1}  # gemv_q8x's format codes; q8_0 x 16-bit sums pass 2^24 (not exact as f32)
+FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # gemv_q8x's format codes
 AVX2 = GQ.AVX2
 Q16_MAX = np.float32(32767.0)
 WORDS_ORDER = np.array([j // 2 + 16 * (j % 2) for j in range(32)])  # x's code of element j at WORDS_ORDER[j]
@@ -55,10 +60,18 @@ def _c64(v: int):
     return ir.Constant(_I64, v)
 
 
+def _words(builder, w, byte_offset):
+    """<16 x i16>: the 32 bytes at w + byte_offset as words (any alignment)."""
+    return builder.load(builder.bitcast(builder.gep(w, [byte_offset]), _V16I16.as_pointer()), align=1)
+
+
 def _pair_codes(builder, fmt: int, w, b):
     """codes[e][h] <16 x i16>: block b + e's codes meeting x's words 16h .. 16h + 15 (evens, then odds)."""
-    v = builder.load(builder.bitcast(builder.gep(w, [builder.mul(b, _c64(16))]), _V16I16.as_pointer()), align=1)
     const = lambda n: ir.Constant(_V16I16, [n] * 16)  # noqa: E731
+    if fmt == 2:  # q8_0: word i of a block holds element 2i (low byte) and 2i + 1 (high), both signed
+        words = [_words(builder, w, builder.mul(builder.add(b, _c64(e)), _c64(32))) for e in range(2)]
+        return [[builder.ashr(builder.shl(v, const(8)), const(8)), builder.ashr(v, const(8))] for v in words]
+    v = _words(builder, w, builder.mul(b, _c64(16)))
     nib = lambda s: builder.and_(builder.lshr(v, const(s)), const(15)) if s < 12 else builder.lshr(v, const(s))  # noqa: E731
     codes = [[nib(0), nib(8)], [nib(4), nib(12)]]  # block b: shifts 0 (evens), 8 (odds); block b + 1: 4, 12
     if fmt == 0:  # q4_0: w = c - 8
@@ -139,8 +152,10 @@ def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
             for t in range(m):  # the weight row stays in L1 across x's rows
                 if fmt == 0:
                     y[t, r] = _row_dot_avx2(0, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
-                else:
+                elif fmt == 1:
                     y[t, r] = _row_dot_avx2(1, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+                else:
+                    y[t, r] = _row_dot_avx2(2, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
 
 
 @njit(parallel=True, cache=True)
@@ -161,8 +176,10 @@ def _isums_avx2(fmt, qs, xq, out):
         for t in range(xq.shape[0]):
             if fmt == 0:
                 _row_isums_avx2(0, qs[r], xq[t], out[t, r])
-            else:
+            elif fmt == 1:
                 _row_isums_avx2(1, qs[r], xq[t], out[t, r])
+            else:
+                _row_isums_avx2(2, qs[r], xq[t], out[t, r])
 
 
 KERNELS = {"avx2": _gemv_avx2, "portable": _gemv_portable}

@@ -208,9 +208,9 @@ op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accum
 
 # ---------------------------------------------------------------- 8- and 16-bit activations (integer dot products)
 Q8X_FORMATS = ("q4_0", "q4_1", "q8_0")  # weights whose integer codes a GEMV multiplies (gpu: q4_0, q8_0)
-# With 16-bit x codes a block's integer sum stays below 2^24 (exact as f32) for 4-bit weights only:
-# 32 * 15 * 32767 < 2^24 (q4_1), 32 * 8 * 32767 (q4_0); q8_0's 32 * 128 * 32767 is past it.
-Q16X_FORMATS = ("q4_0", "q4_1")
+# With 16-bit x codes a block's integer sum is exact in int32 for all three: 32 * 128 * 32767 < 2^27 (q8_0); below
+# 2^24, so exact as f32 too, for the 4-bit ones (32 * 15 * 32767, q4_1); q8_0's is rounded once to f32 (the cpu kernel).
+Q16X_FORMATS = ("q4_0", "q4_1", "q8_0")
 Q8_BLOCK = 32
 _F32_TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal f32
 
@@ -282,7 +282,7 @@ op("mul_mat_q8x", 2, "mul_mat of a q4_0 / q4_1 / q8_0 weight with x rounded to 8
 # Produced by the q16-activations pass (cpu only): 8-bit x moves SmolLM2's top-2 logit margin by a median 0.066,
 # past issue 13's near-tie 0.05; ~12-bit x stays below it (BENCHMARKS.md). With int16 codes the cpu multiplies
 # with vpmaddwd (backends/cpu/gemv_q16x.py). Its meaning: mul_mat_q8x's with x rounded by q16_blocks.
-op("mul_mat_q16x", 2, "mul_mat of a q4_0 / q4_1 weight with x rounded to 16-bit blocks of 32 (q16_blocks): "
+op("mul_mat_q16x", 2, "mul_mat of a q4_0 / q4_1 / q8_0 weight with x rounded to 16-bit blocks of 32 (q16_blocks): "
                       "y = sum_b d_w d_x (integer sum c q) [+ m_w d_x (integer sum q), q4_1]")(
     (_int_x_infer("mul_mat_q16x", Q16X_FORMATS, 16), _int_x_ref(q16_blocks)))
 
