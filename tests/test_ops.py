@@ -479,6 +479,25 @@ def test_mul_mat_bf16_rounds_both_operands(dtype, n, rng):
 
 
 
+@covers("mul_mat_bf16_rounded")
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_mul_mat_bf16_rounded_rounds_operands_and_result(n, rng):
+    n_out, n_in = 511, 1024
+    w = normal(rng, (n_out, n_in), 0.1)
+    x = normal(rng, (n, n_in))
+    out = run1(g.mul_mat_bf16_rounded(g.param("w", (n_out, n_in)), g.input("x", x.shape)), {"x": x},
+               weights=weights_of(w=("f32", w, (n_out, n_in))))
+    exact = _to_bf16_frexp(x) @ _to_bf16_frexp(w).T
+    want = _to_bf16_frexp(exact)
+    # every result is a bf16 value (8 significant bits), and the one next to the float64 product's rounding:
+    # the f32 sum differs from the exact one in its last bits, which moves a result across a rounding boundary
+    # only where the product lies near one (under 1 % of them here)
+    assert np.array_equal(out, _to_bf16_frexp(out))
+    ulp = np.ldexp(1.0, np.frexp(np.maximum(np.abs(out), np.abs(want)))[1] - 8)
+    assert np.all(np.abs(out - want) <= ulp)
+    assert (out != want).mean() < 0.01
+    assert np.abs(out - exact).max() > 1e-3  # the result's rounding shows
+
 def q8x_activations(n: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
     """x [n, n_in] for mul_mat_q8x: normal values, an outlier, an all-zero block (scale 0) and, where the
     block's max is 127 (scale 1, so x's own values are rounded), the rounding's hard cases: ties both

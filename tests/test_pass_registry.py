@@ -254,6 +254,19 @@ def case_ffn(wtype: str) -> Graph:
     return Graph({"y": g.add(x, g.mul_mat(down, g.mul(g.silu(a), b)))}, meta={"case": "ffn"})
 
 
+def case_bf16_ffn(wtype: str) -> Graph:
+    """What gemm-bf16 leaves of a prefill FFN: gate and up products read only by swiglu_split (rounded by
+    gemm-bf16-out), next to a product that is also an output and one that an add reads (both kept)."""
+    x, d_ff = _x(), 64
+    gate = g.mul_mat_bf16(_w("blk.0.ffn_gate.weight", d_ff, wtype), x)
+    up = g.mul_mat_bf16(_w("blk.0.ffn_up.weight", d_ff, wtype), x)
+    down = g.param("blk.0.ffn_down.weight", (D, d_ff), wtype)
+    shown = g.mul_mat_bf16(_w("blk.1.ffn_gate.weight", d_ff, wtype), x)
+    added = g.mul_mat_bf16(_w("blk.1.ffn_up.weight", d_ff, wtype), x)
+    return Graph({"y": g.add(x, g.mul_mat_bf16(down, g.swiglu_split(gate, up))),
+                  "z": g.swiglu_split(shown, g.add(added, added)), "shown": shown}, meta={"case": "bf16_ffn"})
+
+
 def case_attention(wtype: str) -> Graph:
     """Causal attention over a KV cache: a prefill of 19 queries (more than attn-bf16's max_decode_queries:
     it rewrites it) and a decode-sized one of 2 queries (kept in f32)."""
@@ -284,6 +297,7 @@ def case_decode_matmuls(wtype: str) -> Graph:
 TARGETED_CASES: dict[str, Case] = {
     "shard-tp": Case(case_ffn, "all_reduce"),
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
+    "gemm-bf16-out": Case(case_bf16_ffn, "mul_mat_bf16_rounded"),
     "attn-bf16": Case(case_attention, "flash_attn_bf16"),
     "q8-activations": Case(case_decode_matmuls, "mul_mat_q8x"),
     "q16-activations": Case(case_decode_matmuls, "mul_mat_q16x"),

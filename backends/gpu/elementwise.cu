@@ -134,6 +134,35 @@ extern "C" __global__ void swiglu_split_v4_bf16(const float* __restrict__ a, con
     swiglu_split_v4<u16>(a, b, y, n);
 }
 
+// The same over gate and up stored as bf16 (mul_mat_bf16_rounded's products, held in the first half of their f32
+// slots: matmul.py bf16_stored): 8-byte loads of 4 values each, half the bytes of the f32 kernels' reads. The
+// values are the ops' exact results (bf16 values), widened, so y is what the f32 kernels compute from them.
+DEVICE f32x4 load4(const u16* p, long long i) {
+    const u16x4 h = ((const u16x4*)p)[i];
+    return f32x4{bf16_to_f32(h.x), bf16_to_f32(h.y), bf16_to_f32(h.z), bf16_to_f32(h.w)};
+}
+template <typename OUT>
+DEVICE void swiglu_split_bf16in_v4(const u16* __restrict__ a, const u16* __restrict__ b, OUT* __restrict__ y,
+                                   long long n) {
+    const long long n4 = n / 4, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long i = first; i < n4; i += (long long)gridDim.x * blockDim.x)
+        store4(y, i, silu_mul4(load4(a, i), load4(b, i)));
+    if (first < n - 4 * n4) {
+        const long long i = 4 * n4 + first;
+        store1(y, i, silu_mul(bf16_to_f32(a[i]), bf16_to_f32(b[i])));
+    }
+}
+extern "C" __global__ void swiglu_split_bf16in_v4_f32(const u16* __restrict__ a, const u16* __restrict__ b,
+                                                      float* __restrict__ y, long long n) {
+    PDL_ENTRY();
+    swiglu_split_bf16in_v4<float>(a, b, y, n);
+}
+extern "C" __global__ void swiglu_split_bf16in_v4_bf16(const u16* __restrict__ a, const u16* __restrict__ b,
+                                                       u16* __restrict__ y, long long n) {
+    PDL_ENTRY();
+    swiglu_split_bf16in_v4<u16>(a, b, y, n);
+}
+
 // swiglu_split of row-strided halves: a and b [rows, f] with row strides sa, sb (the gate and up columns of a
 // stacked gate|up prefill product, read in place: a gathered copy of each costs more than the activation),
 // y contiguous. _v4: f, sa, sb multiples of 4 and a, b 16-byte aligned (y as the contiguous kernels).

@@ -133,6 +133,8 @@ class Lowering:
         self.shared: dict[Any, Any] = {}
         # (id(node), result k) -> the mul_mat_bf16 nodes that alone read it (matmul.bf16_twin); set by the Program
         self.bf16_readers: dict[tuple[int, int], list] = {}
+        # ids of the rounded products stored as bf16 for their readers (matmul.bf16_stored_products); set by the Program
+        self.bf16_products: set[int] = set()
 
     def scratch(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         """A device buffer owned by the Program, for temporaries of one node (fixed address)."""

@@ -882,6 +882,14 @@ extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, u16* __res
         y[i] = f32_to_bf16(x[i]);
 }
 
+// y rounded to bf16 in place, kept as f32: mul_mat_bf16_rounded's result where something other than a bf16-reading
+// kernel reads it (matmul.py lower_mul_mat_bf16)
+extern "C" __global__ void round_bf16_f32(float* __restrict__ y, long long n) {
+    PDL_ENTRY();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = bf16_to_f32(f32_to_bf16(y[i]));
+}
+
 // The same with 16-byte loads (x 16-byte, y 8-byte aligned; the last n % 4 values one a thread). One float a
 // thread keeps too few bytes in flight to cover DRAM latency: Qwen3-8B's 4096-token prefill spent 15.4 ms in
 // casts, ~30 % of copy bandwidth (H200, 2026-12-01).

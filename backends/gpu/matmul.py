@@ -361,6 +361,44 @@ def bf16_twin(lw: Lowering, n: Any, k: int, like: Any) -> Any:
     return buf
 
 
+# ---------------------------------------------------------------- bf16 storage of rounded products
+# mul_mat_bf16_rounded's result is a bf16 value by definition. Where only swiglu_split reads it (a prefill's gate and
+# up, from the gemm-bf16-out pass), cuBLAS writes it as bf16 into the first half of its own f32 arena slot and the
+# activation reads that: half the bytes written and read, no extra memory, the slot's liveness unchanged.
+def bf16_stored_products(graph: Any) -> set[int]:
+    """ids of the mul_mat_bf16_rounded nodes whose every reader is a swiglu_split over two such products (so the
+    activation reads both halves as bf16); none is a graph output."""
+    users = graph.users()
+    outputs = {id(o) for o in graph.outputs.values()}
+
+    def only_swiglu(v: Any) -> bool:
+        return (v.op == "mul_mat_bf16_rounded" and id(v) not in outputs and bool(users[id(v)])
+                and all(u.op == "swiglu_split" for u in users[id(v)]))
+
+    return {id(n) for n in graph.nodes() if only_swiglu(n)
+            and all(only_swiglu(s) for u in users[id(n)] for s in u.src)}
+
+
+def bf16_stored(lw: Lowering, n: Any) -> Any:
+    """The bf16 storage of node n's result (a uint16 view of its f32 slot), or None where it is stored as f32."""
+    return lw.shared.get(("bf16 value", id(n))) if n is not None else None
+
+
+def lower_mul_mat_bf16_rounded(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
+    """mul_mat_bf16_rounded: cuBLAS's bf16 output (its f32 accumulator rounded to nearest) where only bf16-reading
+    kernels read the result, else an f32 product rounded in place."""
+    y = outs[0]
+    if n is not None and id(n) in lw.bf16_products and y.size and y.data.ptr % 16 == 0:
+        yb = y.view(np.uint16).reshape(-1)[:y.size].reshape(y.shape)
+        lw.shared[("bf16 value", id(n))] = yb
+        return lower_mul_mat_bf16(lw, n, ins, [yb], p)
+    steps = lower_mul_mat_bf16(lw, n, ins, outs, p)
+    if y.size:
+        steps.append(Launch("matmul.cu", "round_bf16_f32", min(cdiv(y.size, 256), _MAX_GRID), 256,
+                            (y, np.int64(y.size))))
+    return steps
+
+
 def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     """mul_mat_bf16 (from the gemm-bf16 pass): cuBLAS on tensor cores, bf16 operands, f32 accumulation.
     x is rounded to bf16 by our cast kernel (ties to even, as the reference); bf16 weights are used as
@@ -407,9 +445,11 @@ def lower_mul_mat_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> 
             to_bf16(dequantized(), wb)
             return wb.data.ptr
 
+    y_type = _R_16BF if y.dtype == np.uint16 else _R_32F  # bf16 storage of a rounded product (above)
+
     def run() -> None:  # column-major: y^T [n_out, m] = w [n_in, n_out]^T . x^T [n_in, m]
         cublas.gemmEx(handle, _OP_T, _OP_N, n_out, m, n_in, one.ctypes.data, weight_ptr(), _R_16BF, n_in,
-                      xb.data.ptr, _R_16BF, n_in, zero.ctypes.data, y2.data.ptr, _R_32F, n_out, _COMPUTE_32F,
+                      xb.data.ptr, _R_16BF, n_in, zero.ctypes.data, y2.data.ptr, y_type, n_out, _COMPUTE_32F,
                       _GEMM_DEFAULT)
 
     steps.append(HostLibraryCall(run, f"mul_mat_bf16 {w.dtype} {n_out}x{n_in} (cuBLAS, tensor cores)"))

@@ -43,7 +43,7 @@ from .device import cupy, stream
 from .launch import GpuParam, Launch, Lowering, dev
 from .layout import view_layout, views_to_copy
 from .lowering import lower_node, merge_kv_writes
-from .matmul import bf16_x_readers
+from .matmul import bf16_stored_products, bf16_x_readers
 from .recurrent import inplace_state
 
 INPUT_ALIGN = 256  # bytes between Input buffers inside the one staging area
@@ -70,6 +70,7 @@ class GpuProgram:
         self.folded = fold_params(graph, self.weights)
         self.copies = views_to_copy(graph)
         self.bf16_readers = bf16_x_readers(graph, self.copies)
+        self.bf16_products = bf16_stored_products(graph)
         self.plan: MemPlan = plan_memory(graph, self.copies)
         self.arena = cp.empty(max(self.plan.arena_bytes, 1), np.uint8)
         self._init_inputs()
@@ -165,6 +166,7 @@ class GpuProgram:
                   f"captured graph is dropped and captured again on the second call", file=sys.stderr)
         self.lw = Lowering(self.weights)  # a rebind must not keep the last binding's scratch alive
         self.lw.bf16_readers = self.bf16_readers
+        self.lw.bf16_products = self.bf16_products
         self._code_node = {}
         env: dict[int, Any] = {}
         node_steps: list[tuple[Node, list]] = []

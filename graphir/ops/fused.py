@@ -205,6 +205,17 @@ op("mul_mat_bf16", 2, "mul_mat with w and x rounded to bfloat16 first (f32 accum
     (_mul_mat_bf16_infer, _mul_mat_bf16_ref))
 
 
+def _mul_mat_bf16_rounded_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return bf16_round(_mul_mat_bf16_ref(w, x))
+
+
+# Produced by the gemm-bf16-out pass where only an activation reads the product (prefill's gate and up):
+# the result rounded to bf16 as HF transformers' bf16 projections leave it, so a backend can store it in
+# half the bytes. A separate op, as flash_attn_bf16 below, so that no backend computes it without the rounding.
+op("mul_mat_bf16_rounded", 2, "mul_mat_bf16, its f32 result then rounded to bfloat16 (ties to even)")(
+    (_mul_mat_bf16_infer, _mul_mat_bf16_rounded_ref))
+
+
 
 # ---------------------------------------------------------------- 8- and 16-bit activations (integer dot products)
 Q8X_FORMATS = ("q4_0", "q4_1", "q8_0")  # weights whose integer codes a GEMV multiplies (gpu: q4_0, q8_0)
