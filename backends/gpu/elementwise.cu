@@ -135,32 +135,41 @@ extern "C" __global__ void swiglu_split_v4_bf16(const float* __restrict__ a, con
 }
 
 // The same over gate and up stored as bf16 (mul_mat_bf16_rounded's products, held in the first half of their f32
-// slots: matmul.py bf16_stored): 8-byte loads of 4 values each, half the bytes of the f32 kernels' reads. The
-// values are the ops' exact results (bf16 values), widened, so y is what the f32 kernels compute from them.
-DEVICE f32x4 load4(const u16* p, long long i) {
-    const u16x4 h = ((const u16x4*)p)[i];
-    return f32x4{bf16_to_f32(h.x), bf16_to_f32(h.y), bf16_to_f32(h.z), bf16_to_f32(h.w)};
+// slots: matmul.py bf16_stored): 16-byte loads of 8 values each (a, b 16-byte aligned: memplan's 64-byte slots; y
+// 16-byte aligned as f32, as bf16), the last n % 8 values one a thread. The values are the ops' exact results (bf16
+// values), widened, so y is what the f32 kernels compute from them.
+DEVICE float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+DEVICE float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+DEVICE void silu_mul8(const u32x4 x, const u32x4 u, f32x4& lo, f32x4& hi) {
+    lo = silu_mul4(f32x4{bf16_lo(x.x), bf16_hi(x.x), bf16_lo(x.y), bf16_hi(x.y)},
+                   f32x4{bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y)});
+    hi = silu_mul4(f32x4{bf16_lo(x.z), bf16_hi(x.z), bf16_lo(x.w), bf16_hi(x.w)},
+                   f32x4{bf16_lo(u.z), bf16_hi(u.z), bf16_lo(u.w), bf16_hi(u.w)});
 }
 template <typename OUT>
-DEVICE void swiglu_split_bf16in_v4(const u16* __restrict__ a, const u16* __restrict__ b, OUT* __restrict__ y,
+DEVICE void swiglu_split_bf16in_v8(const u16* __restrict__ a, const u16* __restrict__ b, OUT* __restrict__ y,
                                    long long n) {
-    const long long n4 = n / 4, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (long long i = first; i < n4; i += (long long)gridDim.x * blockDim.x)
-        store4(y, i, silu_mul4(load4(a, i), load4(b, i)));
-    if (first < n - 4 * n4) {
-        const long long i = 4 * n4 + first;
+    const long long n8 = n / 8, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long i = first; i < n8; i += (long long)gridDim.x * blockDim.x) {
+        f32x4 lo, hi;
+        silu_mul8(((const u32x4*)a)[i], ((const u32x4*)b)[i], lo, hi);
+        store4(y, 2 * i, lo);
+        store4(y, 2 * i + 1, hi);
+    }
+    if (first < n - 8 * n8) {
+        const long long i = 8 * n8 + first;
         store1(y, i, silu_mul(bf16_to_f32(a[i]), bf16_to_f32(b[i])));
     }
 }
-extern "C" __global__ void swiglu_split_bf16in_v4_f32(const u16* __restrict__ a, const u16* __restrict__ b,
+extern "C" __global__ void swiglu_split_bf16in_v8_f32(const u16* __restrict__ a, const u16* __restrict__ b,
                                                       float* __restrict__ y, long long n) {
     PDL_ENTRY();
-    swiglu_split_bf16in_v4<float>(a, b, y, n);
+    swiglu_split_bf16in_v8<float>(a, b, y, n);
 }
-extern "C" __global__ void swiglu_split_bf16in_v4_bf16(const u16* __restrict__ a, const u16* __restrict__ b,
+extern "C" __global__ void swiglu_split_bf16in_v8_bf16(const u16* __restrict__ a, const u16* __restrict__ b,
                                                        u16* __restrict__ y, long long n) {
     PDL_ENTRY();
-    swiglu_split_bf16in_v4<u16>(a, b, y, n);
+    swiglu_split_bf16in_v8<u16>(a, b, y, n);
 }
 
 // swiglu_split of row-strided halves: a and b [rows, f] with row strides sa, sb (the gate and up columns of a

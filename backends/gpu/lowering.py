@@ -94,9 +94,9 @@ def _swiglu_split(lw, n, ins, outs, p):
     if any(s is not None for s in stored):
         if any(s is None for s in stored):  # matmul.bf16_stored_products stores both halves or neither
             raise BackendError(f"swiglu_split {n.describe()}: one source stored as bf16, the other as f32")
-        yb = matmul.bf16_twin(lw, n, 0, y)  # bf16 slots are 64-byte aligned (memplan.ALIGN), as y is
-        return [Launch("elementwise.cu", "swiglu_split_bf16in_v4_f32" if yb is None else "swiglu_split_bf16in_v4_bf16",
-                       grid_for(a.size // 4), BLOCK, (*stored, y if yb is None else yb, np.int64(a.size)))]
+        yb = matmul.bf16_twin(lw, n, 0, y)  # slots and scratch are 64-byte aligned (memplan.ALIGN, CuPy's pool)
+        return [Launch("elementwise.cu", "swiglu_split_bf16in_v8_f32" if yb is None else "swiglu_split_bf16in_v8_bf16",
+                       grid_for(a.size // 8), BLOCK, (*stored, y if yb is None else yb, np.int64(a.size)))]
     strides = [contiguous_strides(x.shape) if n is None else input_strides(lw, n, i) for i, x in enumerate((a, b))]
     if not all(is_contiguous(x.shape, st) for x, st in zip((a, b), strides)):
         return _swiglu_split_rows(lw, n, a, b, y, strides)

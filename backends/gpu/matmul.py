@@ -313,8 +313,11 @@ def _cast_bf16(src: Any, dst: Any) -> tuple[str, int]:
 # kernel writes it as bf16 instead (its "twin") and the GEMMs read that: the same f32 value rounded
 # by the same f32_to_bf16, so every GEMM result is bitwise what the cast gave. The f32 result's arena
 # slot is then left unwritten (nothing reads it). GRAPHIR_NO_BF16_TWINS=1 keeps the casts.
+BF16_GEMMS = ("mul_mat_bf16", "mul_mat_bf16_rounded")  # both round x to bf16 first
+
+
 def bf16_x_readers(graph: Any, copies: set[int]) -> dict[tuple[int, int], list]:
-    """(id(node), result k) -> the mul_mat_bf16 nodes reading that result as x, for the results that
+    """(id(node), result k) -> the bf16 GEMMs (BF16_GEMMS) reading that result as x, for the results that
     nothing else reads: no other op, no graph output, seen through item and aliasing reshapes."""
     users = graph.users()
     outputs = {id(o) for o in graph.outputs.values()}
@@ -324,7 +327,7 @@ def bf16_x_readers(graph: Any, copies: set[int]) -> dict[tuple[int, int], list]:
             return None
         found: list = []
         for u in users[id(v)]:
-            if u.op == "mul_mat_bf16" and u.src[1] is v and u.src[0] is not v:
+            if u.op in BF16_GEMMS and u.src[1] is v and u.src[0] is not v:
                 found.append(u)
             elif u.op == "reshape" and id(u) not in copies and (more := readers(u)) is not None:
                 found += more
@@ -334,7 +337,7 @@ def bf16_x_readers(graph: Any, copies: set[int]) -> dict[tuple[int, int], list]:
 
     out: dict[tuple[int, int], list] = {}
     for n in graph.nodes():
-        if n.is_leaf or n.op in ("item", "mul_mat_bf16"):
+        if n.is_leaf or n.op in ("item", *BF16_GEMMS):
             continue
         values: dict[int, list] = {}
         for k, v in ([(u.params["index"], u) for u in users[id(n)] if u.op == "item"] if OPS[n.op].multi
