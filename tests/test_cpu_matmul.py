@@ -15,7 +15,13 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
-from graphir.backends.cpu.matmul import SUPPORTED, get_rows, matmul, prepare_matmul  # noqa: E402
+from graphir.backends.cpu.matmul import (  # noqa: E402
+    SUPPORTED,
+    get_rows,
+    matmul,
+    prepare_get_rows,
+    prepare_matmul,
+)
 
 from graphir.dtypes import dtype as graph_dtype  # noqa: E402
 from graphir.errors import GraphError  # noqa: E402
@@ -109,6 +115,38 @@ def test_get_rows(name):
     out = np.empty((4, n_in), np.float32)
     assert get_rows(w, name, np.array([36, 1, 1, 0], np.int32), out=out) is out
     np.testing.assert_allclose(out, wf[[36, 1, 1, 0]], rtol=1e-6, atol=1e-6 * float(np.abs(wf).max()))
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_prepare_get_rows_reads_ids_in_place_and_equals_get_rows(name):
+    n_out, n_in = 37, 512
+    w, _ = weight(name, n_out, n_in)
+    ids = np.array([[3, 0, 36], [5, 5, 17]], dtype=np.int32)
+    out = np.full((2, 3, n_in), np.nan, np.float32)
+    run = prepare_get_rows(w, name, ids, out)
+    for new_ids in ([[3, 0, 36], [5, 5, 17]], [[36, 1, 2], [0, 0, 9]]):
+        ids[:] = new_ids
+        run()
+        np.testing.assert_array_equal(out.view(np.uint32), get_rows(w, name, ids).view(np.uint32))
+    for bad in (-1, 37):
+        ids[1, 2] = bad
+        with pytest.raises(IndexError, match=f"get_rows: id {bad} out of range 0..36"):
+            run()
+
+
+def test_prepare_get_rows_layouts():
+    w, wf = weight("q8_0", 37, 96)
+    ids64 = np.array([4, 2], np.int64)
+    out = np.zeros((2, 96), np.float32)
+    prepare_get_rows(w, "q8_0", ids64, out)()
+    np.testing.assert_array_equal(out, get_rows(w, "q8_0", ids64))
+    every_other = np.array([4, 0, 2, 0], np.int32)[::2]  # strided, still one view of the ids
+    prepare_get_rows(w, "q8_0", every_other, out)()
+    np.testing.assert_array_equal(out, get_rows(w, "q8_0", ids64))
+    columns = np.array([[4, 2, 0], [1, 3, 0]], np.int32)[:, :2]  # flattening would copy: not read in place
+    assert prepare_get_rows(w, "q8_0", columns, np.zeros((2, 2, 96), np.float32)) is None
+    with pytest.raises(GraphError, match="out must be"):
+        prepare_get_rows(w, "q8_0", ids64, np.zeros((3, 96), np.float32))
 
 
 def test_f16_special_values():

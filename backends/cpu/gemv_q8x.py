@@ -32,6 +32,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import direct_call
 from .gemv_repacked import target_features
 from .matmul import _F16, _num_threads
 
@@ -340,10 +341,17 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
     xq, dx, sx = np.zeros((m, nblk2 * 32), np.int8), np.zeros((m, nblk4), np.float32), np.zeros((m, nblk4), np.float32)
     kernel, fmt = KERNELS[path or ("avx2" if AVX2 else "portable")], FORMATS[dtype]
 
+    call: list = []  # after the first call, the compiled overload's entry point (direct_call.py)
+
     def run() -> None:
         if m == 0 or rows == 0:
             return
-        kernel(fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+        if call:
+            call[0](fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+            return
+        args = (fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+        kernel(*args)  # through the dispatcher: compiled, or loaded from numba's cache
+        call.append(direct_call.entry_point(kernel, args) or kernel)
 
     return run
 

@@ -35,7 +35,7 @@ from numba import njit, prange  # noqa: F401  (prange is used by the generated k
 from numba.core import config as _nb_config
 from numba.core.codegen import get_host_cpu_features
 
-from . import precompile
+from . import direct_call, precompile
 from .matmul import _F16, _num_threads
 
 __all__ = ["repack", "prepare"]
@@ -245,15 +245,18 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
             cache[ck] = packed
     d, c, qs = packed
     xs, ys = list(x2), list(out2)  # per-token row views of the very buffers (read / written in place)
-    ready: list = []  # the kernel compiles at the first call, not here (as in matmul.prepare_matmul)
+    # the kernels compile at the first call, not here (as in matmul.prepare_matmul); from then on `ready` holds the
+    # compiled overloads' entry points (direct_call.py: no dispatcher between the step and the kernel)
+    ready: list = []
     if dtype == "q8_0":
 
         def run() -> None:
             if not ready:
-                ready.append(_compile("q8"))
-            nth = _num_threads()
+                _compile("q8")
+                ready.append(direct_call.entry_point(_gemv_q8, (d, qs, xs[0], ys[0], 1)) or _gemv_q8)
+            gemv, nth = ready[0], _num_threads()
             for xt, yt in zip(xs, ys):
-                _gemv_q8(d, qs, xt, yt, nth)
+                gemv(d, qs, xt, yt, nth)
 
         return run
     sx = np.empty((n_tok, n_in // 32), np.float32)
@@ -261,10 +264,13 @@ def prepare(w_raw, dtype, x2, out2, cache: dict | None = None, key=None, max_tok
 
     def run() -> None:
         if not ready:
-            ready.append(_compile("q4"))
+            _compile("q4")
+            ready.append(direct_call.entry_point(_block_sums, (x2, sx)) or _block_sums)
+            ready.append(direct_call.entry_point(_gemv_q4, (d, c, qs, xs[0], ss[0], ys[0], 1)) or _gemv_q4)
+        block_sums, gemv = ready
         nth = _num_threads()
-        _block_sums(x2, sx)
+        block_sums(x2, sx)
         for xt, st, yt in zip(xs, ss, ys):
-            _gemv_q4(d, c, qs, xt, st, yt, nth)
+            gemv(d, c, qs, xt, st, yt, nth)
 
     return run

@@ -8,6 +8,7 @@ op runs; the dedicated kernels are the ones a decode step spends its time in.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from . import host_collective as HC
 from . import kernels as K
 from . import kv_f16 as KF
 from . import matmul as MM
+from .direct_call import KernelCall
 
 # While CpuProgram._bind runs, the kernels its steps will call, in step order: ("mm", weight dtype, rows of x,
 # or None for get_rows) and ("kernel", numba dispatcher, args). precompile.py compiles them before the first
@@ -89,7 +91,7 @@ def _unary2d(kernel: Callable, x: np.ndarray, out: np.ndarray, *args: Any) -> Ca
     if x2 is None:
         return lambda: kernel(np.ascontiguousarray(x).reshape(o2.shape), *args, o2)
     _note(("kernel", kernel, (x2, *args, o2)))
-    return lambda: kernel(x2, *args, o2)
+    return KernelCall(kernel, x2, *args, o2)
 
 
 def lower_node(n: Node, ins: list[Any], out: list[np.ndarray] | None) -> tuple[Any, Callable[[], None] | None]:
@@ -168,6 +170,10 @@ def _get_rows(n, ins, out, p):
         return None
     raw, dt = table.raw, table.dtype
     _note(("mm", dt, None))
+    if isinstance(ids, np.ndarray) and dt in MM.SUPPORTED and o.dtype == np.float32 and o.flags.c_contiguous:
+        run = MM.prepare_get_rows(raw, dt, ids, o)  # views and checks once (the step after the head runs cold)
+        if run is not None:
+            return o, run
 
     def step() -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
@@ -179,7 +185,7 @@ def _get_rows(n, ins, out, p):
 def _binary(ufunc):
     def rule(n, ins, out, p):
         a, b, o = val(ins[0]), val(ins[1]), out[0]
-        return o, lambda: ufunc(a, b, out=o)
+        return o, functools.partial(ufunc, a, b, out=o)
     return rule
 
 
@@ -193,7 +199,7 @@ def _rms_norm_mul_gate(n, ins, out, p):
         return None
     eps = np.float32(p["eps"])
     _note(("kernel", K.rms_norm_mul_gate, (x, w, z, eps, o)))
-    return out[0], lambda: K.rms_norm_mul_gate(x, w, z, eps, o)
+    return out[0], KernelCall(K.rms_norm_mul_gate, x, w, z, eps, o)
 
 
 def _silu(n, ins, out, p):
@@ -206,7 +212,7 @@ def _swiglu(n, ins, out, p):
         return None
     kernel = K.swiglu_split if a.size >= PARALLEL_MIN_ELEMENTS else K.swiglu
     _note(("kernel", kernel, (a, b, o)))
-    return out[0], lambda: kernel(a, b, o)
+    return out[0], KernelCall(kernel, a, b, o)
 
 
 def _mul_sigmoid(n, ins, out, p):
@@ -251,7 +257,7 @@ def _rope(n, ins, out, p):
     inv_freq = _inv_freq(p)
     neox = p["mode"] == "neox"
     _note(("kernel", K.rope, (x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)))
-    return o, lambda: K.rope(x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
+    return o, KernelCall(K.rope, x, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
 
 
 def _inv_freq(p: dict) -> np.ndarray:
@@ -267,7 +273,7 @@ def _add_rms_norm_mul(n, ins, out, p):
         return None
     eps = np.float32(p["eps"])
     _note(("kernel", K.add_rms_norm_mul, (a, b, w, eps, o_norm, o_sum)))
-    return out, lambda: K.add_rms_norm_mul(a, b, w, eps, o_norm, o_sum)
+    return out, KernelCall(K.add_rms_norm_mul, a, b, w, eps, o_norm, o_sum)
 
 
 def _rms_norm_mul_rope(n, ins, out, p):
@@ -279,10 +285,13 @@ def _rms_norm_mul_rope(n, ins, out, p):
     eps, inv_freq, neox = np.float32(p["eps"]), _inv_freq(p), p["mode"] == "neox"
     _note(("kernel", K.rms_norm_mul, (x2, w, eps, o2)),
           ("kernel", K.rope, (o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)))
+    norm = KernelCall(K.rms_norm_mul, x2, w, eps, o2)
+    # in place: reads a pair, then writes it
+    rope = KernelCall(K.rope, o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
 
     def step() -> None:
-        K.rms_norm_mul(x2, w, eps, o2)
-        K.rope(o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)  # in place: reads a pair, then writes it
+        norm()
+        rope()
     return o, step
 
 
@@ -297,7 +306,7 @@ def _rope_set_rows(n, ins, out, p):
     c3 = cache.reshape((cache.shape[0],) + x.shape[1:])
     inv_freq, neox = _inv_freq(p), p["mode"] == "neox"
     _note(("kernel", K.rope_set_rows, (c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])))
-    return cache, lambda: K.rope_set_rows(c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])
+    return cache, KernelCall(K.rope_set_rows, c3, x, pos, idx, inv_freq, p["n_dims"], neox, p["freq_scale"])
 
 
 def _rms_norm_mul_rope_set_rows(n, ins, out, p):
@@ -328,12 +337,13 @@ def _flash_attn(n, ins, out, p):
     else:
         return None  # an f16 cache the prefill kernel does not take: numpy reference
     _note(("kernel", kern, args))
+    call = KernelCall(kern, *args)
 
     def step() -> None:
         if not 0 <= kv_len[0] <= cap:
             raise ValueError(f"flash_attn: kv_len {int(kv_len[0])} outside 0..{cap} (the KV capacity)")
         if threads_at is None:
-            kern(*args)
+            call()
         else:
             kern(*args[:threads_at], MM._num_threads(), *args[threads_at + 1:])
     return o, step
@@ -378,14 +388,14 @@ def _set_rows(n, ins, out, p):
     if d2 is None or s2 is None or not src.dtype == dst.dtype == np.float32:
         return None
     _note(("kernel", K.set_rows, (d2, s2, idx)))
-    return dst, lambda: K.set_rows(d2, s2, idx)
+    return dst, KernelCall(K.set_rows, d2, s2, idx)
 
 
 def _f16_row_write(d2: np.ndarray, s2: np.ndarray, idx: np.ndarray) -> Callable[[], None]:
     """f32 rows into an f16 cache (kv-f16): rounded as the reference's cast rounds, into the cache's bits."""
     bits = d2.view(np.uint16)
     _note(("kernel", KF.set_rows_f16, (bits, s2, idx)))
-    return lambda: KF.set_rows_f16(bits, s2, idx)
+    return KernelCall(KF.set_rows_f16, bits, s2, idx)
 
 
 def _view(n, ins, out, p):

@@ -43,10 +43,11 @@ import numba
 import numpy as np
 from numba import njit, prange  # noqa: F401  (prange is used by the generated kernel)
 from numba.core import config as _nb_config
+from numba.np.ufunc import parallel as numba_parallel
 
 from graphir.errors import GraphError
 
-from . import precompile
+from . import direct_call, precompile
 
 __all__ = ["matmul", "prepare_matmul", "get_rows", "SUPPORTED"]
 
@@ -466,15 +467,23 @@ def mode_for(n_tok: int) -> str:
     """The product mode for x of n_tok rows: GEMV up to MV_MAX_TOKENS, then the tiled GEMM."""
     return "gemv" if n_tok <= MV_MAX_TOKENS else "tile"
 
-try:  # the ctypes entry point behind numba.get_num_threads: 0.3 us instead of 2 us a call
-    from numba.np.ufunc.parallel import _get_num_threads as _raw_num_threads
-except ImportError:  # pragma: no cover - other numba versions
-    _raw_num_threads = None
+# The ctypes function behind numba.get_num_threads: 0.26 us a call instead of 2.07 (numba 0.68.1, 2-core EPYC).
+# numba defines it when it launches its threads, so it is looked up after the first get_num_threads, not at
+# import: imported here it was missing, and every GEMV paid the 2 us (122 calls a SmolLM2 decode token).
+_raw_num_threads = None
 
 
 def _num_threads() -> int:
+    """The calling thread's numba thread count (numba.get_num_threads()), through numba's ctypes function."""
     n = _raw_num_threads() if _raw_num_threads is not None else 0
-    return n if n > 0 else numba.get_num_threads()
+    return n if n > 0 else _num_threads_first()
+
+
+def _num_threads_first() -> int:
+    global _raw_num_threads
+    n = numba.get_num_threads()  # launches numba's threads, which defines parallel._get_num_threads
+    _raw_num_threads = getattr(numba_parallel, "_get_num_threads", None)
+    return n
 
 
 def _check_w(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, int]:
@@ -552,6 +561,46 @@ def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | N
         kernel[0](*args, _num_threads())
 
     return run, out
+
+
+def prepare_get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray):
+    """A zero-argument callable doing `get_rows(w, dtype, ids, out)` on these very buffers (ids read at each call),
+    or None where ids cannot be read in place (not contiguous).
+
+    The weight's views, the checks of `out` and the kernel's lookup happen once here. In a decode step get_rows
+    comes right after the head, whose weights (28 MB for SmolLM2) have pushed everything else out of the
+    caches: there get_rows' per-call views (np.memmap's Python code), numpy reductions and the dispatcher
+    took 240-330 us (35 us when timed alone, hot). An id outside the weight's rows raises IndexError.
+    """
+    w8, w16, n_in = _check_w(w, dtype)
+    shape = ids.shape + (n_in,)
+    if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise GraphError(f"get_rows: out must be C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
+    try:
+        ids1 = ids.reshape(-1, copy=False)
+    except ValueError:
+        return None
+    if not ids1.size or not n_in:
+        return lambda: None
+    n_rows = w8.shape[0]
+    flat = np.empty(ids1.size, np.int64)  # the kernel's id type; ids are copied in at each call
+    args = [w8, w16, _NO_X, out.reshape(-1, n_in), flat, _F16, _KVALUES]
+    kernel: list = []  # compiled at the first call (as prepare_matmul), then its entry point (direct_call.py)
+
+    def run() -> None:
+        listed = ids1.tolist()
+        if min(listed) < 0 or max(listed) >= n_rows:
+            bad = next(i for i in listed if not 0 <= i < n_rows)
+            raise IndexError(f"get_rows: id {bad} out of range 0..{n_rows - 1}")
+        flat[:] = listed
+        if kernel:
+            kernel[0](*args, _num_threads())
+            return
+        k = _compile(dtype, "rows")
+        k(*args, _num_threads())
+        kernel.append(direct_call.entry_point(k, (*args, 1)) or k)
+
+    return run
 
 
 def get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

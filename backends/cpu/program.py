@@ -24,8 +24,8 @@ from graphir.run_inputs import check_inputs, check_state
 from graphir.verify import verify
 from graphir.weights import Weights
 
+from . import direct_call, precompile, threads, weight_cache
 from . import lowering_rules as rules
-from . import precompile, threads, weight_cache
 
 
 class CpuProgram:
@@ -43,6 +43,7 @@ class CpuProgram:
         self.input_buffers = {n.name: np.empty(n.shape, numpy_dtype(n.dtype)) for n in graph.inputs}
         self._bound_state: tuple[int, ...] | None = None
         self._steps: list[Callable[[], None]] = []
+        self._unwrapped = False  # whether the steps' KernelCalls have run and been replaced by their direct calls
         self._outputs: dict[str, np.ndarray] = {}
         self.lower_s = time.perf_counter() - t0
 
@@ -102,6 +103,7 @@ class CpuProgram:
             finally:
                 rules.RECORD = None
             self._bound_state = key
+            self._unwrapped = False
             precompile.prepare(recorded)  # a cold numba cache: compile them with a helper process
         for name, arr in feeds.items():
             self.input_buffers[name][...] = arr
@@ -111,6 +113,9 @@ class CpuProgram:
                 step()
         except (IndexError, ValueError, GraphirError) as e:  # bad runtime values (ids, rows) land here
             raise BackendError(f"cpu backend, {self._step_nodes[i]}: {e}") from None
+        if not self._unwrapped:  # every step has run once: call the compiled kernels directly from now on
+            self._steps = direct_call.unwrap(self._steps)
+            self._unwrapped = True
         return {name: np.array(v, copy=True) for name, v in self._outputs.items()}
 
     def report(self) -> dict[str, float]:
