@@ -123,16 +123,15 @@ DEVICE void swiglu_split_v4(const float* __restrict__ a, const float* __restrict
     }
     if (first < n - 4 * n4) store1(y, 4 * n4 + first, silu_mul(a[4 * n4 + first], b[4 * n4 + first]));
 }
-extern "C" __global__ void swiglu_split_v4_f32(const float* __restrict__ a, const float* __restrict__ b,
-                                               float* __restrict__ y, long long n) {
-    PDL_ENTRY();
-    swiglu_split_v4<float>(a, b, y, n);
-}
-extern "C" __global__ void swiglu_split_v4_bf16(const float* __restrict__ a, const float* __restrict__ b,
-                                                u16* __restrict__ y, long long n) {
-    PDL_ENTRY();
-    swiglu_split_v4<u16>(a, b, y, n);
-}
+// The kernels over contiguous halves: NAME_<f32|bf16> writing y as OUT from a and b read as IN by BODY<OUT>.
+#define DEFINE_SWIGLU_SPLIT(name, body, IN, OUT)                                                          \
+    extern "C" __global__ void name(const IN* __restrict__ a, const IN* __restrict__ b, OUT* __restrict__ y, \
+                                    long long n) {                                                         \
+        PDL_ENTRY();                                                                                       \
+        body<OUT>(a, b, y, n);                                                                             \
+    }
+DEFINE_SWIGLU_SPLIT(swiglu_split_v4_f32, swiglu_split_v4, float, float)
+DEFINE_SWIGLU_SPLIT(swiglu_split_v4_bf16, swiglu_split_v4, float, u16)
 
 // The same over gate and up stored as bf16 (mul_mat_bf16_rounded's products, held in the first half of their f32
 // slots: matmul.py bf16_stored): 16-byte loads of 8 values each (a, b 16-byte aligned: memplan's 64-byte slots; y
@@ -161,16 +160,8 @@ DEVICE void swiglu_split_bf16in_v8(const u16* __restrict__ a, const u16* __restr
         store1(y, i, silu_mul(bf16_to_f32(a[i]), bf16_to_f32(b[i])));
     }
 }
-extern "C" __global__ void swiglu_split_bf16in_v8_f32(const u16* __restrict__ a, const u16* __restrict__ b,
-                                                      float* __restrict__ y, long long n) {
-    PDL_ENTRY();
-    swiglu_split_bf16in_v8<float>(a, b, y, n);
-}
-extern "C" __global__ void swiglu_split_bf16in_v8_bf16(const u16* __restrict__ a, const u16* __restrict__ b,
-                                                       u16* __restrict__ y, long long n) {
-    PDL_ENTRY();
-    swiglu_split_bf16in_v8<u16>(a, b, y, n);
-}
+DEFINE_SWIGLU_SPLIT(swiglu_split_bf16in_v8_f32, swiglu_split_bf16in_v8, u16, float)
+DEFINE_SWIGLU_SPLIT(swiglu_split_bf16in_v8_bf16, swiglu_split_bf16in_v8, u16, u16)
 
 // swiglu_split of row-strided halves: a and b [rows, f] with row strides sa, sb (the gate and up columns of a
 // stacked gate|up prefill product, read in place: a gathered copy of each costs more than the activation),
