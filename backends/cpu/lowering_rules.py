@@ -19,6 +19,7 @@ from graphir.builder import contiguous_strides
 from graphir.ir import Graph, Node
 from graphir.lowering import ParamRef, fold_params, val  # noqa: F401  (re-exported for program.py)
 from graphir.ops import OPS
+from graphir.ops.core import sample_row
 
 from . import attention as ATT
 from . import attention_prefill as ATP
@@ -179,6 +180,26 @@ def _get_rows(n, ins, out, p):
         if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
             raise IndexError(f"get_rows: id out of range 0..{raw.shape[0] - 1}")
         MM.get_rows(raw, dt, ids, o)
+    return o, step
+
+
+def _sample(n, ins, out, p):
+    """Greedy rows (temperature <= 0 or top_k 1: generate's default) take the first index of the largest logit
+    straight from the f32 row; the reference finds the same index in the row widened to float64 (exact and
+    order-preserving), but the widened copy made it 300 us of a SmolLM2 decode token. Other rows: the reference's
+    sample_row, with the settings read as the reference reads them."""
+    x, settings, o = rows2d(val(ins[0])), rows2d(val(ins[1])), out[0]
+    if x is None or settings is None or x.dtype != np.float32 or not o.flags.c_contiguous:
+        return None
+    o1 = o.reshape(-1)
+
+    def step() -> None:
+        for r in range(x.shape[0]):
+            temperature, top_k, top_p, u = settings[r].tolist()
+            if temperature <= 0.0 or int(top_k) == 1:
+                o1[r] = np.argmax(x[r])
+            else:
+                o1[r] = sample_row(x[r], temperature, int(top_k), top_p, u)
     return o, step
 
 
@@ -430,6 +451,7 @@ RULES: dict[str, Callable] = {
     "mul_mat_q8x": _mul_mat_int_x("gemv_q8x"),
     "mul_mat_q16x": _mul_mat_int_x("gemv_q16x"),
     "get_rows": _get_rows,
+    "sample": _sample,
     "add": _binary(np.add),
     "sub": _binary(np.subtract),
     "mul": _binary(np.multiply),
