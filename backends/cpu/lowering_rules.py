@@ -8,7 +8,6 @@ op runs; the dedicated kernels are the ones a decode step spends its time in.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -206,7 +205,7 @@ def _sample(n, ins, out, p):
 def _binary(ufunc):
     def rule(n, ins, out, p):
         a, b, o = val(ins[0]), val(ins[1]), out[0]
-        return o, functools.partial(ufunc, a, b, out=o)
+        return o, lambda: ufunc(a, b, out=o)
     return rule
 
 
