@@ -311,8 +311,10 @@ def _cast_bf16(src: Any, dst: Any) -> tuple[str, int]:
 # 4 bytes and a write of 2 a value (Qwen3-8B, 4096 tokens: 144 casts, 6.5 ms of a 131.7 ms call on an
 # H200, 2026-12-01). Where every reader of a result is a mul_mat_bf16 taking it as x, the producer's
 # kernel writes it as bf16 instead (its "twin") and the GEMMs read that: the same f32 value rounded
-# by the same f32_to_bf16, so every GEMM result is bitwise what the cast gave. The f32 result's arena
-# slot is then left unwritten (nothing reads it). GRAPHIR_NO_BF16_TWINS=1 keeps the casts.
+# by the same f32_to_bf16, so every GEMM result is bitwise what the cast gave. The twin lives in the first
+# half of the f32 result's own arena slot, which nothing else reads or writes (memplan never places a result
+# over a slot its node reads), so twins take no memory of their own: a buffer each took 7.2 GB at Qwen3-8B's
+# 4096-token prefill. GRAPHIR_NO_BF16_TWINS=1 keeps the casts.
 BF16_GEMMS = ("mul_mat_bf16", "mul_mat_bf16_rounded")  # both round x to bf16 first
 
 
@@ -350,15 +352,21 @@ def bf16_x_readers(graph: Any, copies: set[int]) -> dict[tuple[int, int], list]:
     return out
 
 
+def bf16_half(slot: Any) -> Any:
+    """The first half of a C-contiguous f32 array's bytes as uint16 of its shape: where a bf16 copy of its
+    values fits when nothing else reads them."""
+    return slot.view(np.uint16).reshape(-1)[:slot.size].reshape(slot.shape)
+
+
 def bf16_twin(lw: Lowering, n: Any, k: int, like: Any) -> Any:
-    """A uint16 buffer shaped like `like` (result k of node n, f32) that n's kernel fills with the result
-    rounded to bf16 (f32_to_bf16), registered as the bf16 x of every mul_mat_bf16 reading it; None
-    where something else reads the result (then n writes f32 as usual). Call it only from a rule that
-    then launches a bf16-writing kernel."""
+    """A uint16 buffer shaped like `like` (result k of node n: its f32 arena slot, whose first half it is)
+    that n's kernel fills with the result rounded to bf16 (f32_to_bf16), registered as the bf16 x of every
+    bf16 GEMM reading it; None where something else reads the result (then n writes f32 as usual). Call it
+    only from a rule that then launches a bf16-writing kernel."""
     readers = lw.bf16_readers.get((id(n), k)) if n is not None else None
     if not readers or flags.enabled("GRAPHIR_NO_BF16_TWINS"):
         return None
-    buf = lw.scratch(like.shape, np.uint16)
+    buf = bf16_half(like) if like.flags.c_contiguous else lw.scratch(like.shape, np.uint16)
     for u in readers:
         lw.shared[("bf16 x", id(u.src[1]))] = buf
     return buf
@@ -392,8 +400,7 @@ def lower_mul_mat_bf16_rounded(lw: Lowering, n: Any, ins: list, outs: list, p: d
     kernels read the result, else an f32 product rounded in place."""
     y = outs[0]
     if n is not None and id(n) in lw.bf16_products and y.size and y.data.ptr % 16 == 0:
-        yb = y.view(np.uint16).reshape(-1)[:y.size].reshape(y.shape)
-        lw.shared[("bf16 value", id(n))] = yb
+        yb = lw.shared[("bf16 value", id(n))] = bf16_half(y)
         return lower_mul_mat_bf16(lw, n, ins, [yb], p)
     steps = lower_mul_mat_bf16(lw, n, ins, outs, p)
     if y.size:
