@@ -1,6 +1,6 @@
 """Where a GPU prefill's time goes: one prefill Program of N tokens, every step timed with CUDA events.
 
-    python benchmarks/profile_gpu_prefill.py [MODEL] [--tokens 4096] [--passes default,gemm-bf16,attn-bf16]
+    python benchmarks/profile_gpu_prefill.py [MODEL] [--tokens 4096] [--passes default,gemm-bf16,attn-bf16,gemm-bf16-out]
 
 A prefill Program holds cuBLAS steps, so it is never captured: its steps run from Python as in a real
 prefill. Each step is bracketed by events on the Program's stream (the GPU's own time, launch gaps
@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="random:qwen3-8b")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--passes", default="default,gemm-bf16,attn-bf16")
+    ap.add_argument("--passes", default="default,gemm-bf16,attn-bf16,gemm-bf16-out")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--ctx", type=int, default=0, help="KV capacity (default: --tokens; `graphir bench` runs at the "
                                                        "model's own ctx)")
