@@ -6,6 +6,9 @@
 For the cached decode Program, prints:
   * the step replayed as the Program runs it (`for step in steps: step()`), best and median ms, and the sum
     of the steps timed one by one (the per-step timer's own cost is the difference);
+  * per op, microseconds a call inside the replay (after the step before it, with whatever that left in the
+    caches) against the same step called 30 times in a row (hot): the difference is what a step pays for
+    running cold, which a small kernel pays mostly in the Python and numba code around it;
   * per numba kernel the steps call (lowering_rules records them at bind time), microseconds a call through
     the dispatcher, through the compiled overload's entry point, and for a do-nothing kernel of the same
     argument types (serial and, for parallel kernels, with an empty prange over the threads): dispatch =
@@ -75,6 +78,25 @@ def entry_point(dispatcher, args):
     return dispatcher.overloads[sig].entry_point
 
 
+def replay_vs_hot(steps: list, ops: list[str], replays: int = 60, hot: int = 30) -> None:
+    in_replay: list[list[int]] = [[] for _ in steps]
+    for _ in range(replays):
+        for i, s in enumerate(steps):
+            t0 = time.perf_counter_ns()
+            s()
+            in_replay[i].append(time.perf_counter_ns() - t0)
+    alone = [per_call_us(s, hot) for s in steps]
+    by_op: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for i, op in enumerate(ops):
+        row = by_op[op]
+        row[0] += 1
+        row[1] += statistics.median(in_replay[i]) / 1e3
+        row[2] += alone[i]
+    print(f"{'op':26s} {'calls':>5s} {'replay':>8s} {'hot':>8s}  us a call;  {'replay':>7s} {'hot':>7s}  ms a step")
+    for op, (n, r, h) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+        print(f"{op:26s} {n:5d} {r / n:8.2f} {h / n:8.2f}             {r / 1e3:7.3f} {h / 1e3:7.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -105,6 +127,8 @@ def main() -> None:
         timed.append(total)
     print(f"step replayed: best {min(whole) * 1e3:.3f} median {statistics.median(whole) * 1e3:.3f} ms; "
           f"steps timed one by one: best {min(timed) * 1e3:.3f} median {statistics.median(timed) * 1e3:.3f} ms")
+
+    replay_vs_hot(steps, [label.split()[2] for label in program._step_nodes])
 
     seen: dict[tuple, list] = {}
     for _, disp, kargs in kernels:

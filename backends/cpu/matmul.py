@@ -39,6 +39,8 @@ code); a second process loads it from numba's cache in milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
 from numba import njit, prange  # noqa: F401  (prange is used by the generated kernel)
@@ -563,7 +565,7 @@ def prepare_matmul(w: np.ndarray, dtype: str, x: np.ndarray, out: np.ndarray | N
     return run, out
 
 
-def prepare_get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray):
+def prepare_get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray) -> Callable[[], None] | None:
     """A zero-argument callable doing `get_rows(w, dtype, ids, out)` on these very buffers (ids read at each call),
     or None where ids cannot be read in place (not contiguous).
 
