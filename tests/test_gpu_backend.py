@@ -237,8 +237,7 @@ def test_bf16_twins_bitwise(spec, monkeypatch):
 @gpu_only
 def test_bf16_twins_live_in_their_results_slots():
     """Each bf16 twin is the first half of its f32 result's own arena slot (matmul.bf16_half), so a prefill's twins
-    allocate nothing: every GEMM x registered as a twin lies inside the arena, and the Program's scratch holds no
-    bf16 buffer shaped like the swiglu activation or the attention output."""
+    allocate nothing: every GEMM x registered as a twin lies inside the arena (a scratch buffer would not)."""
     model = graphir.load("random:qwen3-tiny", backend="gpu", passes="default,gemm-bf16,attn-bf16", ctx=1024)
     model.feed(list(np.random.default_rng(4).integers(0, 256, 513)))
     progs = [p for _, p, _ in model.programs._programs.values() if p.graph.meta.get("phase") == "prefill"]
@@ -254,9 +253,6 @@ def test_bf16_twins_live_in_their_results_slots():
         for u in prog.bf16_readers[(id(n), k)]:
             buf = prog.lw.shared[("bf16 x", id(u.src[1]))]
             assert lo <= buf.data.ptr and buf.data.ptr + buf.nbytes <= hi, (n.describe(), k)
-    shapes = {tuple(n.shape) for n, _ in twinned if n.op in ("swiglu_split", "flash_attn_bf16")}
-    assert not [b.shape for b in prog.lw.scratch_buffers if b.dtype == np.uint16 and
-                (tuple(b.shape) in shapes or b.size in {int(np.prod(s)) for s in shapes})]
 
 
 @pytest.fixture(scope="module")
