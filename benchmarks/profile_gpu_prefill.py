@@ -1,6 +1,6 @@
 """Where a GPU prefill's time goes: one prefill Program of N tokens, every step timed with CUDA events.
 
-    python benchmarks/profile_gpu_prefill.py [MODEL] [--tokens 4096] [--passes default,gemm-bf16,attn-bf16,gemm-bf16-out]
+    python benchmarks/profile_gpu_prefill.py [MODEL] [--tokens 4096] [--passes PIPELINE]
 
 A prefill Program holds cuBLAS steps, so it is never captured: its steps run from Python as in a real
 prefill. Each step is bracketed by events on the Program's stream (the GPU's own time, launch gaps
