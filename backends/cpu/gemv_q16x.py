@@ -29,9 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import direct_call
 from . import gemv_q8x as GQ
-from .matmul import _num_threads
 
 __all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
 
@@ -208,20 +206,7 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
     xq = np.zeros((m, nblk2 * 32), np.int16)
     dx, sx = np.zeros((m, nblk4), np.float32), np.zeros((m, nblk4), np.float32)
     kernel, fmt = KERNELS[path or ("avx2" if AVX2 else "portable")], FORMATS[dtype]
-
-    call: list = []  # after the first call, the compiled overload's entry point (direct_call.py)
-
-    def run() -> None:
-        if m == 0 or rows == 0:
-            return
-        if call:
-            call[0](fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
-            return
-        args = (fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
-        kernel(*args)  # through the dispatcher: compiled, or loaded from numba's cache
-        call.append(direct_call.entry_point(kernel, args) or kernel)
-
-    return run
+    return GQ.bound_gemv(kernel, fmt, (x2, qs, dw, mw, xq, dx, sx, out2), m * rows)
 
 
 def asm(path: str = "avx2") -> str:

@@ -340,16 +340,21 @@ def prepare(w_raw, dtype: str, x2: np.ndarray, out2: np.ndarray, cache: dict | N
     nblk2, nblk4 = padded(n_in // 32)
     xq, dx, sx = np.zeros((m, nblk2 * 32), np.int8), np.zeros((m, nblk4), np.float32), np.zeros((m, nblk4), np.float32)
     kernel, fmt = KERNELS[path or ("avx2" if AVX2 else "portable")], FORMATS[dtype]
+    return bound_gemv(kernel, fmt, (x2, qs, dw, mw, xq, dx, sx, out2), m * rows)
 
-    call: list = []  # after the first call, the compiled overload's entry point (direct_call.py)
+
+def bound_gemv(kernel, fmt: int, arrays: tuple, work: int):
+    """The step `kernel(fmt, *arrays, threads)` (this module's and gemv_q16x's kernels), a no-op where `work` is 0:
+    through numba's dispatcher the first time, then the compiled overload's entry point (direct_call.py)."""
+    call: list = []
 
     def run() -> None:
-        if m == 0 or rows == 0:
+        if work == 0:
             return
         if call:
-            call[0](fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+            call[0](fmt, *arrays, _num_threads())
             return
-        args = (fmt, x2, qs, dw, mw, xq, dx, sx, out2, _num_threads())
+        args = (fmt, *arrays, _num_threads())
         kernel(*args)  # through the dispatcher: compiled, or loaded from numba's cache
         call.append(direct_call.entry_point(kernel, args) or kernel)
 
