@@ -19,6 +19,18 @@ from graphir.backends.cpu import threads
 import graphir
 
 
+def cpu_program(spec: str, passes: str, prompt: int, tokens: int = 1):
+    """(the model, its cached cpu Program of `tokens` tokens) after a prompt of `prompt` tokens (so attention sees
+    that many keys); tokens > 1: a prefill bucket's Program, from a reset model."""
+    model = graphir.load(spec, backend="cpu", passes=passes)
+    model.feed(np.arange(prompt) % 256 + 1, last_only=True)
+    model.feed([1])  # lowers the decode Program
+    if tokens > 1:
+        model.reset()
+        model.feed(np.arange(tokens) % 256 + 1, last_only=True)  # lowers that bucket's Program
+    return model, next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (tokens,))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -29,13 +41,7 @@ def main() -> None:
     ap.add_argument("--passes", default="default", help="the pipeline (e.g. default,q8-activations)")
     args = ap.parse_args()
     threads.set_threads(args.threads)
-    model = graphir.load(args.model, backend="cpu", passes=args.passes)
-    model.feed(np.arange(args.prompt) % 256 + 1, last_only=True)
-    model.feed([1])  # lowers the decode Program
-    if args.tokens > 1:
-        model.reset()
-        model.feed(np.arange(args.tokens) % 256 + 1, last_only=True)  # lowers that bucket's Program
-    program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (args.tokens,))
+    model, program = cpu_program(args.model, args.passes, args.prompt, args.tokens)
     per_op: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     threads.apply()  # the steps below are replayed without the Program call that would set it

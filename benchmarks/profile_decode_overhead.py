@@ -28,24 +28,20 @@ import time
 import numba
 import numpy as np
 from graphir.backends.cpu import precompile, threads
-
-import graphir
+from graphir.backends.cpu.direct_call import first_call
+from profile_decode import cpu_program  # beside this script
 
 
 def decode_program(spec: str, passes: str, prompt: int):
     """(the cached decode Program, the kernels its steps call as lowering_rules recorded them at bind time)."""
-    recorded: list = []
+    binds: list = []  # what each Program's bind recorded; the decode Program binds last
     prepare = precompile.prepare
-    precompile.prepare = lambda rec: (recorded.extend(rec), prepare(rec))[1]
+    precompile.prepare = lambda rec: (binds.append(list(rec)), prepare(rec))[1]
     try:
-        model = graphir.load(spec, backend="cpu", passes=passes)
-        model.feed(np.arange(prompt) % 256 + 1, last_only=True)
-        recorded.clear()
-        model.feed([1])  # lowers (and binds) the decode Program
+        _, program = cpu_program(spec, passes, prompt)
     finally:
         precompile.prepare = prepare
-    program = next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (1,))
-    return program, [r for r in recorded if r[0] == "kernel"]
+    return program, [r for r in binds[-1] if r[0] == "kernel"]
 
 
 def per_call_us(fn, repeats: int) -> float:
@@ -70,12 +66,6 @@ def noop(arity: int, parallel: bool):
         exec(f"def f({names}, nth, scratch):\n{body}", scope)
         _NOOPS[arity, parallel] = numba.njit(parallel=parallel)(scope["f"])
     return _NOOPS[arity, parallel]
-
-
-def entry_point(dispatcher, args):
-    sig = tuple(numba.typeof(a) for a in args)
-    dispatcher(*args)  # compiled (or loaded) for these types
-    return dispatcher.overloads[sig].entry_point
 
 
 def replay_vs_hot(steps: list, ops: list[str], replays: int = 60, hot: int = 30) -> None:
@@ -141,8 +131,8 @@ def main() -> None:
         nop, par = noop(len(kargs), False), noop(len(kargs), True)
         nop_args = (*kargs, nth, scratch)
         us = [per_call_us(functools.partial(f, *a), args.repeats) for f, a in (
-            (disp, kargs), (entry_point(disp, kargs), kargs), (nop, nop_args), (entry_point(nop, nop_args), nop_args),
-            (entry_point(par, nop_args), nop_args))]
+            (disp, kargs), (first_call(disp, *kargs), kargs), (nop, nop_args), (first_call(nop, *nop_args), nop_args),
+            (first_call(par, *nop_args), nop_args))]
         saved += (us[0] - us[1]) * count
         print(f"{mod.split('.')[-1] + '.' + name:36s} {count:5d} " + " ".join(f"{u:7.2f}" for u in us))
     print(f"dispatcher - entry point, summed over the recorded calls: {saved / 1e3:.3f} ms a step")

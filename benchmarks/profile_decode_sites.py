@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 from graphir.backends.cpu import threads
-
-import graphir
+from profile_decode import cpu_program  # beside this script
 
 SITES = ("logits", "attn_q", "attn_out", "gate_up", "ffn_out", "ffn_act")  # SmolLM2 / llama node names
 
@@ -29,13 +28,6 @@ def site(label: str) -> str:
     if not op.startswith("mul_mat"):
         return op
     return f"{op} " + next((s for s in SITES if s in " ".join(rest)), "other")
-
-
-def decode_program(spec: str, passes: str, prompt: int):
-    model = graphir.load(spec, backend="cpu", passes=passes)
-    model.feed(np.arange(prompt) % 256 + 1, last_only=True)
-    model.feed([1])  # lowers the decode Program
-    return next(p for _, p, _ in model.programs._programs.values() if p.graph.inputs[0].shape == (1,))
 
 
 def main() -> None:
@@ -49,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     pipelines = args.passes or ["default"]
     threads.set_threads(args.threads)
-    programs = {p: decode_program(args.model, p, args.prompt) for p in pipelines}
+    programs = {p: cpu_program(args.model, p, args.prompt)[1] for p in pipelines}
     threads.apply()  # the steps below are replayed without the Program call that would set it
     ms: dict[str, dict[str, list[float]]] = {p: collections.defaultdict(list) for p in pipelines}
     for _ in range(args.rounds):

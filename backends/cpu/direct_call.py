@@ -34,6 +34,13 @@ def entry_point(kernel: Any, args: Sequence[Any]) -> Callable[..., Any] | None:
     return cres.entry_point if cres is not None else None
 
 
+def first_call(kernel: Any, *args: Any) -> Callable[..., Any]:
+    """`kernel(*args)` through the dispatcher (which compiles the kernel or loads it from numba's cache), then what to
+    call from now on with arguments of the same types: the overload's entry point, or the dispatcher itself."""
+    kernel(*args)
+    return entry_point(kernel, args) or kernel
+
+
 class KernelCall:
     """A zero-argument step `kernel(*args)`: through the dispatcher the first time, then the entry point."""
 
@@ -48,10 +55,9 @@ class KernelCall:
         if self.direct is not None:
             self.direct()
             return
-        self.kernel(*self.args)
-        ep = entry_point(self.kernel, self.args)
-        if ep is not None:
-            self.direct = functools.partial(ep, *self.args)
+        call = first_call(self.kernel, *self.args)
+        if call is not self.kernel:
+            self.direct = functools.partial(call, *self.args)
 
 
 def unwrap(steps: list[Callable[[], None]]) -> list[Callable[[], None]]:

@@ -354,9 +354,7 @@ def bound_gemv(kernel, fmt: int, arrays: tuple, work: int):
         if call:
             call[0](fmt, *arrays, _num_threads())
             return
-        args = (fmt, *arrays, _num_threads())
-        kernel(*args)  # through the dispatcher: compiled, or loaded from numba's cache
-        call.append(direct_call.entry_point(kernel, args) or kernel)
+        call.append(direct_call.first_call(kernel, fmt, *arrays, _num_threads()))
 
     return run
 

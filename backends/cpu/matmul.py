@@ -598,9 +598,7 @@ def prepare_get_rows(w: np.ndarray, dtype: str, ids: np.ndarray, out: np.ndarray
         if kernel:
             kernel[0](*args, _num_threads())
             return
-        k = _compile(dtype, "rows")
-        k(*args, _num_threads())
-        kernel.append(direct_call.entry_point(k, (*args, 1)) or k)
+        kernel.append(direct_call.first_call(_compile(dtype, "rows"), *args, _num_threads()))
 
     return run
 
