@@ -429,6 +429,84 @@ def test_mul_mat_swiglu_needs_an_even_row_count():
         g.mul_mat_swiglu(g.param("w", (7, 32)), g.input("x", (1, 32)))
 
 
+def _weight(rng: np.random.Generator, dtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(raw, the values it holds as float64) of a random weight stored as `dtype`."""
+    if dtype in ("f32", "f16", "bf16"):
+        w32 = normal(rng, shape, 0.1)
+        raw = {"f32": w32, "f16": w32.astype(np.float16),
+               "bf16": (w32.view(np.uint32) >> np.uint32(16)).astype(np.uint16)}[dtype]
+        wf = _bf16_to_f32(raw) if dtype == "bf16" else raw.astype(np.float32)
+    else:
+        raw = random_quantized(rng, dtype, shape)
+        wf = gguf.quants.dequantize(raw, qtype(dtype)).reshape(shape)
+    return raw, wf.astype(np.float64)
+
+
+# fuse-norm-gemv's ops. x has a mean and a scale of its own (the norm moves every value) and sits near sqrt(eps)
+# (a lost eps moves the results by ~5 %); the norm weight is random (a lost weight changes every product). 1032
+# columns take the gpu's fused GEMVs (whole 8-value pieces), 1025 and q4_k the unfused kernels.
+NORM_GEMV_SHAPES = [(1, 1, 64), (1, 511, 1032), (1, 7, 1025), (3, 7, 1032)]
+NORM_EPS = 1e-3
+
+
+def _norm_gemv_x(rng: np.random.Generator, m: int, n_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = (normal(rng, (m, n_in), 0.05) + np.float32(0.02)).astype(np.float32)
+    nw = (1.0 + normal(rng, (n_in,), 0.5)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + NORM_EPS) * nw
+    return x, nw, normed
+
+
+@covers("rms_norm_mul_mat")
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", "q4_k"])
+@pytest.mark.parametrize("m,n_out,n_in", NORM_GEMV_SHAPES)
+def test_rms_norm_mul_mat(dtype, m, n_out, n_in, rng):
+    if dtype == "q4_k" and n_in % 256:
+        pytest.skip("q4_k rows are whole 256-value blocks")
+    raw, wf = _weight(rng, dtype, (n_out, n_in))
+    x, nw, normed = _norm_gemv_x(rng, m, n_in)
+    node = g.rms_norm_mul_mat(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape), g.param("nw", (n_in,)),
+                              eps=NORM_EPS)
+    out = run1(node, {"x": x}, weights=weights_of(w=(dtype, raw, (n_out, n_in)), nw=("f32", nw, (n_in,))))
+    close(out, normed @ wf.T, rtol=1e-4, atol=1e-4, dtype="float32")
+
+
+@covers("rms_norm_mul_mat_swiglu")
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_k"])
+@pytest.mark.parametrize("m,half,n_in", NORM_GEMV_SHAPES)
+def test_rms_norm_mul_mat_swiglu(dtype, m, half, n_in, rng):
+    if dtype == "q4_k" and n_in % 256:
+        pytest.skip("q4_k rows are whole 256-value blocks")
+    raw, wf = _weight(rng, dtype, (2 * half, n_in))
+    x, nw, normed = _norm_gemv_x(rng, m, n_in)
+    node = g.rms_norm_mul_mat_swiglu(g.param("w", (2 * half, n_in), dtype), g.input("x", x.shape),
+                                     g.param("nw", (n_in,)), eps=NORM_EPS)
+    out = run1(node, {"x": x}, weights=weights_of(w=(dtype, raw, (2 * half, n_in)), nw=("f32", nw, (n_in,))))
+    y = normed @ wf.T
+    gate, up = y[:, :half], y[:, half:]  # gate rows first, then up
+    close(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-4, atol=1e-4, dtype="float32")
+
+
+@covers("mul_mat_add")
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "q4_k"])
+@pytest.mark.parametrize("m,n_out,n_in", NORM_GEMV_SHAPES)
+def test_mul_mat_add(dtype, m, n_out, n_in, rng):
+    if dtype == "q4_k" and n_in % 256:
+        pytest.skip("q4_k rows are whole 256-value blocks")
+    raw, wf = _weight(rng, dtype, (n_out, n_in))
+    x, r = normal(rng, (m, n_in)), normal(rng, (m, n_out), 3.0)
+    node = g.mul_mat_add(g.param("w", (n_out, n_in), dtype), g.input("x", x.shape), g.input("r", r.shape))
+    out = run1(node, {"x": x, "r": r}, weights=weights_of(w=(dtype, raw, (n_out, n_in))))
+    close(out, r + x.astype(np.float64) @ wf.T, rtol=1e-4, atol=1e-4, dtype="float32")
+
+
+def test_norm_gemv_ops_check_their_operands():
+    with pytest.raises(GraphError, match="one value per column"):
+        g.rms_norm_mul_mat(g.param("w", (7, 32)), g.input("x", (1, 32)), g.param("nw", (31,)), eps=1e-6)
+    with pytest.raises(GraphError, match="residual"):
+        g.mul_mat_add(g.param("w", (7, 32)), g.input("x", (1, 32)), g.input("r", (1, 8)))
+
+
 @covers("mul_mat")
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
 def test_mul_mat_quantize_then_multiply(dtype, rng):
