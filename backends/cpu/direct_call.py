@@ -19,6 +19,10 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+from numba.core import types
+from numba.np import numpy_support
+
 
 def entry_point(kernel: Any, args: Sequence[Any]) -> Callable[..., Any] | None:
     """The compiled overload's entry point that `kernel(*args)` dispatches to, or None (not compiled, or a type
@@ -27,11 +31,31 @@ def entry_point(kernel: Any, args: Sequence[Any]) -> Callable[..., Any] | None:
     if overloads is None:
         return None
     try:
-        sig = tuple(kernel.typeof_pyval(a) for a in args)
+        sig = tuple(_array_type(kernel, a) if type(a) is np.ndarray else kernel.typeof_pyval(a) for a in args)
     except (TypeError, ValueError):
         return None
     cres = overloads.get(sig)
     return cres.entry_point if cres is not None else None
+
+
+# numba's type of an ndarray argument, from what numba's typeof reads of it (numba.core.typing.typeof._typeof_ndarray:
+# dtype, ndim, C, F or any layout, read-only), worked out once per kind. A new process types ~1500 arguments before
+# its first token: 30 ms through typeof, whose MaskedArray check also imports numpy.ma (15 ms), for ~20 kinds.
+_ARRAY_TYPES: dict[tuple[Any, ...], Any] = {}
+
+
+def _array_type(kernel: Any, a: np.ndarray) -> Any:
+    flags = a.flags
+    key = (a.dtype, a.ndim, flags.c_contiguous, flags.f_contiguous, flags.writeable)
+    t = _ARRAY_TYPES.get(key)
+    if t is None:
+        try:
+            layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
+            t = types.Array(numpy_support.from_dtype(a.dtype), a.ndim, layout, readonly=not flags.writeable)
+        except Exception:  # a dtype numba does not take: whatever the dispatcher makes of it
+            return kernel.typeof_pyval(a)
+        _ARRAY_TYPES[key] = t
+    return t
 
 
 def first_call(kernel: Any, *args: Any) -> Callable[..., Any]:

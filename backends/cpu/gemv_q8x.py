@@ -68,6 +68,9 @@ def repack(w_raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 IN_ORDER = np.arange(32)  # quantize_blocks' order for x's codes as the kernels here read them
+# 2^-126, a constant of the kernel: np.finfo inside it made every process that loads the kernel from numba's cache
+# import numba's np.finfo implementation with numba.np.arraymath and numba.np.linalg (0.035 s of a first token)
+F32_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 @njit(cache=True)
@@ -75,7 +78,7 @@ def quantize_blocks(x, xq, dx, sx, qmax, order):
     """x f32 [m, n_in] -> integer codes xq [m, >= n_in] (element j of block b at 32 b + order[j]), dx, sx f32
     [m, >= n_in / 32] (zero past x's blocks): d = max |x| / qmax, q = roundf(x * (1 / d)) (1 / d = 0 below
     2^-126), sx = fl(d * sum q). With qmax 127: q8_blocks in f32."""
-    tiny = np.float32(np.finfo(np.float32).tiny)
+    tiny = F32_TINY
     m, n_in = x.shape
     for t in range(m):
         for b in range(dx.shape[1]):

