@@ -1,7 +1,7 @@
 """`graphir.load(spec)`: a model ready to score and generate, composed from the pipeline stages.
 
     model = graphir.load("smollm2-135m")            # or a .gguf path, an HF directory, "random:qwen3-tiny";
-                                                    # backend "auto" (gpu if present, else cpu), passes "default"
+                                                    # backend "auto" (gpu if present, else cpu), passes "auto"
     ids = model.tokenizer.encode("The capital of France is")
     text = model.tokenizer.decode(list(model.generate(ids, 16)))
 
@@ -61,7 +61,7 @@ class Model:
         self.weights = weights
         self.tokenizer = tokenizer
         self.backend = backend
-        self.passes = passes
+        self.passes = _resolved_pipeline(passes, backend)  # what the program cache keys on: never "auto"
         self.eos_ids = set(eos_ids)
         self.source = source
         on_gpu = backend == "gpu"
@@ -385,12 +385,13 @@ class Model:
 
 
 def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dtype: str | None = None,
-         ctx: int | None = None, passes: str = "default", threads: int | None = None, tp: int = 1,
+         ctx: int | None = None, passes: str = "auto", threads: int | None = None, tp: int = 1,
          kv_slots: int | None = None) -> Model:
     """Load `spec`: a .gguf file, an HF directory (config.json + safetensors), "smollm2-135m", or
     "random:<preset>" (seeded random weights; presets in graphir.models.presets.PRESETS).
     `backend` "auto" is gpu when CuPy sees a device, else cpu; `passes` is the pipeline applied before
-    lowering ("" for none). These are `graphir run`'s defaults too.
+    lowering ("" for none); "auto" is the backend's own (graphir.passes.BACKEND_PIPELINES: reference "default",
+    cpu "cpu", gpu "gpu"), "default" every product in f32. These are `graphir run`'s defaults too.
     `dtype` None keeps the file's weight types; "f32" (or f16, bf16, q8_0, ...) converts them.
     `ctx` is the KV-cache capacity (default: the model's context, at most loader.DEFAULT_MAX_CTX).
     `threads` fixes the cpu backend's kernel threads (1..numba's pool; per process, as numba's pool is);
@@ -408,6 +409,7 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
         set_threads(threads)  # a bad count fails before any file is read
     backend = resolve_backend(backend)  # "auto": gpu when CuPy sees a device, else cpu
     get_backend(backend)  # an unknown or unavailable backend fails before any file is read
+    passes = _resolved_pipeline(passes, backend)
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
@@ -438,12 +440,19 @@ def _with_kv_slots(config: ModelConfig, n: int, source: str) -> ModelConfig:
     return dataclasses.replace(config, kv_slots=n)  # type: ignore[type-var]
 
 
+def _resolved_pipeline(passes: str, backend: str) -> str:
+    """`passes` with "auto" resolved to `backend`'s pipeline name (graphir.passes.resolve_pipeline)."""
+    from graphir.passes import resolve_pipeline
+
+    return resolve_pipeline(passes, backend)
+
+
 def check_pipeline(passes: str) -> None:
     """Parse `passes` without running it: an unknown pass or option raises GraphError naming it."""
     from graphir.passes import parse_pipeline
 
     if not isinstance(passes, str):
-        raise InputError(f"passes must be a pipeline string such as 'default' or '' (none), got {passes!r}")
+        raise InputError(f"passes must be a pipeline string such as 'auto', 'default' or '' (none), got {passes!r}")
     parse_pipeline(passes)
 
 

@@ -6,6 +6,7 @@
 
 What is measured (time.perf_counter, one process, in this order):
   load_s                  graphir.load(spec, backend, passes): file read, no lowering yet
+  passes, pipeline        the pipeline as named ("auto" resolved: the backend's, e.g. "cpu") and spelled out
   ttft_first_s            the first generate() in this model: a prompt of prompt_tokens, then the first
                           sampled token; it includes building, passing and lowering the prefill graph
                           (and numba compiling its kernels, unless numba's cache on disk has them)
@@ -301,7 +302,7 @@ def ttft_new_process(spec: str, backend: str, passes: str, prompt: list[int], co
         return time.perf_counter() - t0
 
 
-def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "default", prefill_tokens: int = 512,
+def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto", prefill_tokens: int = 512,
           prompt_tokens: int = 128, decode_tokens: int = 256, repeats: int = 3, bandwidth_mb: int = 256,
           llama_cpp: bool = True, llama_cpp_threads: int | None = None, long_prefill_tokens: int | None = None,
           new_process: bool = False, compare_hf: bool = False,
@@ -319,8 +320,10 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     _first_run_done = True
 
     from graphir.backends.registry import resolve_backend
+    from graphir.passes import resolve_pipeline, spell_pipeline
 
     backend = resolve_backend(backend)
+    passes = resolve_pipeline(passes, backend)  # "auto": the backend's pipeline, named in the result
     if dtype is not None and (tp != 1 or new_process or compare_hf):
         raise ValueError("--dtype does not run with --tp, --new-process or --compare yet")
     if tp != 1:
@@ -365,7 +368,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "defau
     lp_best, lp_med = _rates(long_prefill_tokens, long_times) if long_times else (0.0, 0.0)
     limit = bandwidth / (weight_bytes + state_bytes)
     result: dict[str, Any] = {
-        "model": spec, "source": model.source, "backend": backend, "passes": passes,
+        "model": spec, "source": model.source, "backend": backend, "passes": passes, "pipeline": spell_pipeline(passes),
         "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
         "repeats": repeats, "first_bench_in_process": first_in_process,
         "load_s": load_s, "ttft_first_s": ttft_first, "ttft_warm_s": ttft_warm,
@@ -555,10 +558,16 @@ def header_lines(result: dict[str, Any], command: str | None = None) -> list[str
     if result.get("draft"):
         lines.append(f"speculative: draft {result['draft']}, draft_len {result['draft_len']}")
     tp = f" | tp {result['tp']} (rank 0's timings)" if result.get("tp", 1) > 1 else ""
-    lines.append(f"model: {result['source']} | backend {result['backend']}{tp} | passes {result['passes'] or '(none)'}"
+    lines.append(f"model: {result['source']} | backend {result['backend']}{tp} | passes {_passes_text(result)}"
                  f" | prefill {result['prefill_tokens']}, prompt {result['prompt_tokens']}, "
                  f"decode {result['decode_tokens']}, repeats {result['repeats']}")
     return lines
+
+
+def _passes_text(result: dict[str, Any]) -> str:
+    """The pipeline as named, and spelled out where the name is a backend's (cpu, gpu), whose passes may change."""
+    name, spelled = result["passes"] or "(none)", result.get("pipeline") or ""
+    return f"{name} ({spelled})" if spelled and spelled != name else name
 
 
 PEERS = (("llama_cpp", "llama.cpp (same run)"), ("hf_eager", "HF eager (same run)"),

@@ -29,6 +29,7 @@ import numpy as np
 
 from graphir import bench as B
 from graphir.dtypes import numpy_dtype
+from graphir.passes import spell_pipeline
 
 
 def bench_tp(spec: str, backend: str, passes: str, prefill_tokens: int, prompt_tokens: int, decode_tokens: int,
@@ -54,7 +55,8 @@ def bench_tp(spec: str, backend: str, passes: str, prefill_tokens: int, prompt_t
     counts = r["collective_counts"]
     path = collective_path(counts)
     return {
-        "model": spec, "source": source, "backend": backend, "passes": passes, "tp": tp,
+        "model": spec, "source": source, "backend": backend, "passes": passes, "pipeline": spell_pipeline(passes),
+        "tp": tp,
         "prefill_tokens": prefill_tokens, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
         "repeats": repeats, "first_bench_in_process": True,
         "load_s": load_s, "ttft_first_s": r["ttft_first"], "ttft_warm_s": r["ttft_warm"],

@@ -60,7 +60,11 @@ class ProgramCache:
             OrderedDict()
 
     def get_program(self, graph: Graph, weights: Weights | None, backend: str = "reference", passes: str = "") -> Any:
-        """The Program for `graph` on `backend` after the pass pipeline `passes`, lowered on first use."""
+        """The Program for `graph` on `backend` after the pass pipeline `passes`, lowered on first use.
+        Passes "auto" is the backend's pipeline, resolved here so that the key names it."""
+        from graphir.passes import resolve_pipeline
+
+        passes = resolve_pipeline(passes, backend)
         key = (graph.signature(), id(weights), backend, passes)
         hit = self._programs.get(key)
         if hit is not None and hit[0] is weights:  # `is`: an id may be reused once a store is freed
@@ -71,7 +75,8 @@ class ProgramCache:
         parts = key_parts(graph, backend, passes)
         if flags.enabled("GRAPHIR_DEBUG_CACHE"):
             print(f"graphir cache miss: {self.explain_miss(parts)}", file=sys.stderr)
-        program = get_backend(backend).lower(self.passed(graph, passes), weights)
+        # the pipeline too: the cpu backend's precompile reads what the graph's decode sibling will call from it
+        program = get_backend(backend).lower(self.passed(graph, passes), weights, pipeline=passes)
         self._programs[key] = (weights, program, parts)
         while len(self._programs) > self.max_entries:
             self._programs.popitem(last=False)

@@ -35,7 +35,8 @@ from graphir.ir import Graph
 from graphir.models.default_model import DEFAULT_MODEL
 from graphir.models.hf_dir import TOKENIZER_FILE, read_text
 from graphir.models.loader import DEFAULT_MAX_CTX
-from graphir.passes import PASSES, parse_pipeline, pipelines, run_pipeline
+from graphir.passes import AUTO as AUTO_PIPELINE
+from graphir.passes import PASSES, parse_pipeline, pipelines, resolve_pipeline, run_pipeline, spell_pipeline
 
 DEFAULT_DRAFT_LEN = 4
 MAX_DRAFT_LEN = 15  # graphir.speculative.MAX_DRAFT_LEN (not imported here: it pulls in the model stack)
@@ -91,6 +92,17 @@ def _pipeline_option(ctx: click.Context, param: click.Parameter, value: str | No
         except GraphirError as e:
             raise click.BadParameter(str(e), ctx, param) from None
     return value
+
+
+def _backend_pipeline_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --passes of a command that runs on a backend: "auto" (that backend's pipeline, resolved once the backend
+    is known) or a pipeline checked as _pipeline_option checks it."""
+    return value if value == AUTO_PIPELINE else _pipeline_option(ctx, param, value)
+
+
+# --passes of run, chat and bench: each backend's own pipeline unless told
+PASSES_DEFAULT_HELP = ("  [default: auto: the backend's pipeline, reference `default`, cpu `cpu`, gpu `gpu`; "
+                       "`default` keeps every product in f32]")
 
 
 def _checked_backend(name: str) -> str:
@@ -247,8 +259,8 @@ def _load_options(backend_help: str, passes_help: str, ctx_holds: str) -> Callab
     """--backend, --passes and --ctx, as run and chat take them; `ctx_holds` says what the KV cache keeps."""
     options = [
         click.option("--backend", type=BACKEND_CHOICE, default=None, help=backend_help),
-        click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
-                     help=passes_help),
+        click.option("--passes", "pipeline", default=AUTO_PIPELINE, callback=_backend_pipeline_option,
+                     help=passes_help + PASSES_DEFAULT_HELP),
         click.option("--ctx", type=click.IntRange(min=1), default=None,
                      help=f"KV-cache capacity in tokens, {ctx_holds}  [default: the model's context, at most "
                           f"{DEFAULT_MAX_CTX}]"),
@@ -301,11 +313,12 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     if tp > 1 and draft:
         raise click.UsageError("--draft does not run with --tp yet")
     backend = _checked_backend(backend or AUTO)
+    pipeline = resolve_pipeline(pipeline, backend)
     _check_runnable(model)
     if draft and draft != "lookup":
         _check_runnable(draft)
     api = _api()
-    click.echo(f"loading {model} on {backend} ...", err=True)
+    click.echo(f"loading {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     t0 = time.perf_counter()
     # --threads only when given: without it load() leaves the thread setting as it is (auto)
     lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, **({"threads": threads} if threads else {}),
@@ -363,8 +376,9 @@ def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, tempera
     The conversation stays in the KV cache, so each turn reads only its new tokens.
     """
     backend = _checked_backend(backend or AUTO)
+    pipeline = resolve_pipeline(pipeline, backend)
     _check_runnable(model)
-    click.echo(f"loading {model} on {backend} ...", err=True)
+    click.echo(f"loading {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     lm = _api().load(model, backend=backend, passes=pipeline, ctx=ctx)
     if lm.tokenizer is None or not getattr(lm.tokenizer, "chat_template", None):
         raise CliError(f"{model}: no chat template in the model's files; use `graphir run` for raw completion")
@@ -559,8 +573,8 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("--backend", type=BACKEND_CHOICE, default=AUTO, show_default=True,
               help="auto: gpu when CuPy sees a device, else cpu")
-@click.option("--passes", "pipeline", default="default", show_default=True, callback=_pipeline_option,
-              help="pass pipeline applied before lowering ('' for none)")
+@click.option("--passes", "pipeline", default=AUTO_PIPELINE, callback=_backend_pipeline_option,
+              help="pass pipeline applied before lowering ('' for none)" + PASSES_DEFAULT_HELP)
 @click.option("--prefill", type=click.IntRange(min=1), default=512, show_default=True,
               help="tokens fed at once for the prefill rate")
 @click.option("--prompt", type=click.IntRange(min=1), default=128, show_default=True,
@@ -604,6 +618,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     if draft and draft != "lookup":
         _check_runnable(draft)
     backend = _checked_backend(backend)
+    pipeline = resolve_pipeline(pipeline, backend)  # numbers name the pipeline that made them, never "auto"
     if threads is not None:  # per process, like numba's pool: bench's own load() then runs with it
         from graphir.backends.cpu.threads import set_threads
 
@@ -617,7 +632,7 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
                        dtype=dtype)
     except ValueError as e:
         raise CliError(str(e)) from None
-    command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", pipeline,
+    command = shlex.join(["graphir", "bench", model, "--backend", backend, "--passes", spell_pipeline(pipeline),
                           "--prefill", str(prefill), "--prompt", str(prompt), "--decode", str(decode),
                           "--repeats", str(repeats)]
                          + (["--long-prefill", str(long_prefill)] if long_prefill is not None else [])

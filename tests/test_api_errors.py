@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import graphir
 from graphir.errors import BackendError, GraphError, InputError, LoadError
+from graphir.passes import BACKEND_PIPELINES
 from graphir.quant import dequantize
 
 TINY, _ = PRESETS["llama-tiny"]
@@ -105,7 +106,7 @@ def test_unknown_specs_backend_and_ctx(tmp_path):
 
 def test_load_defaults_are_the_clis():
     m = graphir.load("random:llama-tiny")
-    assert (m.backend, m.passes) == (resolve_backend("auto"), "default")
+    assert (m.backend, m.passes) == (resolve_backend("auto"), BACKEND_PIPELINES[m.backend])  # passes "auto"
 
 
 def test_bad_pipeline_fails_at_load_before_any_file_is_read(tmp_path):

@@ -361,12 +361,14 @@ def test_run_uses_the_defaults_of_load(monkeypatch: pytest.MonkeyPatch) -> None:
     from graphir.backends.registry import resolve_backend
 
     from graphir.api import load
+    from graphir.passes import BACKEND_PIPELINES
 
     defaults = {k: p.default for k, p in inspect.signature(load).parameters.items()}
-    assert (defaults["backend"], defaults["passes"], defaults["ctx"]) == ("auto", "default", None)
+    assert (defaults["backend"], defaults["passes"], defaults["ctx"]) == ("auto", "auto", None)
     calls = fake_api(monkeypatch, FakeModel("cpu"))
     assert invoke("run", "tiny", "-n", "1").exit_code == 0
-    assert calls == [{"backend": resolve_backend("auto"), "passes": "default", "ctx": None}]
+    backend = resolve_backend("auto")  # and its pipeline, resolved before load as load resolves it
+    assert calls == [{"backend": backend, "passes": BACKEND_PIPELINES[backend], "ctx": None}]
 
 
 def test_run_ctx_sets_the_kv_capacity_and_the_context_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -356,7 +356,7 @@ def test_pass_has_name_and_one_line_description(name):
 
 
 def test_unknown_pass_lists_known_ones():
-    with pytest.raises(GraphError, match=r"unknown pass 'fuse-everything'.*known: default, attn-bf16, cse, dce"):
+    with pytest.raises(GraphError, match=r"unknown pass 'fuse-everything'.*known: default, cpu, gpu, attn-bf16, cse"):
         parse_pipeline("dce,fuse-everything")
 
 

@@ -5,9 +5,10 @@
 
 A pass is a function or a frozen dataclass registered with `@register_pass(name, description)`;
 a dataclass's fields are its options, written `name{field=value,...}` (xDSL style).
-`default` is the pipeline `graphir run` uses. Every pass returns a new Graph with the same
-output names, updates and meta. See graphir/flags.py for GRAPHIR_VERIFY_PASSES,
-GRAPHIR_DUMP_PASSES and GRAPHIR_NO_FUSION.
+`default` keeps every product in f32; `cpu` and `gpu` add each backend's fast passes; `auto` (what
+`graphir.load` and `graphir run` use by default) is the backend's own, named by resolve_pipeline.
+Every pass returns a new Graph with the same output names, updates and meta. See graphir/flags.py
+for GRAPHIR_VERIFY_PASSES, GRAPHIR_DUMP_PASSES and GRAPHIR_NO_FUSION.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ PASSES: dict[str, Pass] = {}
 
 def register_pass(name: str, description: str) -> Callable:
     def deco(impl: Callable) -> Callable:
-        if name in PASSES or name == "default":
+        if name in PASSES or name in ("default", "cpu", "gpu", "auto"):  # pipeline names
             raise GraphError(f"pass {name!r} is registered twice")
         PASSES[name] = Pass(name, description, impl)
         return impl
@@ -87,10 +88,48 @@ def default_pipeline() -> list[str]:
     return ["replay-lint", *CLEANUP, *fusions, *CLEANUP]
 
 
+# Each backend's fast path: default, then passes that trade exact f32 for speed where that backend gains.
+GPU_PASSES = [
+    "gemm-bf16",  # prefill GEMMs on tensor cores: Qwen3-8B's prefill ~5x f32's (BENCHMARKS.md, fourteenth session)
+    "attn-bf16",  # prefill attention on tensor cores; decode (<= 16 queries) stays f32
+    "gemm-bf16-out",  # after gemm-bf16: gate and up stored in bf16, half the bytes the activation reads
+]
+CPU_PASSES = [
+    # 16-bit x and integer dot products for 4-bit decode GEMVs: 1.09-1.17x the f32 path's decode, greedy text
+    # unchanged on issue 13's 57 prompts (BENCHMARKS.md, "16-bit activations end to end")
+    "q16-activations",
+]
+
+AUTO = "auto"  # the backend's own pipeline: BACKEND_PIPELINES, resolved by resolve_pipeline
+BACKEND_PIPELINES = {"reference": "default", "cpu": "cpu", "gpu": "gpu"}  # the oracle stays exact
+
+
 def pipelines() -> dict[str, list[str]]:
     """Named pipelines -> their passes in order; a name expands in place inside a pipeline string.
     Read when asked, so GRAPHIR_NO_FUSION applies to the call that reads it."""
-    return {"default": default_pipeline()}
+    default = default_pipeline()
+    return {"default": default, "cpu": [*default, *CPU_PASSES], "gpu": [*default, *GPU_PASSES]}
+
+
+def resolve_pipeline(spec: str, backend: str) -> str:
+    """`spec` with "auto" replaced by `backend`'s pipeline name (BACKEND_PIPELINES); any other spec as given.
+    Backend "auto" is resolved first (gpu when CuPy sees a device, else cpu); a named backend needs no device."""
+    if spec != AUTO:
+        return spec
+    from graphir.backends.registry import resolve_backend
+
+    backend = resolve_backend(backend)
+    if backend not in BACKEND_PIPELINES:
+        raise GraphError(f"passes 'auto': no pipeline for backend {backend!r}; known: {', '.join(BACKEND_PIPELINES)}")
+    return BACKEND_PIPELINES[backend]
+
+
+def spell_pipeline(spec: str) -> str:
+    """`spec` with each backend pipeline name (cpu, gpu) written out as default and its passes: what a benchmark
+    records, so that its numbers stay attributable after such a pipeline gains a pass."""
+    extras = {"cpu": CPU_PASSES, "gpu": GPU_PASSES}
+    items = [item.strip() for item in re.split(r",(?![^{]*\})", spec) if item.strip()]
+    return ",".join(",".join(["default", *extras[item]]) if item in extras else item for item in items)
 
 
 _ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
@@ -108,6 +147,9 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
         pos = m.end()
         name, opts = m[1], _parse_options(spec, m[2] or "")
         named = pipelines()
+        if name == AUTO:
+            raise GraphError(f"pipeline {spec!r}: 'auto' is the backend's pipeline, a whole --passes value on its "
+                             f"own (resolve_pipeline); with other passes name one: {', '.join(named)}")
         if name in named:
             if opts:
                 raise GraphError(f"pipeline {spec!r}: {name} takes no options; spell its passes out instead")
@@ -201,4 +243,5 @@ from graphir.passes import (  # noqa: E402,F401
 )
 
 __all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
-           "default_pipeline", "pipelines"]
+           "default_pipeline", "pipelines", "resolve_pipeline", "spell_pipeline", "AUTO", "BACKEND_PIPELINES",
+           "CPU_PASSES", "GPU_PASSES"]
