@@ -294,28 +294,6 @@ def case_decode_matmuls(wtype: str) -> Graph:
     pre = g.mul_mat(_w("blk.0.attn_q.weight", 40, "q4_0"), xn, name="q_prefill")
     return Graph({"q": q, "o": o, "act": act, "pre": pre}, meta={"case": "decode_matmuls"})
 
-def case_norm_gemv(wtype: str) -> Graph:
-    """A decode step's norms between GEMVs of float weights (fuse-norm-gemv fuses whatever wtype is): a first
-    layer's plain norm before a bf16 q projection, the o projection (f32) added to the residual and normed for a
-    stacked f16 gate|up activation, a down projection of wtype added again for the output norm and head; and a
-    prefill's norm (N rows: kept)."""
-    x1, res = g.input("x1", (1, D)), g.input("res", (1, D))
-    h = g.mul(g.rms_norm(x1, eps=1e-5), g.param("blk.0.attn_norm.weight", (D,)), name="blk.0.attn_norm")
-    q = g.mul_mat(_w("blk.0.attn_q.weight", D, "bf16"), h, name="blk.0.attn_q")
-    o = g.mul_mat(_w("blk.0.attn_output.weight", D, "f32"), q, name="blk.0.attn_out")
-    ffn = g.add_rms_norm_mul(res, o, g.param("blk.0.ffn_norm.weight", (D,)), eps=1e-6)
-    act = g.mul_mat_swiglu(_w("blk.0.ffn_gate.weight+blk.0.ffn_up.weight", 2 * D, "f16"), g.item(ffn, index=0),
-                           name="blk.0.ffn_act")
-    down = g.mul_mat(g.param("blk.0.ffn_down.weight", (D, D), wtype), act, name="blk.0.ffn_out")
-    out = g.add_rms_norm_mul(g.item(ffn, index=1, name="blk.0.attn_res"), down, g.param("output_norm.weight", (D,)),
-                             eps=1e-6)
-    logits = g.mul_mat(_w("output.weight", 40, "f32"), g.item(out, index=0), name="logits")
-    xn = _x()
-    pre = g.mul_mat(_w("blk.1.attn_q.weight", 40, "f32"),
-                    g.mul(g.rms_norm(xn, eps=1e-5), g.param("blk.1.attn_norm.weight", (D,))), name="q_prefill")
-    return Graph({"logits": logits, "pre": pre}, meta={"case": "norm_gemv"})
-
-
 TARGETED_CASES: dict[str, Case] = {
     "shard-tp": Case(case_ffn, "all_reduce"),
     "gemm-bf16": Case(case_ffn, "mul_mat_bf16"),
@@ -339,7 +317,6 @@ TARGETED_CASES: dict[str, Case] = {
     "fuse-rms-norm-mul-gate": Case(case_gated_norm, "rms_norm_mul_gate"),
     "fuse-mul-sigmoid": Case(case_sigmoid_gate, "mul_sigmoid"),
     "fuse-mul-mat-swiglu": Case(case_stacked_swiglu, "mul_mat_swiglu"),
-    "fuse-norm-gemv": Case(case_norm_gemv, "rms_norm_mul_mat"),
 }
 
 

@@ -26,13 +26,11 @@ from . import host_collective as HC
 from . import kernels as K
 from . import kv_f16 as KF
 from . import matmul as MM
-from . import precompile
 from .direct_call import KernelCall
 
 # While CpuProgram._bind runs, the kernels its steps will call, in step order: ("mm", weight dtype, rows of x,
-# or None for get_rows), ("intx", module of an integer-x GEMV) and ("kernel", numba dispatcher, args).
-# precompile.py compiles them before the first call, sharing the work with a helper process on a cold cache.
-# None: not recording.
+# or None for get_rows) and ("kernel", numba dispatcher, args). precompile.py compiles them before the first
+# call, sharing the work with a helper process on a cold cache. None: not recording.
 RECORD: list | None = None
 
 
@@ -161,8 +159,6 @@ def _mul_mat_int_x(module: str):
         if x2 is None or not x2.flags.c_contiguous or x2.dtype != np.float32:
             return None  # a strided or f16 x: the numpy reference
         kernels = importlib.import_module(f"{__package__}.{module}")
-        _note(("intx", module))
-        precompile.wait(f"intx:{module}")  # the helper process may be compiling it: then load it from the cache
         run = kernels.prepare(w.raw, w.dtype, x2, o2, w.weights.derived if w.weights is not None else None, w.key)
         return (o, run) if run is not None else None
     return rule
@@ -261,33 +257,6 @@ def _mul_mat_swiglu(n, ins, out, p):
     half = o.shape[-1]
     y = np.empty(o.shape[:-1] + (2 * half,), np.float32)
     return _in_order(o, _mul_mat(n, ins, [y], p), _swiglu(n, [y[..., :half], y[..., half:]], [o], p))
-
-
-# fuse-norm-gemv's ops as the ops they stand for (the fusion saves a GPU kernel; here the same kernels run)
-def _normed(x: np.ndarray, nw: Any, eps: float) -> tuple[np.ndarray, Callable[[], None]]:
-    """rms_norm(x, eps) * nw into a buffer bound once with the Program, and the step that fills it."""
-    normed = np.empty(x.shape, np.float32)
-    norm, w = _unary2d(K.rms_norm, x, normed, np.float32(eps)), val(nw)
-
-    def step() -> None:
-        norm()
-        np.multiply(normed, w, out=normed)
-    return normed, step
-
-
-def _rms_norm_mul_mat(n, ins, out, p):
-    normed, norm = _normed(val(ins[1]), ins[2], p["eps"])
-    return _in_order(out[0], (normed, norm), _mul_mat(n, [ins[0], normed], out, p))
-
-
-def _rms_norm_mul_mat_swiglu(n, ins, out, p):
-    normed, norm = _normed(val(ins[1]), ins[2], p["eps"])
-    return _in_order(out[0], (normed, norm), _mul_mat_swiglu(n, [ins[0], normed], out, p))
-
-
-def _mul_mat_add(n, ins, out, p):
-    o, r = out[0], val(ins[2])
-    return _in_order(o, _mul_mat(n, ins[:2], out, p), (o, lambda: np.add(r, o, out=o)))
 
 
 def _in_order(value: Any, *lowered: tuple | None) -> tuple | None:
@@ -496,9 +465,6 @@ RULES: dict[str, Callable] = {
     "flash_attn": _flash_attn,
     "set_rows": _set_rows,
     "add_rms_norm_mul": _add_rms_norm_mul,
-    "rms_norm_mul_mat": _rms_norm_mul_mat,
-    "rms_norm_mul_mat_swiglu": _rms_norm_mul_mat_swiglu,
-    "mul_mat_add": _mul_mat_add,
     "rms_norm_mul_rope": _rms_norm_mul_rope,
     "rope_set_rows": _rope_set_rows,
     "rms_norm_mul_rope_set_rows": _rms_norm_mul_rope_set_rows,

@@ -189,46 +189,6 @@ def _add_rms_norm_mul(lw, n, ins, outs, p):
             binary_launch("mul", normed, w, y_norm)]
 
 
-# ---------------------------------------------------------------- fuse-norm-gemv's ops (matmul.fused_gemv1)
-def _rms_norm_mul_mat(lw, n, ins, outs, p):
-    w, x, nw, y = ins[0], dev(ins[1]), dev(ins[2]), outs[0]
-    if y.size == 0:
-        return []
-    kernel = matmul.fused_gemv1(w, x.reshape(-1, x.shape[-1]), nw, "nm")
-    if kernel is not None:
-        return [matmul.fused_launch(kernel, w, x.reshape(1, -1), y.reshape(1, -1), w.shape[0], nw, p["eps"], None)]
-    normed = lw.scratch(x.shape)
-    return [rms_norm_launch(x, nw, normed, p["eps"]), *matmul.lower_mul_mat(lw, n, [w, normed], [y], p)]
-
-
-def _rms_norm_mul_mat_swiglu(lw, n, ins, outs, p):
-    w, x, nw, y = ins[0], dev(ins[1]), dev(ins[2]), outs[0]
-    if y.size == 0:
-        return []
-    x2, half = x.reshape(-1, x.shape[-1]), y.shape[-1]
-    small = matmul.swiglu_fits(w)
-    kernel = matmul.fused_gemv1(w, x2, nw, "swnm" if small else "nm")
-    if kernel is not None and small:
-        return [matmul.fused_launch(kernel, w, x2, y.reshape(1, half), half, nw, p["eps"], None)]
-    if kernel is not None:  # as mul_mat_swiglu's large weights: the stacked product, then the activation
-        both = lw.scratch((1, 2 * half))
-        return [matmul.fused_launch(kernel, w, x2, both, 2 * half, nw, p["eps"], None),
-                matmul.swiglu_halves(both, y, 1, half)]
-    normed = lw.scratch(x.shape)
-    return [rms_norm_launch(x, nw, normed, p["eps"]), *matmul.lower_mul_mat_swiglu(lw, n, [w, normed], [y], p)]
-
-
-def _mul_mat_add(lw, n, ins, outs, p):
-    w, x, r, y = ins[0], dev(ins[1]), dev(ins[2]), outs[0]
-    if y.size == 0:
-        return []
-    kernel = matmul.fused_gemv1(w, x.reshape(-1, x.shape[-1]), None, "rs")
-    if kernel is not None:
-        return [matmul.fused_launch(kernel, w, x.reshape(1, -1), y.reshape(1, -1), w.shape[0], None, 0.0,
-                                    r.reshape(1, -1))]
-    return [*matmul.lower_mul_mat(lw, n, [w, x], [y], p), binary_launch("add", y, r, y)]
-
-
 def _rms_norm_mul_gate(lw, n, ins, outs, p):
     x, w, z = dev(ins[0]), dev(ins[1]), dev(ins[2])
     rows, ncols = _rows(x)
@@ -599,9 +559,6 @@ RULES: dict[str, Callable] = {
     "mul_mat_bf16": matmul.lower_mul_mat_bf16,
     "mul_mat_bf16_rounded": matmul.lower_mul_mat_bf16_rounded,
     "mul_mat_swiglu": matmul.lower_mul_mat_swiglu,
-    "rms_norm_mul_mat": _rms_norm_mul_mat,
-    "rms_norm_mul_mat_swiglu": _rms_norm_mul_mat_swiglu,
-    "mul_mat_add": _mul_mat_add,
     "mul_mat_q8x": lower_mul_mat_q8x,
     "mul_mat_q16x": lower_mul_mat_q16x,
     "get_rows": matmul.lower_get_rows,

@@ -420,25 +420,25 @@ DEVICE float dot4(const F4& a, const float* v) {
     return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
 }
 
+// The decode step's add + rms_norm inside these GEMVs was built and measured slower (H200, 2026-12-02,
+// profile_gpu_decode.py, captured step): the add as the producing GEMV's epilogue (y = r + W x) cost nothing,
+// but each reading GEMV then computed the norm's sum of squares from the x it loads and multiplied x by the
+// norm weight as it went: one more f32 stream the size of x per group. Qwen3-8B's q|k|v and gate|up GEMVs
+// went from ~67.5 to ~88 us a layer (g128r1 reads 16 KB of x per 8 KB row already), the step 4,480 -> 5,207 us
+// with 74 kernels fewer; Qwen3-0.6B 882.5 -> 888.3 us (258 -> 200 kernels; its gate|up GEMV 3.82 -> 6.10 us).
 // SW (mul_mat_swiglu): W holds 2 * n_out rows, gate rows then up rows. Groups come in pairs: the
 // first reads NR gate rows, the second the same outputs' up rows, each exactly as a plain group reads
 // its rows (the same loads in flight a lane, contiguous row streams); the up sums meet the gate sums
 // in shared memory and only Y[o] = silu(gate) * up is stored, the expression of elementwise.cu's
 // swiglu_split_f32 (so the fused op equals the two unfused kernels bit for bit).
-//
-// NORM (rms_norm_mul_mat[_swiglu]): X is the un-normalized row s; y = (W . (s * NW)) / sqrt(mean(s^2) + eps).
-// Each group loads every x value of the row once, so it sums s^2 from the values it loads (no pass of its
-// own) and multiplies them by the norm weight NW (f32, one a column) as they arrive; the scale is applied
-// to the finished dot products. RES (mul_mat_add): y = R + W . x, R[o] read by the thread that stores y[o].
-template <class F, int T, int G, int NR, int UN, bool SW = false, bool NORM = false, bool RES = false>
+template <class F, int T, int G, int NR, int UN, bool SW = false>
 DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                         float* __restrict__ Y, int n_out, int n_in, const float* __restrict__ NW = nullptr,
-                         float eps = 0.0f, const float* __restrict__ R = nullptr) {
+                         float* __restrict__ Y, int n_out, int n_in) {
     static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
     static_assert(!SW || (T / G) % 2 == 0, "a swiglu block holds gate/up pairs of groups");
     constexpr int GP = SW ? T / G / 2 : T / G;  // groups of outputs per block
     __shared__ float tab_smem[16];
-    __shared__ float part[G > 32 ? T / 32 * (NR + NORM) : 1];
+    __shared__ float part[G > 32 ? T / 32 * NR : 1];
     __shared__ float up_sums[SW ? GP : 1][NR];
     const float* tab = init_table<F>(tab_smem);
     const int lane = threadIdx.x % G, grp = threadIdx.x / G;
@@ -451,7 +451,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         const int o = row0 + r < n_out ? row0 + r : n_out - 1;
         wr[r] = W + (long long)(up ? n_out + o : o) * row_bytes;
     }
-    float acc[NR], ss = 0.0f;  // ss: NORM's sum of x^2 over this lane's x values
+    float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int units = (n_in / F::QK) * F::UPB;
@@ -477,15 +477,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
             for (int w = 0; w < F::WPU; ++w) {
                 int o0, o1;
                 F::offs(j, w, o0, o1);
-                F4 a = ldx(xb + o0), c = ldx(xb + o1);
-                if constexpr (NORM) {
-                    ss = fmaf(a.a, a.a, fmaf(a.b, a.b, fmaf(a.c, a.c, fmaf(a.d, a.d, ss))));
-                    ss = fmaf(c.a, c.a, fmaf(c.b, c.b, fmaf(c.c, c.c, fmaf(c.d, c.d, ss))));
-                    const float* nb = NW + (long long)b * F::QK;
-                    const F4 na = ldx(nb + o0), nc = ldx(nb + o1);
-                    a = F4{a.a * na.a, a.b * na.b, a.c * na.c, a.d * na.d};
-                    c = F4{c.a * nc.a, c.b * nc.b, c.c * nc.c, c.d * nc.d};
-                }
+                const F4 a = ldx(xb + o0), c = ldx(xb + o1);
                 if constexpr (F::AFFINE) {
                     const float sa = (a.a + a.b) + (a.c + a.d), sc = (c.a + c.b) + (c.c + c.d);
 #pragma unroll
@@ -509,32 +501,24 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = sum32(acc[r]);
-    if constexpr (NORM) ss = sum32(ss);
     bool store = (threadIdx.x & 31) == 0;
     if constexpr (G > 32) {
-        constexpr int NP = NR + NORM;  // values a warp leaves in part: its row sums, then its ss
         const int warp = threadIdx.x / 32, sub = lane / 32;  // 32-lane part of the block, of its group
         if (store) {
 #pragma unroll
-            for (int r = 0; r < NR; ++r) part[warp * NP + r] = acc[r];
-            if constexpr (NORM) part[warp * NP + NR] = ss;
+            for (int r = 0; r < NR; ++r) part[warp * NR + r] = acc[r];
         }
         __syncthreads();
         store = store && sub == 0;
         if (store) {
 #pragma unroll
-            for (int r = 0; r < NR + NORM; ++r) {
+            for (int r = 0; r < NR; ++r) {
                 float s = 0.0f;
 #pragma unroll
-                for (int k = 0; k < G / 32; ++k) s += part[(warp + k) * NP + r];
-                if (r < NR) acc[r] = s; else ss = s;
+                for (int k = 0; k < G / 32; ++k) s += part[(warp + k) * NR + r];
+                acc[r] = s;
             }
         }
-    }
-    if constexpr (NORM) {  // the norm's scale, on the sums of x * NW
-        const float inv = 1.0f / sqrtf(ss / (float)n_in + eps);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) acc[r] *= inv;
     }
     if constexpr (SW) {
         if (store && up) {
@@ -552,7 +536,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     } else if (store) {
 #pragma unroll
         for (int r = 0; r < NR; ++r)
-            if (row0 + r < n_out) Y[row0 + r] = RES ? R[row0 + r] + acc[r] : acc[r];
+            if (row0 + r < n_out) Y[row0 + r] = acc[r];
     }
 }
 
@@ -581,26 +565,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #define DEFINE_GEMV1V2(name, F) \
     FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1SW_CFG, name, F)
 FOR_EACH_WIDE(DEFINE_GEMV1V2)
-// gemv1nm_ / gemv1swnm_ (NORM: rms_norm_mul_mat[_swiglu]) and gemv1rs_ (RES: mul_mat_add) of the float
-// formats (fuse-norm-gemv's `formats`): the gemv1v2 / gemv1sw kernels with three more arguments.
-#define GEMV1X_ARGS                                                                                       \
-    const u8 *__restrict__ W, long long row_bytes, const float *__restrict__ X, float *__restrict__ Y,    \
-        int n_out, int n_in, int m, const float *__restrict__ NW, float eps, const float *__restrict__ R
-#define DEFINE_GEMV1X_CFG(name, F, cfg, T, G, NR, UN)                                                      \
-    extern "C" __global__ void __launch_bounds__(T) gemv1nm_##name##_##cfg(GEMV1X_ARGS) {                 \
-        PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, T, G, NR, UN, false, true>(W, row_bytes, X, Y, n_out, n_in, NW, eps);              \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(T == G ? 2 * T : T) gemv1swnm_##name##_##cfg(GEMV1X_ARGS) { \
-        PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true, true>(W, row_bytes, X, Y, n_out, n_in, NW, eps); \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(T) gemv1rs_##name##_##cfg(GEMV1X_ARGS) {                 \
-        PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, T, G, NR, UN, false, false, true>(W, row_bytes, X, Y, n_out, n_in, NW, eps, R);    \
-    }
-#define DEFINE_GEMV1X(name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1X_CFG, name, F)
-FOR_EACH_FLOAT(DEFINE_GEMV1X)
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 3
 // gemv1v3_<fmt>_<cfg> (q8_0, q4_0, q4_k; cfg r2 / r4 = rows per 32-lane group): the decode GEMV

@@ -134,12 +134,6 @@ GEMV1_SW = {"g32r2": (128, 4), "g32r4": (128, 8), "g64r2": (128, 2), "g128r1": (
 SW_MAX_BYTES = 32 << 20
 
 
-def swiglu_fits(w: Any) -> bool:
-    """A stacked gate|up Param weight small enough for the GEMV that stores the activation (SW_MAX_BYTES)."""
-    return (isinstance(w, GpuParam) and len(w.shape) == 2
-            and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES)
-
-
 def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     """mul_mat_swiglu(w, x): one kernel that stores silu(gate) * up from its gate and up sums where the
     weight is at most SW_MAX_BYTES and its decode GEMV has a swiglu twin: at m == 1 a gemv1v2 geometry
@@ -150,7 +144,8 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
     m = math.prod(x.shape[:-1])
     if m == 0 or half == 0:
         return []
-    if swiglu_fits(w) and m <= GEMVM_MAX_TOKENS and x.dtype == np.float32:
+    if (isinstance(w, GpuParam) and len(w.shape) == 2 and m <= GEMVM_MAX_TOKENS and x.dtype == np.float32
+            and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES):
         _check_fmt(w.dtype, "mul_mat_swiglu")
         name, threads, rows = gemv_kernel(w.dtype, w.shape[0], w.shape[1], m, w.raw.data.ptr)
         if name.startswith("gemv1v2_"):
@@ -170,39 +165,9 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
                                    (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(m, half),
                                     i32(half), i32(w.shape[1]), i32(m)))]
     both = lw.scratch(y.shape[:-1] + (2 * half,))
-    return lower_mul_mat(lw, n, [w, x], [both], p) + [swiglu_halves(both, y, m, half)]
-
-
-def swiglu_halves(both: Any, y: Any, m: int, half: int) -> Launch:
-    """y = silu(both[.., :half]) * both[.., half:] over m rows."""
-    return Launch("elementwise.cu", "swiglu_halves_f32", min(cdiv(m * half, 256), _MAX_GRID), 256,
-                  (both, y, np.int64(m * half), i32(half)))
-
-
-# ---------------------------------------------------------------- fuse-norm-gemv's ops
-# At m == 1 with a float weight whose GEMV is a gemv1v2 geometry, one kernel: gemv1nm_ / gemv1swnm_ (the
-# norm of x inside the GEMV) and gemv1rs_ (the residual added as each output is stored), matmul.cu. Every
-# other case runs the ops the fused one stands for, one kernel each (the rules are in lowering.py).
-def fused_gemv1(w: Any, x2: Any, nw: Any, kind: str) -> tuple[str, int, int] | None:
-    """(kernel, threads, rows or outputs a block) of the fused m == 1 GEMV `kind` (nm, swnm, rs), or None."""
-    aligned = all(a is None or a.data.ptr % 16 == 0 for a in (x2, nw))
-    if not (isinstance(w, GpuParam) and len(w.shape) == 2 and w.dtype in FLOATS and x2.shape[0] == 1 and aligned
-            and x2.dtype == np.float32 and (nw is None or (nw.dtype == np.float32 and nw.size == w.shape[1]))):
-        return None
-    name, threads, rows = gemv_kernel(w.dtype, w.shape[0], w.shape[1], 1, w.raw.data.ptr)
-    if not name.startswith("gemv1v2_"):
-        return None
-    if kind == "swnm":
-        threads, rows = GEMV1_SW[name.rsplit("_", 1)[1]]
-    return name.replace("gemv1v2_", f"gemv1{kind}_", 1), threads, rows
-
-
-def fused_launch(kernel: tuple[str, int, int], w: GpuParam, x2: Any, y2: Any, n_out: int, nw: Any, eps: float,
-                  r: Any) -> Launch:
-    name, threads, rows = kernel
-    return Launch("matmul.cu", name, cdiv(n_out, rows), threads,
-                  (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y2, i32(n_out), i32(w.shape[1]), i32(1),
-                   nw if nw is not None else x2, np.float32(eps), r if r is not None else x2))
+    steps = lower_mul_mat(lw, n, [w, x], [both], p)
+    return steps + [Launch("elementwise.cu", "swiglu_halves_f32", min(cdiv(m * half, 256), _MAX_GRID), 256,
+                           (both, y, np.int64(m * half), i32(half)))]
 
 
 def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:

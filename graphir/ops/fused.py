@@ -108,54 +108,6 @@ op("mul_mat_swiglu", 2, "y = x @ w^T, F = half of w's rows: silu(y[..., :F]) * y
    )((_mul_mat_swiglu_infer, _mul_mat_swiglu_ref))
 
 
-# ---------------------------------------------------------------- norms and residual adds inside GEMVs
-# A decode step's add + rms_norm sat in a kernel of its own between two GEMVs. The residual add can be the
-# epilogue of the GEMV that produced one operand (one value a row), and the norm's one scalar a token can be
-# computed by each GEMV that reads the normed row, from the x values it loads anyway (fuse-norm-gemv).
-def _mul_mat_add_infer(ts: list[Type], p: dict) -> Type:
-    w, x, r = ts
-    y = OPS["mul_mat"].infer([w, x], p)
-    need(tuple(r[0]) == tuple(y[0]) and r[1] == y[1],
-         f"the residual {list(r[0])} {r[1]} must have the product's shape and dtype {list(y[0])} {y[1]}")
-    return y
-
-
-def _mul_mat_add_ref(w, x, r) -> np.ndarray:
-    return OPS["add"].ref(r, OPS["mul_mat"].ref(w, x))
-
-
-op("mul_mat_add", 3, "y = r + x @ w^T: a projection and the residual add after it (the GEMV's epilogue adds r)"
-   )((_mul_mat_add_infer, _mul_mat_add_ref))
-
-
-def _rms_norm_mul_mat_infer(ts: list[Type], p: dict, product: str = "mul_mat") -> Type:
-    w, x, nw = ts
-    need(len(nw[0]) == 1 and nw[0][0] == x[0][-1],
-         f"the norm weight {list(nw[0])} must hold one value per column of x {list(x[0])}")
-    return OPS[product].infer([w, x], p)
-
-
-def _rms_norm_mul_mat_ref(w, x, nw, eps: float) -> np.ndarray:
-    return OPS["mul_mat"].ref(w, OPS["mul"].ref(_rms_norm(x, eps), nw))
-
-
-op("rms_norm_mul_mat", 3, "y = (rms_norm(x, eps) * nw) @ w^T: the norm of the rows a projection reads, inside it",
-   {"eps": (float, REQUIRED)})((_rms_norm_mul_mat_infer, _rms_norm_mul_mat_ref))
-
-
-def _rms_norm_mul_mat_swiglu_infer(ts: list[Type], p: dict) -> Type:
-    return _rms_norm_mul_mat_infer(ts, p, "mul_mat_swiglu")
-
-
-def _rms_norm_mul_mat_swiglu_ref(w, x, nw, eps: float) -> np.ndarray:
-    return OPS["mul_mat_swiglu"].ref(w, OPS["mul"].ref(_rms_norm(x, eps), nw))
-
-
-op("rms_norm_mul_mat_swiglu", 3,
-   "mul_mat_swiglu(w, rms_norm(x, eps) * nw): the FFN's norm, its gate|up GEMV and the activation",
-   {"eps": (float, REQUIRED)})((_rms_norm_mul_mat_swiglu_infer, _rms_norm_mul_mat_swiglu_ref))
-
-
 # ---------------------------------------------------------------- recurrent (Gated DeltaNet) fusions
 def _ssm_conv_silu_infer(ts: list[Type], p: dict) -> list[Type]:
     return OPS["ssm_conv"].infer(ts, p)
