@@ -232,7 +232,6 @@ from graphir.passes import (  # noqa: E402,F401
     fuse_ssm,
     gemm_bf16,
     kv_f16,
-    norm_gemv,
     q8_activations,
     q16_activations,
     replay_lint,
