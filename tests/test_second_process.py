@@ -157,3 +157,38 @@ def test_entry_point_finds_the_overload_the_dispatcher_ran():
         out[:] = 0
         call(x, out)
         np.testing.assert_array_equal(out, x * 2)
+
+
+# ---- the verifier's write-order rule, walking back only as far as the earliest reader
+
+
+def _full_ancestors(n) -> set[int]:
+    seen: set[int] = set()
+    stack = list(n.src)
+    while stack:
+        s = stack.pop()
+        if id(s) not in seen:
+            seen.add(id(s))
+            stack.extend(s.src)
+    return seen
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8])
+def test_write_order_walk_finds_the_readers_the_whole_ancestry_does(n_tokens: int) -> None:
+    import graphir
+    from graphir.ops import OPS
+    from graphir.verify import _ancestors, _readers
+
+    m = graphir.load("random:llama-tiny", backend="reference")
+    for g in (m._graph(n_tokens, n_tokens > 1), m.programs.passed(m._graph(n_tokens, n_tokens > 1), "default")):
+        ids, users = g.ids(), g.users()
+        writes = [n for n in g.nodes() if OPS[n.op].writes]
+        assert writes
+        for w in writes:
+            # every node of the graph as a would-be reader: the walk from its position answers as the whole ancestry
+            full = _full_ancestors(w)
+            for r in g.nodes():
+                assert (id(r) in _ancestors(w, ids[id(r)], ids)) == (id(r) in full)
+            readers = [r for r in _readers(users, w.src[0]) if r is not w]
+            floor = min((ids[id(r)] for r in readers), default=ids[id(w)])
+            assert {id(r) for r in readers} & _ancestors(w, floor, ids) == {id(r) for r in readers} & full
