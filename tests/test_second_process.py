@@ -192,3 +192,14 @@ def test_write_order_walk_finds_the_readers_the_whole_ancestry_does(n_tokens: in
             readers = [r for r in _readers(users, w.src[0]) if r is not w]
             floor = min((ids[id(r)] for r in readers), default=ids[id(w)])
             assert {id(r) for r in readers} & _ancestors(w, floor, ids) == {id(r) for r in readers} & full
+
+
+def test_added_tokens_are_the_ones_the_token_types_name(smol: Tokenizer) -> None:
+    from graphir.models.default_model import smollm2_path
+    from graphir.models.gguf_file import GGUFFile
+
+    md = GGUFFile(smollm2_path()).metadata
+    pairs = list(zip(md["tokenizer.ggml.tokens"], list(md["tokenizer.ggml.token_type"]), strict=True))
+    control = {t for t, ty in pairs if ty == 3}  # the one-by-one reading this replaced
+    added = {a.content: a.special for a in smol._tk.get_added_tokens_decoder().values()}
+    assert control and added == dict.fromkeys(control, True)
