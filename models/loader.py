@@ -15,6 +15,7 @@ from typing import Any
 
 from graphir.dtypes import DTYPES, FLOAT, QUANTIZED
 from graphir.errors import GraphirError, LoadError
+from graphir.gc_pause import gc_paused
 from graphir.quant import dequantize, quantize
 from graphir.weights import Weight, Weights
 
@@ -28,7 +29,8 @@ DEFAULT_MAX_CTX = 4096  # default KV capacity cap: a full 40k-row cache of an 8B
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, Weights, GGUFFile]:
     """(config, weights under our names, the parsed file for its tokenizer metadata)."""
-    f = GGUFFile(path)
+    with gc_paused():  # the header's vocabulary: ~100k strings in lists kept as long as the file (gc_pause.py)
+        f = GGUFFile(path)
     family = registry.for_gguf(f.metadata, f.label)
     config = family.config_from_gguf(f.metadata, f.tensors, f.label)
     config = with_ctx(config, min(config.context_length, DEFAULT_MAX_CTX))

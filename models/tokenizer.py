@@ -22,6 +22,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from graphir.errors import InputError, LoadError
+from graphir.gc_pause import gc_paused
 
 from .hf_dir import read_text
 
@@ -142,13 +143,14 @@ class Tokenizer:
         types = np.asarray(metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)))
         if types.ndim != 1 or len(types) != len(tokens):
             raise LoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        if kind == BPE_KIND:
-            tk = _gguf_bpe(metadata, tokens, source)
-        elif kind == SPM_KIND:
-            tokens, file_order = _spm_spelling(tokens)
-            tk = _gguf_spm(metadata, tokens, types, source, file_order)
-        else:
+        if kind not in (BPE_KIND, SPM_KIND):
             raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
+        with gc_paused():  # ~150k short-lived and long-lived containers, no garbage cycles (gc_pause.py)
+            if kind == BPE_KIND:
+                tk = _gguf_bpe(metadata, tokens, source)
+            else:
+                tokens, file_order = _spm_spelling(tokens)
+                tk = _gguf_spm(metadata, tokens, types, source, file_order)
         # Control tokens are matched in text and are special; user-defined ones are matched but not special.
         control, user = ([tokens[i] for i in np.flatnonzero(types == k)] for k in (TOKEN_CONTROL, TOKEN_USER_DEFINED))
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])

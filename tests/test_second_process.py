@@ -203,3 +203,59 @@ def test_added_tokens_are_the_ones_the_token_types_name(smol: Tokenizer) -> None
     control = {t for t, ty in pairs if ty == 3}  # the one-by-one reading this replaced
     added = {a.content: a.special for a in smol._tk.get_added_tokens_decoder().values()}
     assert control and added == dict.fromkeys(control, True)
+
+
+# ---- the garbage collector paused over imports and the vocabulary
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_gc_paused_collects_nothing_inside_and_leaves_nothing_frozen() -> None:
+    import gc
+    import weakref
+
+    from graphir.gc_pause import gc_paused
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    dead: list[str] = []
+    with gc_paused():
+        assert not gc.isenabled()
+        c = _Cycle()
+        weakref.finalize(c, dead.append, "made inside")
+        del c
+        kept = [_Cycle() for _ in range(5000)]  # far past the threshold of a young collection
+        assert dead == []  # not collected inside
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # nothing stays frozen
+    later = _Cycle()
+    weakref.finalize(later, dead.append, "kept, then dropped")
+    del kept, later
+    gc.collect()  # cycles made inside, and objects that lived through the block, are collected as before
+    assert sorted(dead) == ["kept, then dropped", "made inside"]
+
+
+def test_gc_paused_keeps_a_callers_frozen_objects_frozen_and_a_disabled_collector_off() -> None:
+    import gc
+
+    from graphir.gc_pause import gc_paused
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            _Cycle()
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), gc_paused():  # an error inside: the collector is back on
+        raise RuntimeError
+    assert gc.isenabled()
