@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from graphir.backends.cpu.precompile import jobs_for
+from graphir.backends.cpu.precompile import int_x_products, jobs_for
 
 
 def test_jobs_follow_the_lowering_choices():
@@ -24,6 +24,48 @@ def test_jobs_follow_the_lowering_choices():
             ("q5_k", 4), ("f32", 2), ("i32", 8)]
     assert jobs_for(uses) == ["matmul:q4_1:tile", "gemv:q8", "matmul:q8_0:rows", "gemv:q4", "matmul:q5_k:gemv",
                               "matmul:q5_k:tile", "matmul:f32:gemv"]
+
+
+def test_one_token_products_follow_the_pipeline():
+    # the cpu pipeline's q16-activations gives decode's 4- and 8-bit products the integer-x GEMV, not the repacked one
+    assert int_x_products("default") is None and int_x_products("") is None
+    q16 = int_x_products("cpu")
+    assert q16 == ("gemv_q16x", frozenset({"q4_0", "q4_1", "q8_0"}), 1)
+    assert int_x_products("default,q8-activations{max_rows=2},q16-activations")[::2] == ("gemv_q8x", 2)
+    uses = [("q4_1", 8), ("q4_1", 1), ("q8_0", 1), ("q5_k", 1), ("q4_1", 2)]
+    assert jobs_for(uses, q16) == ["matmul:q4_1:tile", "intx:gemv_q16x", "matmul:q5_k:gemv", "matmul:q4_1:gemv"]
+
+
+# A prefill Program of the cpu pipeline on a cold cache: the helper compiles the integer-x GEMV its decode will
+# call (and not the repacked one), which this process then loads from the cache.
+_PROBE_Q16 = r"""
+import json, time
+import numpy as np
+from graphir.backends.cpu import gemv_q16x, kernels as K, precompile
+from graphir.quant import quantize
+x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+precompile.prepare([("mm", "q4_1", 5), ("kernel", K.rms_norm, (x, np.float32(1e-6), np.empty_like(x)))], "cpu")
+t0 = time.monotonic()
+while precompile.state("intx:gemv_q16x") in ("queued", "running") and time.monotonic() - t0 < 300:
+    time.sleep(0.05)
+w = quantize(np.random.default_rng(4).standard_normal((7, 64)).astype(np.float32), "q4_1")
+y = np.zeros((1, 7), np.float32)
+gemv_q16x.prepare(w, "q4_1", x[:1].copy(), y)()
+kernel = precompile._int_x_kernel("gemv_q16x")
+print(json.dumps({"jobs": precompile._jobs, "compiled_here": sum(kernel.stats.cache_misses.values())}))
+"""
+
+
+def test_helper_compiles_the_cpu_pipelines_decode_gemv(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no helper process by design")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("GRAPHIR_NO_PRECOMPILE", None)
+    r = subprocess.run([sys.executable, "-c", _PROBE_Q16], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "gemv:q4" not in out["jobs"] and out["jobs"]["intx:gemv_q16x"] == "done", out
+    assert out["compiled_here"] == 0, out
 
 
 # Records what a bound Program would (lowering_rules.RECORD): a q8_0 weight times 5 rows, a q8_0 table read by
@@ -130,7 +172,7 @@ def test_recorded_kernels_are_the_ones_the_steps_call(monkeypatch):
         spy.py_func = kernel.py_func
         monkeypatch.setattr(K, name, spy)
     records: list[list[tuple]] = []  # one per Program bound: the prefill, then the decode step
-    monkeypatch.setattr(precompile, "prepare", lambda recorded: records.append(list(recorded)))
+    monkeypatch.setattr(precompile, "prepare", lambda recorded, pipeline=None: records.append(list(recorded)))
     m = graphir.load("random:llama-tiny", backend="cpu")
     out = list(m.generate([1, 2, 3, 4, 5, 6, 7], 3, stop_at_eos=False))  # a padded prefill, then decode steps
     assert len(out) == 3

@@ -3,8 +3,11 @@ the rest: on 2 cores SmolLM2's first run after an install reaches its first toke
 
 numba compiles under one process-wide lock, so threads cannot share the work; processes can, and
 numba's on-disk cache is where they meet. When a CPU Program binds its steps, lowering_rules records
-the kernels they will call, in step order: matmul kernels ("matmul:q4_1:tile", "gemv:q8") and numba
-kernels with the signature of their bound arguments ("kernel:<module>:<name>:<i>"). If two or more
+the kernels they will call, in step order: matmul kernels ("matmul:q4_1:tile", "gemv:q8"), the integer-x
+GEMVs of q8- / q16-activations ("intx:gemv_q16x") and numba kernels with the signature of their bound
+arguments ("kernel:<module>:<name>:<i>"). The one-token products a prefill's weights get in decode are
+the integer-x GEMV where the Program's pipeline runs q8- or q16-activations (the cpu pipeline), else the
+repacked f32 GEMV ("gemv:q4"). If two or more
 have no cache entry, `prepare` starts `python -m graphir.backends.cpu.precompile SIGS JOB...` with
 them in reverse order (then what decode steps call next: the one-token products of the same
 weights, the kernels again on one-row views, which numba types as contiguous), and compiles them itself
@@ -33,6 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numba
+import numpy as np
 
 from graphir import flags
 
@@ -41,18 +45,40 @@ _proc: subprocess.Popen | None = None
 _buf = b""  # a progress line the helper has not finished writing
 
 
-def jobs_for(uses: Iterable[tuple[str, int | None]]) -> list[str]:
+# the passes that give decode products integer x, and the module whose GEMV then runs them
+INT_X_PASSES = {"q8-activations": "gemv_q8x", "q16-activations": "gemv_q16x"}
+
+
+def int_x_products(pipeline: str | None) -> tuple[str, frozenset[str], int] | None:
+    """(kernel module, weight dtypes, max_rows) of the first pass of `pipeline` that rewrites products to
+    integer x (a later one finds none left to match), or None: what a Program's decode sibling will call."""
+    from graphir.passes import PASSES, parse_pipeline
+
+    for name, opts in parse_pipeline(pipeline or ""):
+        if name in INT_X_PASSES:
+            rewrite = PASSES[name]
+            return INT_X_PASSES[name], frozenset(rewrite.impl.FORMATS), opts.get("max_rows",
+                                                                               rewrite.options["max_rows"])
+    return None
+
+
+def jobs_for(uses: Iterable[tuple[str, int | None]], int_x: tuple[str, frozenset[str], int] | None = None
+             ) -> list[str]:
     """The kernel jobs, each once and in the order given, for weight uses (dtype, rows of x), rows
-    None for get_rows: the choices lowering_rules._mul_mat and matmul.py make for those uses."""
+    None for get_rows: the choices lowering_rules._mul_mat and matmul.py make for those uses, or the
+    integer-x GEMV for the products `int_x` (int_x_products) rewrites."""
     from .gemv_repacked import MAX_TOKENS, kind_of
     from .matmul import SUPPORTED, mode_for
 
     jobs: list[str] = []
     for dtype, rows in uses:
-        if dtype not in SUPPORTED:
+        if int_x and rows is not None and rows <= int_x[2] and dtype in int_x[1]:
+            job = f"intx:{int_x[0]}"
+        elif dtype not in SUPPORTED:
             continue
-        kind = kind_of(dtype) if rows is not None and rows <= MAX_TOKENS else None
-        job = f"gemv:{kind}" if kind else f"matmul:{dtype}:{'rows' if rows is None else mode_for(rows)}"
+        else:
+            kind = kind_of(dtype) if rows is not None and rows <= MAX_TOKENS else None
+            job = f"gemv:{kind}" if kind else f"matmul:{dtype}:{'rows' if rows is None else mode_for(rows)}"
         if job not in jobs:
             jobs.append(job)
     return jobs
@@ -92,8 +118,24 @@ def _dispatcher(job: str, sigs: list | None = None):
         from .gemv_repacked import _KERNELS as GEMV
 
         return GEMV[args[0]], None
+    if kind == "intx":
+        return _int_x_kernel(args[0]), None
     module, name, i = args
     return getattr(importlib.import_module(module), name), sigs[int(i)][2]
+
+
+def _int_x_kernel(module: str) -> Any:
+    """The GEMV dispatcher that `module`'s prepare() binds (gemv_q8x, gemv_q16x: one for every weight format)."""
+    kernels = importlib.import_module(f"{__package__}.{module}")
+    return kernels.KERNELS["avx2" if kernels.AVX2 else "portable"]
+
+
+def _compile_int_x(module: str) -> None:
+    """Compile that GEMV (or load it from numba's cache) for the argument types every one of its calls has:
+    one call on a 2 x 256 q8_0 weight of zeros (C arrays throughout; q4 weights' arrays have the same types)."""
+    kernels = importlib.import_module(f"{__package__}.{module}")
+    w = np.zeros((2, 8 * 34), np.uint8)
+    kernels.prepare(w, "q8_0", np.zeros((1, 256), np.float32), np.zeros((1, 2), np.float32))()
 
 
 def _has_index(dispatcher: Any) -> bool:
@@ -103,7 +145,7 @@ def _has_index(dispatcher: Any) -> bool:
 
 
 def _cached(job: str) -> bool:
-    """The same for a "matmul:..." or "gemv:..." job."""
+    """The same for a "matmul:...", "gemv:..." or "intx:..." job."""
     return _has_index(_dispatcher(job)[0])
 
 
@@ -111,10 +153,11 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prepare(recorded: list[tuple]) -> None:
+def prepare(recorded: list[tuple], pipeline: str | None = None) -> None:
     """Compile the kernels a just-bound Program's steps call (lowering_rules.RECORD, in step order),
     sharing them with a helper process when numba's cache is cold; otherwise leave them to compile
-    (or load from the cache) at their first call, as numba does."""
+    (or load from the cache) at their first call, as numba does. `pipeline`: the passes the Program's
+    graph came from, which say what its weights' one-token products call in decode."""
     global _proc
     if _proc is not None or os.name != "posix" or not sys.executable or _cpus() < 2 \
             or flags.enabled("GRAPHIR_NO_PRECOMPILE"):
@@ -124,11 +167,14 @@ def prepare(recorded: list[tuple]) -> None:
     # what decode steps call next: the kernels on one-row views (small: first), the one-token products
     rows1: list[str] = []
     later: list[str] = []
+    int_x = int_x_products(pipeline)
     for use in recorded:
-        if use[0] == "mm":
+        if use[0] == "intx":
+            new = [f"intx:{use[1]}"] if not _cached(f"intx:{use[1]}") else []
+        elif use[0] == "mm":
             new = [j for j in jobs_for([use[1:]]) if not _cached(j)]
             if use[2] is not None and use[2] > 1:
-                later += [j for j in jobs_for([(use[1], 1)]) if j not in later and not _cached(j)]
+                later += [j for j in jobs_for([(use[1], 1)], int_x) if j not in later and not _cached(j)]
         elif _has_index(use[1]):  # a warm start skips the signatures (typeof over the arguments)
             new = []
         else:
@@ -239,11 +285,14 @@ def _compile(job: str, sigs: list | None = None) -> None:
         from .gemv_repacked import _compile as compile_gemv
 
         compile_gemv(*args)
+    elif kind == "intx":
+        _compile_int_x(args[0])
     elif kind == "kernel":
         dispatcher, sig = _dispatcher(job, sigs)
         dispatcher.compile(sig)
     else:
-        raise ValueError(f"precompile: unknown job {job!r} (matmul:<dtype>:<mode>, gemv:<q4|q8> or kernel:...)")
+        raise ValueError(f"precompile: unknown job {job!r} (matmul:<dtype>:<mode>, gemv:<q4|q8>, "
+                         f"intx:<module> or kernel:...)")
 
 
 def _helper(sigs_file: str, jobs: list[str]) -> None:

@@ -29,9 +29,10 @@ from . import lowering_rules as rules
 
 
 class CpuProgram:
-    def __init__(self, graph: Graph, weights: Weights | None):
+    def __init__(self, graph: Graph, weights: Weights | None, pipeline: str | None = None):
         t0 = time.perf_counter()
         self.graph = verify(graph)
+        self.pipeline = pipeline  # the passes graph came from: what its decode sibling calls (precompile)
         self.weights = weights if weights is not None else Weights()
         weight_cache.attach(self.weights)  # stacked and repacked weights: read back from disk where kept
         self.order = graph.nodes()
@@ -104,7 +105,7 @@ class CpuProgram:
                 rules.RECORD = None
             self._bound_state = key
             self._unwrapped = False
-            precompile.prepare(recorded)  # a cold numba cache: compile them with a helper process
+            precompile.prepare(recorded, self.pipeline)  # a cold numba cache: compile them with a helper process
         for name, arr in feeds.items():
             self.input_buffers[name][...] = arr
         i = 0
@@ -129,7 +130,8 @@ class CpuProgram:
 
 
 def lower(graph: Graph, weights: Weights | None = None, **options: Any) -> CpuProgram:
-    return CpuProgram(graph, weights)
+    """`options["pipeline"]`: the passes `graph` came from (graphir.cache passes it)."""
+    return CpuProgram(graph, weights, options.get("pipeline"))
 
 
 __all__ = ["lower", "CpuProgram"]
