@@ -259,3 +259,27 @@ def test_gc_paused_keeps_a_callers_frozen_objects_frozen_and_a_disabled_collecto
     with pytest.raises(RuntimeError), gc_paused():  # an error inside: the collector is back on
         raise RuntimeError
     assert gc.isenabled()
+
+
+# ---- matmul's generated kernels, defined per dtype when first looked up
+
+
+def test_matmul_kernels_are_defined_at_first_lookup_as_the_whole_source_defines_them() -> None:
+    code = ("import graphir.backends.cpu.matmul as MM; n = len(MM._KERNELS); MM._KERNELS['q4_1', 'tile']; "
+            "print(n, sorted(MM._KERNELS))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split(" ", 1) == ["0", "[('q4_1', 'gemv'), ('q4_1', 'rows'), ('q4_1', 'tile')]\n"]
+    from graphir.backends.cpu import matmul as MM
+
+    whole: dict[str, object] = {}
+    exec(compile(MM._kernel_source(), MM.__file__, "exec"), dict(vars(MM)), whole)
+    for dtype in reversed(MM.SUPPORTED):  # in any order: each at its lines in the whole source
+        for mode in MM.MODES:
+            for name, f in ((f"_kernel_{dtype}_{mode}", MM._KERNELS[dtype, mode]), (f"_deq_{dtype}", None)):
+                mine = (f or getattr(MM, name)).py_func.__code__
+                theirs = whole[name].py_func.__code__
+                assert (mine.co_firstlineno, mine.co_code, mine.co_consts) == \
+                       (theirs.co_firstlineno, theirs.co_code, theirs.co_consts), name
+    with pytest.raises(KeyError):
+        MM._KERNELS["q3_k", "tile"]
