@@ -137,6 +137,10 @@ DEVICE float block_max(float v, float* scratch) {
 // loop that allowed it made the 145 GEMVs of a Qwen3-8B step 27.39 us a call against 26.08-26.32
 // with the plain loop (H200s of one kind, three machines), more than the 15-28 us a step that the
 // early loads themselves saved within that loop (A/B with the same code, one machine).
+// Nor does the m == 1 GEMV prefetching its first weight batch into L1 before the wait, nor one that
+// lets the next kernel be scheduled only after storing its rows (2026-12-02, one H200, Qwen3-8B captured
+// step, profile_gpu_decode.py --defines at 29798cf): 4,488 us shipped, 4,541 with the late trigger, 4,880
+// with the L1 prefetch, 4,929 with both.
 // Nor does the delta-rule step read its State early (no earlier kernel of a graph writes a State its
 // step reads): 3.64 us a call that way against 3.65 (Qwen3.5-9B, replayed alone), no gain to keep.
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

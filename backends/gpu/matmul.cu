@@ -15,17 +15,6 @@
 // otherwise limits 4-bit formats (x is ~8x their weight bytes).
 #include "quant.cuh"
 
-// Measurement variants of the m == 1 GEMV's dependent launch (profile_gpu_decode.py --defines GEMV_LATE_TRIGGER,
-// GEMV_PREFETCH_L1; not shipped): gemv1v2_impl runs PDL_TRIGGER / PDL_WAIT itself, and the other kernels of this
-// file lose theirs, so only a step whose matmul.cu kernels are all gemv1v2's (bf16 decode) is timed that way.
-#if defined(GEMV_LATE_TRIGGER) || defined(GEMV_PREFETCH_L1)
-#define GEMV1_PDL_IN_IMPL 1
-#undef PDL_ENTRY
-#define PDL_ENTRY() ((void)0)
-#else
-#define GEMV1_PDL_IN_IMPL 0
-#endif
-
 #ifndef GEMV_THREADS
 #define GEMV_THREADS 128  // 4 row groups per block: many small blocks balance the SMs at 4096 rows
 #endif
@@ -466,21 +455,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     const int units = (n_in / F::QK) * F::UPB;
-#if GEMV1_PDL_IN_IMPL  // measurement variants (profile_gpu_decode.py --defines), CUDA only
-#ifdef GEMV_PREFETCH_L1  // this lane's first batch of weight lines into L1 before the wait (weights are never written)
-#pragma unroll
-    for (int i = 0; i < UN; ++i) {
-        const int u = lane + G * i < units ? lane + G * i : lane;
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-            asm volatile("prefetch.global.L1 [%0];" ::"l"(wr[r] + (long long)(u / F::UPB) * F::BB));
-    }
-#endif
-#ifndef GEMV_LATE_TRIGGER
-    PDL_TRIGGER();
-#endif
-    PDL_WAIT();
-#endif
     for (int u0 = lane; u0 < units; u0 += G * UN) {
         typename F::U q[UN][NR];
         int bs[UN], js[UN];
@@ -564,9 +538,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         for (int r = 0; r < NR; ++r)
             if (row0 + r < n_out) Y[row0 + r] = acc[r];
     }
-#ifdef GEMV_LATE_TRIGGER  // the next kernel is scheduled once this one's blocks have stored their rows
-    PDL_TRIGGER();
-#endif
 }
 
 // Configurations (matmul.py GEMV1_CONFIGS mirrors them: threads, rows per block = T / G * NR).
