@@ -283,3 +283,25 @@ def test_matmul_kernels_are_defined_at_first_lookup_as_the_whole_source_defines_
                        (theirs.co_firstlineno, theirs.co_code, theirs.co_consts), name
     with pytest.raises(KeyError):
         MM._KERNELS["q3_k", "tile"]
+
+
+def test_decode_attention_kernels_are_made_at_first_lookup_or_by_name() -> None:
+    code = "import graphir.backends.cpu.attention as A; print(len(A.KERNELS))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr[-2000:]
+    from graphir.backends.cpu import attention as A
+
+    for d, block, f16 in ((64, 3, False), (16, 1, True), (128, 4, True)):
+        name = f"decode_attention{'_f16' if f16 else ''}_d{d}_g{block}"
+        kernel = getattr(A, name)  # as precompile.py's helper asks for it
+        assert kernel is A.KERNELS[d, block, f16] is vars(A)[name]
+        eager = A._make_kernel(d, block, f16)  # what import made before: the same function, the same cache key parts
+        assert kernel.py_func.__qualname__ == eager.py_func.__qualname__ == name
+        assert kernel.py_func.__code__.co_code == eager.py_func.__code__.co_code
+        assert [c.cell_contents for c in kernel.py_func.__closure__ if isinstance(c.cell_contents, (int, bool))] == \
+               [c.cell_contents for c in eager.py_func.__closure__ if isinstance(c.cell_contents, (int, bool))]
+    for bad in ((65, 1, False), (64, 5, False)):
+        with pytest.raises(KeyError):
+            A.KERNELS[bad]
+    with pytest.raises(AttributeError):
+        A.decode_attention_d65_g1  # noqa: B018

@@ -27,6 +27,8 @@ of each row, got ~5.5 GB/s. Decode at 4k on 2 threads: 2.5x. Details in BENCHMAR
 
 from __future__ import annotations
 
+import re
+import threading
 from dataclasses import dataclass
 
 import numba
@@ -299,9 +301,37 @@ def _make_kernel(d: int, block: int, f16: bool):
 
 
 BLOCKS = (1, 2, 3, 4)  # q heads scored together: min(group, 4); numba compiles only the ones used
-KERNELS = {(d, b, f16): _make_kernel(d, b, f16) for d in HEAD_DIMS for b in BLOCKS for f16 in (False, True)}
-for _kernel in KERNELS.values():
-    globals()[_kernel.py_func.__name__] = _kernel
+
+
+class _Kernels(dict):
+    """(head dim, block, f16) -> its decode kernel, made when first looked up and kept as a module global of its
+    name: making all 40 dispatchers at import took 0.02-0.03 s of every process, which uses one or two."""
+
+    _lock = threading.Lock()
+
+    def __missing__(self, key: tuple[int, int, bool]) -> object:
+        d, block, f16 = key
+        if d not in HEAD_DIMS or block not in BLOCKS or f16 not in (False, True):
+            raise KeyError(key)
+        with self._lock:
+            if key not in self:
+                kernel = self[key] = _make_kernel(d, block, bool(f16))
+                globals()[kernel.py_func.__name__] = kernel
+        return self[key]
+
+
+KERNELS = _Kernels()
+
+
+def __getattr__(name: str) -> object:
+    """decode_attention[_f16]_d<d>_g<block> by name (precompile.py's helper process asks so), made if not yet."""
+    m = re.fullmatch(r"decode_attention(_f16)?_d(\d+)_g(\d+)", name)
+    if m is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return KERNELS[int(m[2]), int(m[3]), m[1] is not None]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def bind_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, kv_len: np.ndarray,
