@@ -39,7 +39,7 @@ np.savez(sys.argv[1], **outs)
 print(json.dumps({"compiled": sum(kernel.stats.cache_misses.values())}))
 """
 
-# README's prompt through SmolLM2 on the cpu (default passes, precompile helper as configured), then one
+# README's prompt through SmolLM2 on the cpu (its pipeline, `cpu`; precompile helper as configured), then one
 # decode step: the logits of both calls
 _SMOLLM2 = r"""
 import sys
