@@ -203,13 +203,16 @@ def first_divergence(f32, fast, ids: list[int], n: int = 16) -> tuple[int, float
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 13's rule is missed on the haiku prompt (first divergence at step 1, f32 top-2 gap "
-                          "0.059); BENCHMARKS.md, 'q8-activations against issue 13's greedy rule'")
+@pytest.mark.xfail(strict=False, raises=AssertionError,
+                   reason="issue 13's rule is missed on the haiku prompt on AVX2 machines (first divergence at step 1, "
+                          "f32 top-2 gap 0.059) and met on an AVX-512 EPYC (znver4), whose f32 sums round otherwise; "
+                          "BENCHMARKS.md, 'q8-activations against issue 13's greedy rule'")
 def test_smollm2_q8x_greedy_text_meets_issue_13_rule(smollm2):
     """Issue 13's parity rule for the fast path: on each parity prompt, the greedy text through q8-activations
     equals the f32 path's for 16 tokens, or first differs where the f32 path's top-2 logit gap is below 0.05.
-    Expected to fail (strict: a pass means the note in BENCHMARKS.md and this mark are out of date)."""
+    Which side of 0.05 the haiku prompt's near-tie falls on depends on the CPU's vector width (the f32 path's
+    sums are ordered by it), so the outcome is reported (xfail / xpass), not required; the test above bounds
+    every step's choice on any machine."""
     f32, q8x = smollm2
     misses = {}
     for prompt in PROMPTS:
