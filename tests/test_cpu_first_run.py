@@ -68,6 +68,23 @@ def test_helper_compiles_the_cpu_pipelines_decode_gemv(tmp_path):
     assert out["compiled_here"] == 0, out
 
 
+def test_integer_x_gemvs_are_recorded_with_the_pipeline(monkeypatch):
+    """A Program of the cpu pipeline tells precompile its pipeline, and records its integer-x GEMVs (the 16-bit
+    decode products): what the helper compiles, and what the Program then waits for."""
+    from graphir.backends.cpu import precompile
+
+    import graphir
+
+    records: list[tuple[list, str | None]] = []
+    monkeypatch.setattr(precompile, "prepare", lambda recorded, pipeline=None: records.append((recorded, pipeline)))
+    model = graphir.load("random:llama-tiny", backend="cpu", dtype="q4_1")  # passes auto: the cpu pipeline
+    assert len(list(model.generate([1, 2, 3, 4, 5, 6, 7], 3, stop_at_eos=False))) == 3
+    assert [pipeline for _, pipeline in records] == ["cpu", "cpu"]  # the prefill, then the decode step
+    assert ("intx", "gemv_q16x") in records[1][0]  # decode's products at 16-bit x
+    assert ("intx", "gemv_q16x") in records[0][0]  # the prefill's head too: it reads the last row only
+    assert ("mm", "q4_1", 8) in records[0][0]  # the prefill's other products: 8 rows, f32
+
+
 # Records what a bound Program would (lowering_rules.RECORD): a q8_0 weight times 5 rows, a q8_0 table read by
 # get_rows, an rms_norm. This process compiles the first (it needs it first); the helper takes the others from
 # the back. Then runs all three and reports whether each matches numpy and which kernels this process compiled.

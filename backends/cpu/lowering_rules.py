@@ -26,11 +26,13 @@ from . import host_collective as HC
 from . import kernels as K
 from . import kv_f16 as KF
 from . import matmul as MM
+from . import precompile
 from .direct_call import KernelCall
 
 # While CpuProgram._bind runs, the kernels its steps will call, in step order: ("mm", weight dtype, rows of x,
-# or None for get_rows) and ("kernel", numba dispatcher, args). precompile.py compiles them before the first
-# call, sharing the work with a helper process on a cold cache. None: not recording.
+# or None for get_rows), ("intx", module of an integer-x GEMV) and ("kernel", numba dispatcher, args).
+# precompile.py compiles them before the first call, sharing the work with a helper process on a cold cache.
+# None: not recording.
 RECORD: list | None = None
 
 
@@ -159,6 +161,8 @@ def _mul_mat_int_x(module: str):
         if x2 is None or not x2.flags.c_contiguous or x2.dtype != np.float32:
             return None  # a strided or f16 x: the numpy reference
         kernels = importlib.import_module(f"{__package__}.{module}")
+        _note(("intx", module))
+        precompile.wait(f"intx:{module}")  # the helper process may be compiling it: then load it from the cache
         run = kernels.prepare(w.raw, w.dtype, x2, o2, w.weights.derived if w.weights is not None else None, w.key)
         return (o, run) if run is not None else None
     return rule
