@@ -57,7 +57,7 @@ PASSES: dict[str, Pass] = {}
 
 def register_pass(name: str, description: str) -> Callable:
     def deco(impl: Callable) -> Callable:
-        if name in PASSES or name in ("default", "cpu", "gpu", "auto"):  # pipeline names
+        if name in PASSES or name in (AUTO, "default", *BACKEND_PASSES):  # pipeline names
             raise GraphError(f"pass {name!r} is registered twice")
         PASSES[name] = Pass(name, description, impl)
         return impl
@@ -100,6 +100,8 @@ CPU_PASSES = [
     "q16-activations",
 ]
 
+BACKEND_PASSES = {"cpu": CPU_PASSES, "gpu": GPU_PASSES}  # pipeline name -> what it adds to default
+
 AUTO = "auto"  # the backend's own pipeline: BACKEND_PIPELINES, resolved by resolve_pipeline
 BACKEND_PIPELINES = {"reference": "default", "cpu": "cpu", "gpu": "gpu"}  # the oracle stays exact
 
@@ -108,7 +110,7 @@ def pipelines() -> dict[str, list[str]]:
     """Named pipelines -> their passes in order; a name expands in place inside a pipeline string.
     Read when asked, so GRAPHIR_NO_FUSION applies to the call that reads it."""
     default = default_pipeline()
-    return {"default": default, "cpu": [*default, *CPU_PASSES], "gpu": [*default, *GPU_PASSES]}
+    return {"default": default, **{name: [*default, *extra] for name, extra in BACKEND_PASSES.items()}}
 
 
 def resolve_pipeline(spec: str, backend: str) -> str:
@@ -127,9 +129,9 @@ def resolve_pipeline(spec: str, backend: str) -> str:
 def spell_pipeline(spec: str) -> str:
     """`spec` with each backend pipeline name (cpu, gpu) written out as default and its passes: what a benchmark
     records, so that its numbers stay attributable after such a pipeline gains a pass."""
-    extras = {"cpu": CPU_PASSES, "gpu": GPU_PASSES}
     items = [item.strip() for item in re.split(r",(?![^{]*\})", spec) if item.strip()]
-    return ",".join(",".join(["default", *extras[item]]) if item in extras else item for item in items)
+    return ",".join(",".join(["default", *BACKEND_PASSES[item]]) if item in BACKEND_PASSES else item
+                    for item in items)
 
 
 _ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
@@ -243,4 +245,4 @@ from graphir.passes import (  # noqa: E402,F401
 
 __all__ = ["PASSES", "Pass", "register_pass", "run_pipeline", "parse_pipeline", "coverage", "CoverageReport",
            "default_pipeline", "pipelines", "resolve_pipeline", "spell_pipeline", "AUTO", "BACKEND_PIPELINES",
-           "CPU_PASSES", "GPU_PASSES"]
+           "BACKEND_PASSES", "CPU_PASSES", "GPU_PASSES"]
