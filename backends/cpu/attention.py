@@ -28,12 +28,13 @@ of each row, got ~5.5 GB/s. Decode at 4k on 2 threads: 2.5x. Details in BENCHMAR
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 from numba import njit, prange
+
+from .lazy_table import LazyTable
 
 JIT = dict(cache=True, fastmath=True, nogil=True)
 EXACT = dict(cache=True, nogil=True)  # bit manipulation of f16 (fast-math must not assume away inf/nan)
@@ -303,24 +304,17 @@ def _make_kernel(d: int, block: int, f16: bool):
 BLOCKS = (1, 2, 3, 4)  # q heads scored together: min(group, 4); numba compiles only the ones used
 
 
-class _Kernels(dict):
-    """(head dim, block, f16) -> its decode kernel, made when first looked up and kept as a module global of its
-    name: making all 40 dispatchers at import took 0.02-0.03 s of every process, which uses one or two."""
-
-    _lock = threading.Lock()
-
-    def __missing__(self, key: tuple[int, int, bool]) -> object:
-        d, block, f16 = key
-        if d not in HEAD_DIMS or block not in BLOCKS or f16 not in (False, True):
-            raise KeyError(key)
-        with self._lock:
-            if key not in self:
-                kernel = self[key] = _make_kernel(d, block, bool(f16))
-                globals()[kernel.py_func.__name__] = kernel
-        return self[key]
+def _made(key: tuple[int, int, bool]) -> dict:
+    """The decode kernel of (head dim, block, f16), also kept as a module global of its name (numba's cache and
+    precompile.py's helper find it by that name)."""
+    kernel = _make_kernel(key[0], key[1], bool(key[2]))
+    globals()[kernel.py_func.__name__] = kernel
+    return {key: kernel}
 
 
-KERNELS = _Kernels()
+# (head dim, block, f16) -> its decode kernel, made at first lookup: making all 40 dispatchers at import took
+# 0.02-0.03 s of every process, which uses one or two
+KERNELS = LazyTable(lambda k: k[0] in HEAD_DIMS and k[1] in BLOCKS and k[2] in (False, True), _made)
 
 
 def __getattr__(name: str) -> object:

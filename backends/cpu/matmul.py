@@ -39,7 +39,6 @@ code); a second process loads it from numba's cache in milliseconds.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import numba
@@ -51,6 +50,7 @@ from numba.np.ufunc import parallel as numba_parallel
 from graphir.errors import GraphError
 
 from . import direct_call, precompile
+from .lazy_table import LazyTable
 
 __all__ = ["matmul", "prepare_matmul", "get_rows", "SUPPORTED"]
 
@@ -418,29 +418,18 @@ def _kernel_source() -> str:
     return "".join(_dtype_source(n) for n in _LAYOUT)
 
 
-class _Kernels(dict):
-    """(dtype, mode) -> its kernel, the dtype's source exec'd when one of its kernels is first looked up, at the
-    lines it has in _kernel_source(): numba's cache names an entry by the function's name and first line, so a
-    kernel defined alone finds the entries the whole source made, and the other way round. Compiling the source
-    of all 12 dtypes and making their 48 dispatchers took 0.05 s of every process's import, for the 2 dtypes a
-    model uses."""
-
-    _lock = threading.Lock()
-
-    def __missing__(self, key: tuple[str, str]) -> Callable:
-        dtype, mode = key
-        if dtype not in _LAYOUT or mode not in MODES:
-            raise KeyError(key)
-        with self._lock:
-            if key not in self:
-                names = list(_LAYOUT)
-                lines = sum(_dtype_source(n).count("\n") for n in names[:names.index(dtype)])
-                exec(compile("\n" * lines + _dtype_source(dtype), __file__, "exec"), globals())
-                self.update({(dtype, m): globals()[f"_kernel_{dtype}_{m}"] for m in MODES})
-        return self[key]
+def _dtype_kernels(key: tuple[str, str]) -> dict:
+    """Every mode's kernel of key's dtype: its source exec'd at the lines it has in _kernel_source(). numba's cache
+    names an entry by the function's name and first line, so a kernel defined alone finds the entries the whole
+    source made, and the other way round. Compiling the source of all 12 dtypes and making their 48 dispatchers
+    took 0.05 s of every process's import, for the 2 dtypes a model uses."""
+    dtype, names = key[0], list(_LAYOUT)
+    lines = sum(_dtype_source(n).count("\n") for n in names[:names.index(dtype)])
+    exec(compile("\n" * lines + _dtype_source(dtype), __file__, "exec"), globals())
+    return {(dtype, m): globals()[f"_kernel_{dtype}_{m}"] for m in MODES}
 
 
-_KERNELS = _Kernels()  # the kernels defined so far; any other (dtype, mode) is defined when looked up
+_KERNELS = LazyTable(lambda k: k[0] in _LAYOUT and k[1] in MODES, _dtype_kernels)  # (dtype, mode) -> kernel
 _NO_IDS = np.zeros(0, np.int64)
 _NO_X = np.zeros((0, 0), np.float32)
 
