@@ -81,6 +81,13 @@ BUGS = [
      "return ((nb - c0 < CB ? nb - c0 : CB) * BB + 15) / 16; }",
      "return ((nb - c0 < CB ? nb - c0 : CB) * BB + 15) / 16 - (nb - c0 < CB); }",
      "tests/test_gpu_gemv_q8x.py tests/test_gpu_matmul.py", "host or geometry or gemv1_variants"),
+    ("attn_combine adds the rows it loads before the maxima one split group late", "attention.cu",
+     "const int sp = sg + CSG * i;", "const int sp = sg + CSG * (i + 1);",
+     "tests/test_gpu_attention.py", "decode"),
+    ("decode blocks whose kv_len came before the wait leave one split early", "attention.cu",
+     "(long long)blockIdx.x * split_chunk(L, n_split, min_chunk) >= L;",
+     "(long long)(blockIdx.x + 1) * split_chunk(L, n_split, min_chunk) >= L;",
+     "tests/test_gpu_attention.py", "decode"),
 ]
 
 

@@ -21,7 +21,8 @@ from test_replay import step_inputs
 
 import graphir
 
-ENTRY = re.compile(r"\{\s*(\\\s*)?PDL_ENTRY\(\);")
+# PDL_ENTRY(), or PDL_ENTRY_EARLY after the declarations of what it reads (graph Inputs only)
+ENTRY = re.compile(r"\{\s*(\\\s*)?(PDL_ENTRY\(\);|(int [\w, ]+;\s*(\\\s*)?)?PDL_ENTRY_EARLY\()")
 
 
 def _kernel_bodies(text: str) -> list[tuple[str, str]]:
@@ -41,6 +42,25 @@ def test_every_kernel_waits_before_it_reads(name):
     assert bodies, f"{name}: no kernels found"
     for kernel, body in bodies:
         assert ENTRY.match(body), f"{name}: kernel {kernel} does not begin with PDL_ENTRY()"
+
+
+def test_only_input_lengths_and_positions_are_read_before_the_wait():
+    """attention.inputs_early: the decode kernels read pos and kv_len before their wait only where both are
+    graph Inputs; a length or position that a node computes (a const here, a kernel's result in general) is
+    read after it."""
+    from _attention_cases import attention_graph
+    from graphir.backends.gpu.attention import inputs_early
+
+    from graphir.builder import g
+
+    node = attention_graph("flash_attn", 1, 4, 37, 2, 64, 64, "f32", 0.125, 0).outputs["out"]
+    assert inputs_early(node)
+    q, k, v, pos, kv_len = node.src
+    computed = g.const([5], "i32")
+    for srcs in ((q, k, v, pos, computed), (q, k, v, computed, kv_len)):
+        other = g.flash_attn(*srcs, scale=0.125)
+        assert not inputs_early(other), [s.op for s in other.src]
+    assert not inputs_early(None)  # a rule called without its node (tests' RuleRunner)
 
 
 def test_kernel_arguments_pack_as_their_c_types():

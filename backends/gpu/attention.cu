@@ -112,6 +112,12 @@ DEVICE int split_chunk(int L, int n_split, int min_chunk) {
     return c > min_chunk ? c : min_chunk;
 }
 
+// A decode block of split blockIdx.x with nothing to do at this kv_len (a valid one: a bad kv_len is
+// reported after the wait). Read from Inputs only, so PDL_ENTRY_EARLY lets such blocks leave at once.
+DEVICE bool decode_split_idle(int L, int cap, int n_split, int min_chunk) {
+    return L >= 0 && L <= cap && (long long)blockIdx.x * split_chunk(L, n_split, min_chunk) >= L;
+}
+
 // Scores one K/V row for the GB heads of a group and folds it into their online softmax.
 // Every lane runs the shuffles (warp-uniform control flow); only `take` rows are folded in.
 // The running max only moves up, so acc and l are rescaled only when a row raises it.
@@ -219,7 +225,7 @@ DEVICE void write_partials(const float (&m)[GB], const float (&l)[GB], const vf4
 // partials as attn_decode_tile; attn_combine merges either.
 template <typename KV, int GB, int NV, int T>
 DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
-                            const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
+                            int p, int L, float* __restrict__ part_m,
                             float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
                             int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
                             int code) {
@@ -232,7 +238,6 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
     const int G = hq / hk, h0 = kvh * G + gc * GB;
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
 
-    const int L = kv_len[0];
     if (L < 0 || L > cap) {  // attn_combine writes zeros
         if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
@@ -243,7 +248,7 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
     const int s1 = s0 + chunk < L ? s0 + chunk : L;
 
     int lo, hi;
-    visible_range(pos[qi], L, window, lo, hi);
+    visible_range(p, L, window, lo, hi);
     lo = lo > s0 ? lo : s0;
     hi = hi < s1 ? hi : s1;
     const long long pbase = ((long long)qi * hq + h0) * n_split + s;  // partial of head h0 + g: pbase + g*n_split
@@ -333,7 +338,7 @@ template <> struct TileRaw<u16, 2> { typedef vh8 type; };
 
 template <typename KV, int GB, int NV, int T, int R>
 DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
-                             const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ part_m,
+                             int p, int L, float* __restrict__ part_m,
                              float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
                              int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
                              int code) {
@@ -347,7 +352,6 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
     const int G = hq / hk, h0 = kvh * G + gc * GB;
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
 
-    const int L = kv_len[0], p = pos[qi];  // independent loads: one round trip for both
     if (L < 0 || L > cap) {  // attn_combine writes zeros
         if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
@@ -482,33 +486,54 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
 // out[qi, h, :] from the partials of the splits that ran. grid (hq, n_q). The splits are spread
 // over CSG thread groups (each a run of 4-element column vectors), so the partials are read with
 // CSG x unroll loads in flight instead of one split after another.
+// The kernel is a chain of round trips after the decode kernel (kv_len, then the maxima, then the
+// weighted rows), so everything it can read without knowing kv_len is read at once: kv_len itself
+// before the wait where it is an Input (PDL_ENTRY_EARLY), and right after the wait each thread's
+// maximum and sum and the first COMBINE_PRE splits' rows of its column run, for every split the grid
+// has (those past the active ones hold stale values and are never used).
 // Merging in the decode kernel instead (the last block of a kv-head group to finish, found with a
 // fence and an atomic counter, merges that group's GB heads) was measured slower (H200, 2026-12-02,
 // profile_gpu_decode.py): Qwen3-8B 17.61 us a layer against 4.90 + 3.26 here, Qwen3-0.6B 10.98
 // against 3.90 + 3.22. The merge's dependent L2 round trips (counter, maxima, weights and sums, for
 // each head in turn) then run after the splits on one block; this kernel's launch overlaps under PDL.
+#ifndef COMBINE_PRE
+#define COMBINE_PRE 4
+#endif
 extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
              const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
-             int min_chunk) {
-    PDL_ENTRY();
+             int min_chunk, int early) {
+    int L;
+    PDL_ENTRY_EARLY(early, L = kv_len[0], false);
     constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
     __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
     __shared__ vf4 sm[CSG][CW];
     const int tid = threadIdx.x, cl = tid % CW, sg = tid / CW;
     const long long row = (long long)blockIdx.y * hq + blockIdx.x;
+    const long long base = row * n_split;
+    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
+    const int nvec = (dv + 3) / 4;
+    // Issued before kv_len is looked at: no load below waits for another.
+    const float m0 = tid < n_split ? part_m[base + tid] : NEG_INF;
+    const float l0 = tid < n_split ? part_l[base + tid] : 0.0f;
+    vf4 pre[COMBINE_PRE];
+#pragma unroll
+    for (int i = 0; i < COMBINE_PRE; ++i) {
+        const int sp = sg + CSG * i;
+        const float* src = part_acc + (base + sp) * dv;
+        pre[i] = sp < n_split && cl < nvec ? (vec ? *(const vf4*)(src + cl * 4) : load_raw<false>(src, cl * 4, dv))
+                                           : zero4();
+    }
     float* o = out + row * dv;
-    const int L = kv_len[0];
     if (L <= 0 || L > cap) {  // empty cache, or a bad kv_len the decode kernel reported
         for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
         return;
     }
     const int chunk = split_chunk(L, n_split, min_chunk);
     const int na = cdiv_i(L, chunk);  // <= n_split
-    const long long base = row * n_split;
-    float M = NEG_INF;
-    for (int s = tid; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
+    float M = tid < na ? m0 : NEG_INF;
+    for (int s = tid + NT; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
     M = block_max(M, red);
     if (M == NEG_INF) {  // no visible key for this query
         for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
@@ -516,24 +541,33 @@ attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
     }
     float ls = 0.0f;
     for (int s = tid; s < na; s += NT) {
-        const float ws = exp2f(part_m[base + s] - M);  // 0 for empty splits (m = -inf)
+        const float ms = s == tid ? m0 : part_m[base + s];
+        const float ws = exp2f(ms - M);  // 0 for empty splits (m = -inf)
         w[s] = ws;
-        ls += ws != 0.0f ? ws * part_l[base + s] : 0.0f;
+        ls += ws != 0.0f ? ws * (s == tid ? l0 : part_l[base + s]) : 0.0f;
     }
     ls = block_sum(ls, red);  // its barriers also publish w[]
     const float inv = 1.0f / ls;  // >= 1: the split holding M contributes exp2(0) * (l >= 1)
-    const bool vec = (dv & 3) == 0;  // partial rows 16-byte aligned (scratch base is)
-    const int nvec = (dv + 3) / 4;
     for (int c0 = 0; c0 < nvec; c0 += CW) {  // block-uniform trip count (barriers inside)
         const int cv = c0 + cl, e = cv * 4;
         vf4 a = zero4();
         if (cv < nvec) {
+            int s = sg;
+            if (c0 == 0) {  // the rows loaded above, in the same order as the loop below would add them
+#pragma unroll
+                for (int i = 0; i < COMBINE_PRE; ++i, s += CSG) {
+                    const float ws = s < na ? w[s] : 0.0f;
+                    if (ws != 0.0f) {  // empty splits' acc is never written (may hold anything)
+                        a.x += ws * pre[i].x, a.y += ws * pre[i].y, a.z += ws * pre[i].z, a.w += ws * pre[i].w;
+                    }
+                }
+            }
 #pragma unroll 8
-            for (int s = sg; s < na; s += CSG) {
+            for (; s < na; s += CSG) {
                 const float ws = w[s];
                 const float* src = part_acc + (base + s) * dv;
                 const vf4 x = vec ? *(const vf4*)(src + e) : load_raw<false>(src, e, dv);
-                if (ws != 0.0f) {  // empty splits' acc is never written (may hold anything)
+                if (ws != 0.0f) {
                     a.x += ws * x.x, a.y += ws * x.y, a.z += ws * x.z, a.w += ws * x.w;
                 }
             }
@@ -680,9 +714,10 @@ ATTN_DEFINE_KV(f16, u16)
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
-        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
-        PDL_ENTRY();                                                                                              \
-        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq,   \
+        float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
+        int L, p;                                                                                                 \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]), decode_split_idle(L, cap, n_split, min_chunk)); \
+        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, p, L, part_m, part_l, part_acc, hq,          \
                                                              hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
                                                              n_gch, errflag, code);                               \
     }
@@ -690,9 +725,10 @@ ATTN_DEFINE_KV(f16, u16)
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
         const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
-        float scale2, int window, int n_gch, int* errflag, int code) {                                            \
-        PDL_ENTRY();                                                                                              \
-        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, pos, kv_len, part_m, part_l, part_acc, hq, hk,   \
+        float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
+        int L, p;                                                                                                 \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]), decode_split_idle(L, cap, n_split, min_chunk)); \
+        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, p, L, part_m, part_l, part_acc, hq, hk,          \
                                                          d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
                                                          errflag, code);                                          \
     }

@@ -165,13 +165,22 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
+    early = i32(inputs_early(n))
     return [
         Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
                (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
-                i32(window), i32(n_gch), lw.errflag, code)),
+                i32(window), i32(n_gch), lw.errflag, code, early)),
         Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
-               (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK))),
+               (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK),
+                early)),
     ]
+
+
+def inputs_early(n: Any) -> bool:
+    """Whether the decode kernels may read pos and kv_len before their PDL wait (common.cuh
+    PDL_ENTRY_EARLY): only where both are Input nodes, which the host writes before the graph runs
+    and no kernel writes. A position or length computed inside the graph is read after the wait."""
+    return n is not None and all(s.op == "input" for s in n.src[3:5])
 
 
 TC_FILE = "attention_prefill.cu"

@@ -159,6 +159,25 @@ DEVICE float block_max(float v, float* scratch) {
         PDL_TRIGGER(); \
         PDL_WAIT();    \
     } while (0)
+// PDL_ENTRY_EARLY(early, READ, IDLE): PDL_ENTRY for a kernel whose first loads are of graph Inputs
+// (kv_len, positions: the host copies them into their buffers before the graph is launched, and no
+// kernel writes them). Where `early` is set (the lowering sets it only when every pointer READ loads
+// from is an Input node) READ runs between trigger and wait, so those loads overlap the kernel before
+// instead of starting the chain after it, and a block for which IDLE is then true (a split past
+// kv_len: it reads and writes nothing else) returns without waiting. Otherwise READ runs after the
+// wait, as in PDL_ENTRY. READ and IDLE may touch nothing but Inputs.
+#define PDL_ENTRY_EARLY(early, READ, IDLE) \
+    do {                                   \
+        PDL_TRIGGER();                     \
+        if (early) {                       \
+            READ;                          \
+            if (IDLE) return;              \
+        }                                  \
+        PDL_WAIT();                        \
+        if (!(early)) {                    \
+            READ;                          \
+        }                                  \
+    } while (0)
 
 // ---------------------------------------------------------------- run-time error flag
 // Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of
