@@ -115,7 +115,7 @@ DEVICE int split_chunk(int L, int n_split, int min_chunk) {
 // A decode block of split blockIdx.x with nothing to do at this kv_len (a valid one: a bad kv_len is
 // reported after the wait). Read from Inputs only, so PDL_ENTRY_EARLY lets such blocks leave at once.
 DEVICE bool decode_split_idle(int L, int cap, int n_split, int min_chunk) {
-#ifdef ATTN_NO_EARLY_EXIT  // a measurement variant: idle splits wait as the others do
+#ifndef ATTN_EARLY_EXIT  // measured slower (see above), kept as a variant to time: idle splits wait too
     return false;
 #endif
     return L >= 0 && L <= cap && (long long)blockIdx.x * split_chunk(L, n_split, min_chunk) >= L;
