@@ -84,10 +84,6 @@ BUGS = [
     ("attn_combine adds the rows it loads before the maxima one split group late", "attention.cu",
      "const int sp = sg + CSG * i;", "const int sp = sg + CSG * (i + 1);",
      "tests/test_gpu_attention.py", "decode"),
-    ("decode blocks whose kv_len came before the wait leave one split early", "attention.cu",
-     "(long long)blockIdx.x * split_chunk(L, n_split, min_chunk) >= L;",
-     "(long long)(blockIdx.x + 1) * split_chunk(L, n_split, min_chunk) >= L;",
-     "tests/test_gpu_attention.py", "decode"),
 ]
 
 

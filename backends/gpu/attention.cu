@@ -112,15 +112,6 @@ DEVICE int split_chunk(int L, int n_split, int min_chunk) {
     return c > min_chunk ? c : min_chunk;
 }
 
-// A decode block of split blockIdx.x with nothing to do at this kv_len (a valid one: a bad kv_len is
-// reported after the wait). Read from Inputs only, so PDL_ENTRY_EARLY lets such blocks leave at once.
-DEVICE bool decode_split_idle(int L, int cap, int n_split, int min_chunk) {
-#ifndef ATTN_EARLY_EXIT  // measured slower (see above), kept as a variant to time: idle splits wait too
-    return false;
-#endif
-    return L >= 0 && L <= cap && (long long)blockIdx.x * split_chunk(L, n_split, min_chunk) >= L;
-}
-
 // Scores one K/V row for the GB heads of a group and folds it into their online softmax.
 // Every lane runs the shuffles (warp-uniform control flow); only `take` rows are folded in.
 // The running max only moves up, so acc and l are rescaled only when a row raises it.
@@ -507,7 +498,7 @@ attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
              const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
              int min_chunk, int early) {
     int L;
-    PDL_ENTRY_EARLY(early, L = kv_len[0], false);
+    PDL_ENTRY_EARLY(early, L = kv_len[0]);
     constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
     __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
@@ -719,7 +710,7 @@ ATTN_DEFINE_KV(f16, u16)
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
         int L, p;                                                                                                 \
-        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]), decode_split_idle(L, cap, n_split, min_chunk)); \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z])); \
         attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, p, L, part_m, part_l, part_acc, hq,          \
                                                              hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
                                                              n_gch, errflag, code);                               \
@@ -730,7 +721,7 @@ ATTN_DEFINE_KV(f16, u16)
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
         int L, p;                                                                                                 \
-        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]), decode_split_idle(L, cap, n_split, min_chunk)); \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z])); \
         attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, p, L, part_m, part_l, part_acc, hq, hk,          \
                                                          d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
                                                          errflag, code);                                          \
