@@ -60,6 +60,8 @@ def main() -> None:
                     "GEMVM_CONFIGS) a verify call takes")
     ap.add_argument("--min-chunk", default="", help="decode attention's MIN_CHUNK values to time the captured "
                     "step at too, e.g. '64,32,16' (backends/gpu/attention.py; each lowers the step again)")
+    ap.add_argument("--target-blocks", default="", help="decode attention's TARGET_BLOCKS values (its grid at full "
+                    "context; 0: one wave, the shipped None) to time the captured step at too, e.g. '264,528,0'")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
@@ -107,30 +109,34 @@ def main() -> None:
         print(f"{what:<34} {us:9.1f}")
     print(f"graph time per kernel: {graph_us / steps:.2f} us; host time per token: {feed_us - graph_us:.1f} us")
     if args.min_chunk:
-        sweep_min_chunk(model, settings, [int(v) for v in args.min_chunk.split(",")], args.tokens)
+        sweep_attention(model, settings, "MIN_CHUNK", [int(v) for v in args.min_chunk.split(",")], args.tokens)
+    if args.target_blocks:
+        sweep_attention(model, settings, "TARGET_BLOCKS", [int(v) or None for v in args.target_blocks.split(",")],
+                        args.tokens)
 
     if args.kernels:
         kernel_table(program, args.kernels)
 
 
-def sweep_min_chunk(model, settings, values: list[int], n: int) -> None:
-    """The captured decode step lowered again at each decode-attention MIN_CHUNK (rows a split at least),
-    at the model's current context (a few tokens longer each time)."""
+def sweep_attention(model, settings, name: str, values: list, n: int) -> None:
+    """The captured decode step lowered again at each value of decode attention's setting `name` (MIN_CHUNK:
+    rows a split at least; TARGET_BLOCKS: the grid at full context, None for one wave), at the model's
+    current context (a few tokens longer each time)."""
     from graphir.backends.gpu import attention
 
-    shipped = attention.MIN_CHUNK
+    shipped = getattr(attention, name)
     try:
         for v in values:
-            attention.MIN_CHUNK = v
+            setattr(attention, name, v)
             model.programs.clear()
             model._decode_sample(3, settings)
             model._decode_sample(3, settings)  # captured on its second call
             program = model._program(1, False, sampler=True)
             assert program.captured, "decode Program not captured"
             us = per_call_us(graph_alone(program), n)
-            print(f"decode attention MIN_CHUNK {v:4d}: captured graph alone {us:8.1f} us (context {model.n_past})")
+            print(f"decode attention {name} {v}: captured graph alone {us:8.1f} us (context {model.n_past})")
     finally:
-        attention.MIN_CHUNK = shipped
+        setattr(attention, name, shipped)
         model.programs.clear()
 
 
