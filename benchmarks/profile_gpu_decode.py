@@ -190,45 +190,17 @@ def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] =
 
 
 def kernel_table(program, top: int) -> None:
-    """Device time per kernel name: each step of the decode Program captured alone, 20 times in a row,
-    into a CUDA graph and replayed (so Python launch cost is out; each kernel still pays its own
-    launch-to-launch gap, as in the whole step's graph)."""
-    import cupy as cp
-    from graphir.backends.gpu.device import stream
+    """Device time per kernel name, each step of the decode Program replayed alone (kernel_times.py)."""
+    from graphir.backends.gpu.kernel_times import step_times
 
-    s = stream()
-    reps = 20
     per: dict[str, list[float]] = {}
-    with s:
-        for step in program._steps:
-            step()  # loaded and warm
-            if not getattr(step, "capturable", False):  # a library call: timed between events, launch cost in
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record(s)
-                step()
-                stop.record(s)
-                stop.synchronize()
-                per.setdefault(getattr(step, "name", type(step).__name__), []).append(
-                    cp.cuda.get_elapsed_time(start, stop) * 1e3)
-                continue
-            s.begin_capture()
-            for _ in range(reps):
-                step()
-            graph = s.end_capture()
-            graph.launch(s)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(s)
-            graph.launch(s)
-            stop.record(s)
-            stop.synchronize()
-            name = getattr(step, "name", type(step).__name__)
-            per.setdefault(name, []).append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / reps)
+    for name, sec in step_times(program):
+        per.setdefault(name, []).append(sec * 1e6)
     total = sum(sum(v) for v in per.values())
     print(f"{'kernel':<34} {'calls':>5} {'us/call':>8} {'us/step':>8} {'share':>6}")
     for name, v in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"{name:<34} {len(v):5d} {sum(v) / len(v):8.2f} {sum(v):8.1f} {100 * sum(v) / total:5.1f}%")
     print(f"{'sum of kernels, each replayed alone':<34} {sum(len(v) for v in per.values()):5d} {'':>8} {total:8.1f}")
-
 
 if __name__ == "__main__":
     main()

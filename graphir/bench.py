@@ -33,6 +33,12 @@ What is measured (time.perf_counter, one process, in this order):
   state_bytes             recurrent State (conv windows, delta-rule states) one decode token reads and
                           writes: each State the decode graph assigns whole, twice its size; 0 without them
   bandwidth_limit_tok_s   (weight_bytes + state_bytes) / bandwidth: decode can not beat this at batch 1
+  deltanet_share          gpu, models with Gated DeltaNet layers: their own kernels' (conv step, delta rule,
+                          gated norm) share of a decode step's kernels, each replayed alone
+                          (backends/gpu/kernel_times.py); the GEMVs of those layers not counted
+  deltanet_floor_fraction gpu, the same models: state_bytes at the copy bandwidth over the device time of the
+                          conv and delta-rule kernels (each alone), i.e. how near they run to their state
+                          traffic's floor (issue 12's target is 85 %)
   draft_*                 with draft= (a model spec or "lookup"): greedy speculative decoding of decode_tokens
                           after the prompt against plain decoding, alternated in this run (best of repeats):
                           draft_decode_tok_s_best, draft_plain_tok_s_best, draft_speedup, draft_acceptance
@@ -275,6 +281,20 @@ def _decode_step_device_s(model: Model) -> float:
     return best_replay_s(program.replay_once, stream())
 
 
+def _deltanet_kernel_s(model: Model) -> tuple[float, float, float] | None:
+    """(the Gated DeltaNet kernels, their conv and delta-rule kernels alone, all kernels) of generate()'s decode
+    step in device seconds, each step replayed alone; None where the step is not captured."""
+    from graphir.backends.gpu.kernel_times import is_deltanet_kernel, step_times
+
+    program = model._program(1, False, sampler=True)
+    if not program.captured:
+        return None
+    times = step_times(program)
+    mine = [(n, t) for n, t in times if is_deltanet_kernel(n)]
+    state_kernels = sum(t for n, t in mine if n.startswith(("ssm_conv", "gated_delta_net")))
+    return sum(t for _, t in mine), state_kernels, sum(t for _, t in times)
+
+
 NEW_PROCESS = """
 import sys, time
 t0 = time.perf_counter()
@@ -352,6 +372,7 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto"
         decode_times.append(_decode_s(model, prompt, decode_tokens))
         picked.append(_cpu_threads_now(backend))
     step_device_s = _decode_step_device_s(model) if on_gpu else float("nan")
+    deltanet_s = _deltanet_kernel_s(model) if on_gpu and decode_state_bytes(model) else None
     long_times: list[float] = []
     if long_prefill_tokens:
         _prefill_s(model, ids[:long_prefill_tokens])  # lowers its buckets
@@ -381,6 +402,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto"
         "long_prefill_tokens": long_prefill_tokens, "prefill_long_tok_s_best": lp_best,
         "prefill_long_tok_s_median": lp_med,
         "decode_step_device_s": step_device_s if on_gpu else 0.0,
+        "deltanet_share": deltanet_s[0] / deltanet_s[2] if deltanet_s else 0.0,
+        "deltanet_floor_fraction": state_bytes / bandwidth / deltanet_s[1] if deltanet_s and deltanet_s[1] else 0.0,
         "host_us_per_token": (1 / d_best - step_device_s) * 1e6 if on_gpu else 0.0,
         "ttft_new_process_s": 0.0, "ttft_cold_process_s": 0.0,
         "machine": {**machine(), **({"gpu": gpu_name()} if on_gpu else {})},
@@ -530,6 +553,8 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("bandwidth-limit tok/s", "bandwidth_limit_tok_s", lambda v: f"{v:.1f}"),
     ("decode / limit", "decode_fraction_of_limit", lambda v: f"{100 * v:.1f} %"),
     ("decode step, device only", "decode_step_device_s", lambda v: f"{v * 1e6:.0f} us"),
+    ("DeltaNet kernels' share of the decode step", "deltanet_share", lambda v: f"{100 * v:.1f} %"),
+    ("DeltaNet state kernels / state-traffic floor", "deltanet_floor_fraction", lambda v: f"{100 * v:.1f} %"),
     ("host time per decode token", "host_us_per_token", lambda v: f"{v:.1f} us"),
     ("collectives alone per decode step (tp, device)", "collective_step_s", lambda v: f"{v * 1e6:.0f} us"),
     ("collectives' share of the decode step (tp, a floor)", "collective_share", lambda v: f"{100 * v:.1f} %"),
@@ -542,7 +567,7 @@ HF_ROWS = (("logits vs graphir (max diff / max |logit|)", "logits_rel_diff", lam
 # rows shown only when the result has them (non-zero)
 OPTIONAL = frozenset({"device_memory_bytes", "state_bytes", "prefill_long_tok_s_best", "decode_step_device_s",
                       "host_us_per_token", "ttft_new_process_s", "ttft_cold_process_s", "collective_step_s",
-                      "collective_share"})
+                      "collective_share", "deltanet_share", "deltanet_floor_fraction"})
 
 
 def header_lines(result: dict[str, Any], command: str | None = None) -> list[str]:

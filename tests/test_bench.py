@@ -136,3 +136,36 @@ def test_bench_dtype_converts_the_weights_it_measures() -> None:
     assert "--dtype q8_0" in r.stdout
     bad = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--dtype", "q9_9", "--no-llama-cpp"])
     assert bad.exit_code == 1 and "error:" in bad.stderr and "q9_9" in bad.stderr
+
+
+def test_state_bytes_are_every_deltanet_layers_conv_window_and_state_read_and_written() -> None:
+    """decode_state_bytes against the config: a Gated DeltaNet layer (every layer but each 4th) holds a conv
+    window [K-1, conv_dim] and a delta state [hv, dk, dv] in f32, each read and written once a token; an
+    attention-only model holds none."""
+    model = graphir.load("random:qwen35-tiny", backend="reference")
+    c = model.config
+    layers = sum((i + 1) % c.full_attn_interval != 0 for i in range(c.n_layers))
+    conv_dim = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
+    per_layer = (c.ssm_conv_kernel - 1) * conv_dim + c.ssm_v_heads * c.ssm_k_dim * c.ssm_v_dim
+    assert layers == 3 and bench_mod.decode_state_bytes(model) == 2 * 4 * layers * per_layer
+    assert bench_mod.decode_state_bytes(graphir.load("random:llama-tiny", backend="reference")) == 0
+
+
+def test_deltanet_kernels_are_the_recurrent_sources_and_the_gated_norm() -> None:
+    """kernel_times.is_deltanet_kernel, which `graphir bench` sums for the DeltaNet share, against the kernel
+    names the .cu sources define: every kernel of recurrent.cu and delta_chunked.cu and norm.cu's gated norm,
+    no other norm kernel and none of the GEMVs' (a renamed kernel fails here, not silently in the bench)."""
+    import re
+
+    from graphir.backends.gpu import kernels
+    from graphir.backends.gpu.kernel_times import is_deltanet_kernel
+
+    def names(source: str) -> list[str]:
+        text = (kernels.KERNEL_DIR / source).read_text()
+        heads = [text[m.end():text.index("{", m.end())] for m in re.finditer(r"__global__", text)]
+        return [re.findall(r"([\w#]+)\s*\(", h)[-1].split("##")[0] for h in heads]
+
+    mine = names("recurrent.cu") + names("delta_chunked.cu")
+    assert len(mine) >= 8 and all(is_deltanet_kernel(n) for n in mine), mine
+    others = names("norm.cu") + names("matmul.cu") + names("attention.cu") + names("rope.cu")
+    assert [n for n in others if is_deltanet_kernel(n)] == ["rms_norm_mul_gate_f32"]

@@ -253,6 +253,38 @@ def test_qwen35_decode_writes_recurrent_states_in_place():
     assert not prefill._skip_assign and not prefill._inplace
 
 
+def test_qwen35_prefill_past_the_chunk_threshold_runs_the_chunked_kernels():
+    """A whole-model prefill of CHUNKED_MIN_TOKENS tokens or more takes the chunked delta rule (two launches
+    a DeltaNet layer), a shorter one the token loop, and both agree with the reference (issue 12: long prompts
+    do not fall back to the recurrence)."""
+    from graphir.backends.gpu.delta_chunked import CHUNKED_MIN_TOKENS
+
+    for n, chunked in ((CHUNKED_MIN_TOKENS + 13, True), (CHUNKED_MIN_TOKENS - 1, False)):
+        gpu = graphir.load("random:qwen35-tiny", backend="gpu", passes="default", ctx=128)
+        ref = graphir.load("random:qwen35-tiny", backend="reference", passes="", ctx=128)
+        ids = list(np.random.default_rng(n).integers(0, 256, n))
+        ours, want = host(gpu.logits(ids)), ref.logits(ids)
+        names = [s.name for e in gpu.programs._programs.values() for s in getattr(e[1], "_steps", [])
+                 if hasattr(s, "name")]
+        scans = [x for x in names if x.startswith("gdn_chunk_scan")]
+        assert len(scans) == (3 if chunked else 0), (n, sorted(set(names)))
+        err, scale = float(np.abs(ours - want).max()), float(np.abs(want).max())
+        assert err <= 1e-3 * scale, f"{n} tokens: max |diff| {err:.3g} > 1e-3 * max |logit| {scale:.3g}"
+
+
+def test_bench_reports_the_deltanet_share_and_floor_on_the_gpu():
+    """`graphir bench` on the gpu: the Gated DeltaNet kernels' share of a decode step and their state-traffic
+    fraction for a hybrid model (both in (0, 1]: tiny states are far from any floor), none for a model
+    without recurrent State."""
+    from graphir.bench import bench
+
+    sizes = dict(prefill_tokens=16, prompt_tokens=8, decode_tokens=8, repeats=1, llama_cpp=False)
+    r = bench("random:qwen35-tiny", backend="gpu", passes="default", **sizes)
+    assert 0.0 < r["deltanet_share"] < 1.0 and 0.0 < r["deltanet_floor_fraction"] <= 1.0, r
+    r = bench("random:qwen3-tiny", backend="gpu", passes="default", **sizes)
+    assert r["deltanet_share"] == 0.0 == r["deltanet_floor_fraction"] and r["state_bytes"] == 0
+
+
 def test_qwen35_tiny_greedy_gpu_equals_cpu():
     ids = list(range(30, 50))
     got = list(graphir.load("random:qwen35-tiny", backend="gpu", passes="default", ctx=128).generate(
