@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _gpu_helpers import captured_and_launched, gpu_only
+from _gpu_helpers import captured_and_launched, gpu_only, host
 from graphir.backends.gpu import matmul
 from graphir.backends.registry import get_backend
 from test_replay import step_inputs
@@ -212,3 +212,63 @@ def test_gpu_replay_lint_and_the_numbers_catch_a_kv_row_read_while_lowering(monk
     later = [not np.array_equal(broken(feeds(p), s_broken)["logits"], honest(feeds(p), s_honest)["logits"])
              for p in range(1, 12)]
     assert sum(later) >= 10, f"the baked KV row should corrupt later positions: {later}"
+
+
+def _patterns(ctx: int, buckets: tuple[int, ...], n: int = 120, seed: int = 0) -> list[tuple[int, int, int]]:
+    """(bucket, real tokens m, n_past): every bucket full and padded at position 0 and at the context's end,
+    then random ones (test_speculative.patterns' rule, at this test's context)."""
+    rng = np.random.default_rng(seed)
+    out = [(b, m, p) for b in buckets for m, p in ((1, 0), (b, 0), (b, ctx - b), (1, ctx - b))]
+    while len(out) < n:
+        b = int(rng.choice(buckets))
+        out.append((b, int(rng.integers(1, b + 1)), int(rng.integers(0, ctx - b + 1))))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
+def test_cached_verify_programs_equal_fresh_programs_bitwise(spec, monkeypatch):
+    """Issue 11's replay rule on the gpu: the model's cached verify Programs (captured on their second call,
+    replayed after) and, for Qwen3.5, its commit Program, run over 120 position/acceptance patterns on one
+    live State, equal Programs lowered fresh for each pattern and launched kernel by kernel: every output
+    and every State buffer bitwise."""
+    import cupy as cp
+
+    from graphir import speculative as sp
+    from graphir.generate import SAMPLING_INPUT
+    from graphir.ops import SAMPLING_FIELDS
+    from graphir.passes import run_pipeline
+
+    ctx = 176
+    model = graphir.load(spec, backend="gpu", passes="default", ctx=ctx)
+    prompt = [(7 * i) % 23 + 3 for i in range(30)]  # repeats, so prompt lookup drafts
+    list(sp.generate(model, "lookup", prompt, 8, draft_len=3))  # the model's own path: programs cached
+    recurrent = sp.keeps_states(model)
+    gpu = get_backend("gpu")
+    rng = np.random.default_rng(2)
+    live = {k: cp.asarray(rng.standard_normal(v.shape).astype(v.dtype)) for k, v in model._state.items()}
+    tokens = rng.integers(0, model.config.n_vocab, ctx)
+    commit = sp.commit_graph(model) if recurrent else None
+    for i, (b, m, n_past) in enumerate(_patterns(ctx, sp.VERIFY_BUCKETS, seed=3)):
+        greedy = i % 2 == 0
+        inputs = sp.verify_inputs(n_past, tokens[n_past:n_past + m].tolist(), b, keep_states=recurrent and b > 1)
+        if greedy:
+            inputs[SAMPLING_INPUT] = np.zeros((b, len(SAMPLING_FIELDS)), np.float32)
+        fresh_state = {k: v.copy() for k, v in live.items()}
+        got = sp.verify_program(model, b, greedy)(inputs, live)
+        monkeypatch.setenv("GRAPHIR_NO_CAPTURE", "1")
+        want = gpu.lower(run_pipeline(sp.verify_graph(model, b, greedy), model.passes), model.weights)(
+            inputs, fresh_state)
+        if commit is not None and b > 1:
+            row = {sp.STATE_ROW_INPUT: np.array([int(rng.integers(0, m))], np.int32)}
+            gpu.lower(run_pipeline(commit, model.passes), model.weights)(row, fresh_state)
+        monkeypatch.delenv("GRAPHIR_NO_CAPTURE")
+        if commit is not None and b > 1:
+            model.programs.get_program(commit, model.weights, model.backend, model.passes)(row, live)
+        for name in want:
+            assert np.array_equal(host(got[name]), host(want[name])), f"{spec}: {name}, bucket {b}, m {m}, at {n_past}"
+        for name in live:
+            assert np.array_equal(live[name].get(), fresh_state[name].get()), \
+                f"{spec}: state {name}, bucket {b}, m {m}, at {n_past}"
+    cached = [sp.verify_program(model, b, g) for b in sp.VERIFY_BUCKETS for g in (True, False)]
+    assert all(p.captured == p.capturable for p in cached) and any(p.captured for p in cached), \
+        [(p.capturable, p.captured) for p in cached]

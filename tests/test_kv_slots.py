@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from _gpu_helpers import gpu_only
+from _gpu_helpers import gpu_only, host
 from graphir.backends.registry import get_backend
 from graphir.models import llama
 from graphir.models.family import SLOT_MAP
@@ -134,8 +134,9 @@ def pool_window_attention(logical_len: int):
     return attention
 
 
-def test_a_pool_view_sized_from_a_logical_length_is_caught(monkeypatch):
-    _, slotted = models("cpu")
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])])
+def test_a_pool_view_sized_from_a_logical_length_is_caught(monkeypatch, backend):
+    _, slotted = models(backend)
     with monkeypatch.context() as mp:
         mp.setattr(llama, "_attention", pool_window_attention(CTX))
         broken = slotted.graph("prefill", 4)
@@ -146,19 +147,21 @@ def test_a_pool_view_sized_from_a_logical_length_is_caught(monkeypatch):
         run_pipeline(broken, "default")
     # by the numbers: with slots that are not the pool's first rows in position order, its logits leave the
     # slot-mapped graph's (with contiguous slots 0..39 the two agree: a test with ordered slots misses it)
-    backend = get_backend("cpu")
+    lowering = get_backend(backend)
     tokens = np.random.default_rng(5).integers(0, slotted.config.n_vocab, 12).tolist()
-    state = new_state(run_pipeline(slotted.graph("decode"), slotted.passes))
+    decode = run_pipeline(slotted.graph("decode"), slotted.passes)
+    state = lowering.new_state(decode) if backend == "gpu" else new_state(decode)  # device buffers on the gpu
     for slot_map, agree in ((np.arange(CTX, dtype=np.int32), True), (shuffled(6), False)):
         inputs = kv_slots.slot_inputs(sp.verify_inputs(8, tokens[8:12], 4), slot_map, POOL)
         prefix = kv_slots.slot_inputs(sp.verify_inputs(0, tokens[:8], 8), slot_map, POOL)
         a, b = copy_state(state), copy_state(state)
         program(slotted, 8)(prefix, a)
         program(slotted, 8)(prefix, b)
-        want = program(slotted, 4)(inputs, a)["logits"]
-        got = backend.lower(broken, slotted.weights)({k: v for k, v in inputs.items() if k != SLOT_MAP}, b)
+        want = host(program(slotted, 4)(inputs, a)["logits"])
+        fed = {k: v for k, v in inputs.items() if k != SLOT_MAP}
+        got = host(lowering.lower(broken, slotted.weights)(fed, b)["logits"])
         # (unfused, as replay-lint stops the default pipeline: equal up to f32 rounding where it is right)
-        assert np.allclose(got["logits"], want, rtol=1e-4, atol=1e-4) == agree
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-4) == agree
 
 
 def test_a_gather_by_a_const_and_a_const_length_bound_are_caught():

@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from _gpu_helpers import gpu_only
+from _gpu_helpers import gpu_only, host
 from graphir.backends.registry import get_backend
 from graphir.models import llama, presets
 from test_replay import copy_state, random_state, windowed_attention
@@ -207,11 +207,13 @@ def test_verify_graph_passes_replay_lint_and_holds_no_position():
         assert run_pipeline(a, "replay-lint") is a and a.signature() == c.signature()
 
 
-def test_a_verify_graph_with_a_baked_kv_offset_is_caught(monkeypatch):
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])])
+def test_a_verify_graph_with_a_baked_kv_offset_is_caught(monkeypatch, backend):
     """The issue's first seed bug: a cached verifier whose KV reads sit at a build-time offset (here a window
     view placed for the position it was built at) instead of following the run-time write rows. replay-lint
-    names the view; replayed at other positions its numbers leave those of a verifier built there."""
-    model = load("random:llama-tiny", "cpu")
+    names the view; replayed at other positions its numbers leave those of a verifier built there (on the
+    gpu the cached Program holds its State on the device, so it is captured and replayed)."""
+    model = load("random:llama-tiny", backend)
 
     def broken(position: int):
         with monkeypatch.context() as m:
@@ -220,18 +222,23 @@ def test_a_verify_graph_with_a_baked_kv_offset_is_caught(monkeypatch):
 
     with pytest.raises(graphir.GraphError, match=r"replay-lint: .*view 'blk\.0\.k_window'.*position=43"):
         run_pipeline(broken(43), "replay-lint")
-    backend = get_backend(model.backend)
-    lower = lambda position: backend.lower(broken(position), model.weights)  # noqa: E731
+    lower = lambda position: get_backend(backend).lower(broken(position), model.weights)  # noqa: E731
     cached, state = lower(43), random_state(model.graph("decode"), seed=3)
+    if backend == "gpu":
+        import cupy as cp
+
+        state = {k: cp.asarray(v) for k, v in state.items()}
 
     def run(program, n_past: int):
         inputs = sp.verify_inputs(n_past, [5, 6, 7, 8], 4)
         del inputs["kv_len"]  # the broken window's length is a const
-        return program(inputs, copy_state(state))["logits"]
+        return host(program(inputs, copy_state(state))["logits"])
 
     assert np.array_equal(run(cached, 40), run(lower(43), 40))  # right where it was built: one position misses it
     for n_past in (41, 60, CTX - 4):
         assert not np.allclose(run(cached, n_past), run(lower(n_past + 3), n_past), rtol=1e-3, atol=1e-3)
+    if backend == "gpu":
+        assert cached.captured == cached.capturable
 
 
 def test_rejected_rows_are_never_read():
