@@ -245,9 +245,11 @@ def test_cached_verify_programs_equal_fresh_programs_bitwise(spec, monkeypatch):
     recurrent = sp.keeps_states(model)
     gpu = get_backend("gpu")
     rng = np.random.default_rng(2)
-    live = {k: cp.asarray(rng.standard_normal(v.shape).astype(v.dtype)) for k, v in model._state.items()}
-    tokens = rng.integers(0, model.config.n_vocab, ctx)
     commit = sp.commit_graph(model) if recurrent else None
+    graphs = [sp.verify_graph(model, b, g) for b in sp.VERIFY_BUCKETS for g in (True, False)] + [commit] * recurrent
+    shapes = {k: v for graph in graphs for k, v in gpu.new_state(graph).items()}  # per-token state rows included
+    live = {k: cp.asarray(rng.standard_normal(v.shape).astype(v.dtype)) for k, v in sorted(shapes.items())}
+    tokens = rng.integers(0, model.config.n_vocab, ctx)
     for i, (b, m, n_past) in enumerate(_patterns(ctx, sp.VERIFY_BUCKETS, seed=3)):
         greedy = i % 2 == 0
         inputs = sp.verify_inputs(n_past, tokens[n_past:n_past + m].tolist(), b, keep_states=recurrent and b > 1)
