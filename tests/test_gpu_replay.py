@@ -214,17 +214,6 @@ def test_gpu_replay_lint_and_the_numbers_catch_a_kv_row_read_while_lowering(monk
     assert sum(later) >= 10, f"the baked KV row should corrupt later positions: {later}"
 
 
-def _patterns(ctx: int, buckets: tuple[int, ...], n: int = 120, seed: int = 0) -> list[tuple[int, int, int]]:
-    """(bucket, real tokens m, n_past): every bucket full and padded at position 0 and at the context's end,
-    then random ones (test_speculative.patterns' rule, at this test's context)."""
-    rng = np.random.default_rng(seed)
-    out = [(b, m, p) for b in buckets for m, p in ((1, 0), (b, 0), (b, ctx - b), (1, ctx - b))]
-    while len(out) < n:
-        b = int(rng.choice(buckets))
-        out.append((b, int(rng.integers(1, b + 1)), int(rng.integers(0, ctx - b + 1))))
-    return out
-
-
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
 def test_cached_verify_programs_equal_fresh_programs_bitwise(spec, monkeypatch):
     """Issue 11's replay rule on the gpu: the model's cached verify Programs (captured on their second call,
@@ -232,13 +221,14 @@ def test_cached_verify_programs_equal_fresh_programs_bitwise(spec, monkeypatch):
     live State, equal Programs lowered fresh for each pattern and launched kernel by kernel: every output
     and every State buffer bitwise."""
     import cupy as cp
+    from test_speculative import CTX as ctx
+    from test_speculative import patterns
 
     from graphir import speculative as sp
     from graphir.generate import SAMPLING_INPUT
     from graphir.ops import SAMPLING_FIELDS
     from graphir.passes import run_pipeline
 
-    ctx = 176
     model = graphir.load(spec, backend="gpu", passes="default", ctx=ctx)
     prompt = [(7 * i) % 23 + 3 for i in range(30)]  # repeats, so prompt lookup drafts
     list(sp.generate(model, "lookup", prompt, 8, draft_len=3))  # the model's own path: programs cached
@@ -250,7 +240,7 @@ def test_cached_verify_programs_equal_fresh_programs_bitwise(spec, monkeypatch):
     shapes = {k: v for graph in graphs for k, v in gpu.new_state(graph).items()}  # per-token state rows included
     live = {k: cp.asarray(rng.standard_normal(v.shape).astype(v.dtype)) for k, v in sorted(shapes.items())}
     tokens = rng.integers(0, model.config.n_vocab, ctx)
-    for i, (b, m, n_past) in enumerate(_patterns(ctx, sp.VERIFY_BUCKETS, seed=3)):
+    for i, (b, m, n_past) in enumerate(patterns(seed=3)):
         greedy = i % 2 == 0
         inputs = sp.verify_inputs(n_past, tokens[n_past:n_past + m].tolist(), b, keep_states=recurrent and b > 1)
         if greedy:
