@@ -202,5 +202,6 @@ def kernel_table(program, top: int) -> None:
         print(f"{name:<34} {len(v):5d} {sum(v) / len(v):8.2f} {sum(v):8.1f} {100 * sum(v) / total:5.1f}%")
     print(f"{'sum of kernels, each replayed alone':<34} {sum(len(v) for v in per.values()):5d} {'':>8} {total:8.1f}")
 
+
 if __name__ == "__main__":
     main()

@@ -284,14 +284,14 @@ def _decode_step_device_s(model: Model) -> float:
 def _deltanet_kernel_s(model: Model) -> tuple[float, float, float] | None:
     """(the Gated DeltaNet kernels, their conv and delta-rule kernels alone, all kernels) of generate()'s decode
     step in device seconds, each step replayed alone; None where the step is not captured."""
-    from graphir.backends.gpu.kernel_times import is_deltanet_kernel, step_times
+    from graphir.backends.gpu.kernel_times import DELTANET_STATE_KERNEL_PREFIXES, is_deltanet_kernel, step_times
 
     program = model._program(1, False, sampler=True)
     if not program.captured:
         return None
     times = step_times(program)
     mine = [(n, t) for n, t in times if is_deltanet_kernel(n)]
-    state_kernels = sum(t for n, t in mine if n.startswith(("ssm_conv", "gated_delta_net")))
+    state_kernels = sum(t for n, t in mine if n.startswith(DELTANET_STATE_KERNEL_PREFIXES))
     return sum(t for _, t in mine), state_kernels, sum(t for _, t in times)
 
 
@@ -372,7 +372,8 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto"
         decode_times.append(_decode_s(model, prompt, decode_tokens))
         picked.append(_cpu_threads_now(backend))
     step_device_s = _decode_step_device_s(model) if on_gpu else float("nan")
-    deltanet_s = _deltanet_kernel_s(model) if on_gpu and decode_state_bytes(model) else None
+    state_bytes = decode_state_bytes(model)
+    deltanet_s = _deltanet_kernel_s(model) if on_gpu and state_bytes else None
     long_times: list[float] = []
     if long_prefill_tokens:
         _prefill_s(model, ids[:long_prefill_tokens])  # lowers its buckets
@@ -380,7 +381,6 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto"
     rss = peak_rss_bytes()  # before the bandwidth copy and llama.cpp add their own memory
     arena, n_programs = arena_bytes(model)
     weight_bytes = decode_weight_bytes(model)
-    state_bytes = decode_state_bytes(model)
     device_bytes = device_memory_bytes() if on_gpu else 0  # before the bandwidth copy adds its 2 GiB
     bandwidth = measure_device_bandwidth() if on_gpu else measure_bandwidth(bandwidth_mb)
 

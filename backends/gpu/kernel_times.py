@@ -15,10 +15,11 @@ from typing import Any
 
 from .device import cupy, stream
 
-# The kernels of a Gated DeltaNet layer's own ops (recurrent.cu: the conv step and the delta rule, the
-# step kernels and the few-token ones; delta_chunked.cu: the chunked prefill; norm.cu: the gated norm
-# with z). Its projections are GEMVs like any layer's and are not counted.
-DELTANET_KERNEL_PREFIXES = ("ssm_conv", "gated_delta_net", "gdn_", "rms_norm_mul_gate")
+# The kernels of a Gated DeltaNet layer's own ops: those that read and write its recurrent State (recurrent.cu:
+# the conv step and the delta rule, the step kernels and the few-token ones), then delta_chunked.cu's chunked
+# prefill and norm.cu's gated norm with z. Its projections are GEMVs like any layer's and are not counted.
+DELTANET_STATE_KERNEL_PREFIXES = ("ssm_conv", "gated_delta_net")
+DELTANET_KERNEL_PREFIXES = DELTANET_STATE_KERNEL_PREFIXES + ("gdn_", "rms_norm_mul_gate")
 
 
 def is_deltanet_kernel(name: str) -> bool:
