@@ -169,3 +169,24 @@ def test_deltanet_kernels_are_the_recurrent_sources_and_the_gated_norm() -> None
     assert len(mine) >= 8 and all(is_deltanet_kernel(n) for n in mine), mine
     others = names("norm.cu") + names("matmul.cu") + names("attention.cu") + names("rope.cu")
     assert [n for n in others if is_deltanet_kernel(n)] == ["rms_norm_mul_gate_f32"]
+
+
+def test_deltanet_step_times_are_split_into_all_state_and_total(monkeypatch) -> None:
+    """bench's DeltaNet numbers from the per-step device times (kernel_times.step_times, faked here: it needs a
+    GPU): the DeltaNet kernels (conv, delta rule, chunked prefill, gated norm) against every step, and the
+    State-moving ones (conv, delta rule) on their own; nothing where the decode step is not captured."""
+    from graphir.backends.gpu import kernel_times
+
+    times = [("gemv1v2_bf16_g128r1", 4.0), ("ssm_conv_silu_k4", 0.5), ("gated_delta_net_raw_step_d128", 2.0),
+             ("rms_norm_mul_gate_f32", 0.25), ("add_rms_norm_mul_v4_f32", 1.0), ("gdn_chunk_scan_d128", 0.125)]
+    monkeypatch.setattr(kernel_times, "step_times", lambda program: times)
+
+    class FakeModel:
+        def __init__(self, captured: bool):
+            self.program = type("P", (), {"captured": captured})()
+
+        def _program(self, n, last_only, sampler):
+            return self.program
+
+    assert bench_mod._deltanet_kernel_s(FakeModel(True)) == (2.875, 2.5, 7.875)
+    assert bench_mod._deltanet_kernel_s(FakeModel(False)) is None
