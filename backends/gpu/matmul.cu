@@ -589,6 +589,9 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
 #endif
+#ifndef GEMV3_PROBE
+#define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
+#endif
 
 DEVICE float dot4acc(const F4& x, const float* v, float acc) {
     return fmaf(x.d, v[3], fmaf(x.c, v[2], fmaf(x.b, v[1], fmaf(x.a, v[0], acc))));
@@ -651,6 +654,14 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     rows.load(0, nb, lane);
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
+#if GEMV3_PROBE == 2  // test-only (profile_gpu_decode.py --defines): the weight loads alone, no staging or math
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int p = 0; p < Rows::PPL; ++p) acc[r] += __uint_as_float(rows.pc[r][p].a ^ rows.pc[r][p].d);
+        if (b0 + CB < nb) rows.load(b0 + CB, nb, lane);
+        continue;
+#endif
 #if !GEMV3_PREFETCH
         if (b0 > 0) rows.load(b0, nb, lane);
 #endif
@@ -673,7 +684,11 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
                 unsigned w[S::NW];
 #pragma unroll
                 for (int k = 0; k < S::NW; ++k) w[k] = wp[k];
+#if GEMV3_PROBE == 1  // test-only: staged as shipped, without the decode math
+                acc[r] += __uint_as_float(w[0] ^ w[S::NW - 1]) * xb[0].a;
+#else
                 acc[r] += S::dot(w, boff & 3u, xb);
+#endif
             }
         }
     }
