@@ -390,8 +390,16 @@ def main() -> None:
                                                  "(default all)")
     ap.add_argument("--q8x", action="store_true", help="time mul_mat_q8x's geometries against the f32 GEMV, checked")
     ap.add_argument("--models", default=",".join(GEMVM_MODELS), help="with --gemvm: " + ", ".join(GEMVM_MODELS))
+    ap.add_argument("--defines", default="", help="-D options matmul.cu and gemv_q8x.cu are compiled with, ',' "
+                    "between them (e.g. GEMV3_MIN_BLOCKS=6): a kernel variant timed as the shipped one")
     args = ap.parse_args()
+    from graphir.backends.gpu import kernels
     from graphir.backends.gpu.device import available, cupy
+
+    if args.defines:
+        extra = tuple(args.defines.split(","))
+        kernels.SOURCES.update({k: v + extra for k, v in kernels.SOURCES.items() if k in ("matmul.cu", "gemv_q8x.cu")})
+        print(f"kernels compiled with -D{' -D'.join(extra)}")
 
     if not available():
         raise SystemExit("no CUDA/HIP device: this benchmark needs a GPU")

@@ -589,6 +589,9 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
 #endif
+#ifndef GEMV3_MIN_BLOCKS
+#define GEMV3_MIN_BLOCKS 1  // blocks an SM must hold (__launch_bounds__): caps the registers a thread
+#endif
 #ifndef GEMV3_PROBE
 #define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
 #endif
@@ -804,7 +807,7 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
 #define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
 #define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in)
 #define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_MIN_BLOCKS) gemv1v3_##name##_##cfg( \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
         PDL_ENTRY();                                                                                      \
