@@ -710,7 +710,7 @@ ATTN_DEFINE_KV(f16, u16)
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
         int L, p;                                                                                                 \
-        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z])); \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]));                                             \
         attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, p, L, part_m, part_l, part_acc, hq,          \
                                                              hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
                                                              n_gch, errflag, code);                               \
@@ -721,7 +721,7 @@ ATTN_DEFINE_KV(f16, u16)
         float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
         float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
         int L, p;                                                                                                 \
-        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z])); \
+        PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]));                                             \
         attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, p, L, part_m, part_l, part_acc, hq, hk,          \
                                                          d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
                                                          errflag, code);                                          \

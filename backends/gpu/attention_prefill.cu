@@ -120,15 +120,13 @@ DEVICE float exp2_fast(float x) {  // 2^x, ~2 ulp; -inf -> 0
     return y;
 }
 
-// ---------------------------------------------------------------- tensor-core and async-copy PTX
+// ---------------------------------------------------------------- tensor-core PTX (async copies: common.cuh)
 DEVICE void mma_bf16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-DEVICE unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i. Lane l gets, of each
 // matrix, row l/4, columns 2(l%4)..+1 (x4), or with .trans row 2(l%4)..+1, column l/4 (x4_trans).
@@ -140,13 +138,6 @@ DEVICE void ldmatrix_x4_trans(unsigned int (&r)[4], const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)) : "memory");
 }
-
-DEVICE void cp_async16(u16* dst, const u16* src, bool valid) {  // !valid: 16 zero bytes, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // ---------------------------------------------------------------- K/V to bf16
 // One thread per 8 columns of a scratch row (h, j): dst[kv][h][j][c..c+7] (one 16-byte store), kv =

@@ -179,6 +179,25 @@ DEVICE float block_max(float v, float* scratch) {
         }                            \
     } while (0)
 
+// ---------------------------------------------------------------- asynchronous copies to shared memory
+// cp.async (sm_80+, CUDA only): 16 bytes global -> shared without passing through registers; a thread's
+// copies since its last commit form a group, wait_group<N> waits until at most N of its groups are in flight
+// (other threads' copies are visible only after a __syncthreads). HAVE_CP_ASYNC says whether they exist.
+#if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define HAVE_CP_ASYNC 1
+DEVICE unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+DEVICE void cp_async16(void* dst, const void* src, bool valid) {  // !valid: 16 zero bytes, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+DEVICE void cp_async_wait_all() { cp_async_wait<0>(); }
+#else
+#define HAVE_CP_ASYNC 0
+#endif
+
 // ---------------------------------------------------------------- run-time error flag
 // Kernels that index with run-time values (token ids, KV rows, kv_len) never touch memory out of
 // range. They record the first violation instead: flag[0] = code (the step's number + 1, set by
