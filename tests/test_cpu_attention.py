@@ -73,6 +73,20 @@ def test_several_queries_see_different_key_counts(rng, n_q, dtype):
     check(*case(rng, 1025, 8, 2, dtype, n_q=n_q, spare=3))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("keys, window", [(20, 0), (2310, 0), (2310, 300)])
+def test_each_query_of_a_verify_call_is_bitwise_its_decode_step(rng, keys, window, dtype):
+    """A speculative verify call (up to DECODE_MAX_QUERIES queries) on the decode kernel: each row equals the
+    one-query call at its position bit for bit, its keys chunked by its own position (2310 keys: the rows'
+    chunk counts differ, 9 then 10 of 256 keys; 20: every row at the minimum of 8)."""
+    n_q = ATT.DECODE_MAX_QUERIES
+    q, k, v, pos, kv_len = case(rng, keys, 9, 3, dtype, n_q=n_q)
+    many = attend(q, k, v, pos, kv_len, window)
+    for t in range(n_q):
+        one = attend(q[t:t + 1].copy(), k, v, pos[t:t + 1].copy(), pos[t:t + 1] + 1, window)
+        assert np.array_equal(many[t], one[0]), f"query {t} at {pos[t]}: |diff| {np.abs(many[t] - one[0]).max():.3g}"
+
+
 @pytest.mark.parametrize("window", [1, 5, 300])
 def test_sliding_window(rng, window):
     check(*case(rng, 1025, 9, 3, np.float32, n_q=3), window=window)
@@ -121,11 +135,12 @@ def test_decode_uses_the_decode_kernel_and_prefill_the_prefill_one(rng):
     LR.RECORD = []
     try:
         attend(q, k, v, pos, kv_len)
-        attend(np.repeat(q, 16, axis=0), k, v, np.arange(495, 511, dtype=np.int32), kv_len)
+        for n in (ATT.DECODE_MAX_QUERIES, ATT.DECODE_MAX_QUERIES + 1):  # a verify call's most, one more
+            attend(np.repeat(q, n, axis=0), k, v, np.arange(511 - n, 511, dtype=np.int32), kv_len)
         used = [use[1] for use in LR.RECORD]
     finally:
         LR.RECORD = None
-    assert used == [ATT.KERNELS[64, 3, False], LR.ATP.KERNELS[64]]
+    assert used == [ATT.KERNELS[64, 3, False], ATT.KERNELS[64, 3, False], LR.ATP.KERNELS[64]]
 
 
 def test_precompile_helper_finds_the_kernels_by_name():

@@ -12,7 +12,9 @@ is built around reading each row once, in address order, as fast as memory deliv
 - within a chunk: scores into a per-thread scratch [q heads, CHUNK], then a vectorized exp, then
   the V sum; every inner loop runs over head_dim, a compile-time constant (one kernel per head dim
   and GQA block);
-- all scratch is bound once (DecodeScratch), so a replayed step allocates nothing.
+- all scratch is bound once (DecodeScratch), so a replayed step allocates nothing;
+- a query's chunks follow from its own position only (_splits), so each row of a call of up to 16 (a
+  speculative verify call) is bitwise the decode step at that position.
 
 f16 caches (the kv-f16 pass) are read as their uint16 bits (numba has no float16) and widened with
 integer ops and one multiply, branch-free, so the loops stay vectorized: K inside the dot products,
@@ -41,7 +43,9 @@ EXACT = dict(cache=True, nogil=True)  # bit manipulation of f16 (fast-math must 
 
 CHUNK = 256  # keys per task at most: the scores of a chunk (q heads x 1 KB) stay in L1/L2
 MIN_TASKS = 8  # split short contexts too, so that 2 threads get even shares
-DECODE_MAX_QUERIES = 8  # more queries (prefill) go to kernels.attention, which reuses nothing across queries
+# speculative verify calls (graphir/speculative.py VERIFY_BUCKETS, up to 16 rows) stay here: their rows then equal
+# decode steps bit for bit; more queries (prefill) go to attention_prefill.py, which shares K and V reads across them
+DECODE_MAX_QUERIES = 16
 HEAD_DIMS = (16, 32, 64, 128, 256)  # with a decode kernel: the random tiny presets, SmolLM2, Qwen3, Qwen3.5 / Gemma 3
 
 _F16_SCALE = np.float32(2.0 ** 112)  # f16 bits shifted into an f32's place are the value times 2^-112
@@ -72,11 +76,13 @@ def make_scratch(n_q: int, hq: int, hk: int, d: int, dv: int, capacity: int, f16
 
 
 @njit(**JIT)
-def _splits(n_q, length, capacity_splits):
-    """Chunks per query: none longer than CHUNK, at least MIN_TASKS tasks in all."""
+def _splits(length, capacity_splits):
+    """Chunks of a query whose keys end at `length`: none longer than CHUNK, at least MIN_TASKS. The query's
+    own count, whatever the call's other queries: a verify call's row then sums its keys in the chunks of a
+    decode step at its position, and equals it bit for bit (with 16-bit x, q16-activations, a last-bit
+    difference here grew to 2e-3 in SmolLM2's logits: greedy speculative output could leave plain decoding's)."""
     by_length = (length + CHUNK - 1) // CHUNK
-    by_tasks = (MIN_TASKS + n_q - 1) // n_q
-    return max(1, min(capacity_splits, max(by_length, by_tasks)))
+    return max(1, min(capacity_splits, max(by_length, MIN_TASKS)))
 
 
 @njit(**JIT)
@@ -88,12 +94,16 @@ def _key_range(p, length, window):
 
 
 @njit(**JIT)
-def _task(task, splits, pos, length, window):
-    """(query, chunk index, first key, end key) of a task; an empty chunk has j0 == j1."""
+def _task(task, splits, pos, length, window, capacity_splits):
+    """(query, chunk index, first key, end key) of a task; an empty chunk has j0 == j1. `splits`: the most
+    chunks of any query (the call's length); query t has its own, _splits of its last key, and no more."""
     c = task % splits
     t = task // splits
     start, stop = _key_range(pos[t], length, window)
-    return t, c, start + (stop - start) * c // splits, start + (stop - start) * (c + 1) // splits
+    own = _splits(min(length, pos[t] + 1), capacity_splits)
+    if c >= own:
+        return t, c, start, start
+    return t, c, start + (stop - start) * c // own, start + (stop - start) * (c + 1) // own
 
 
 @njit(inline="always")
@@ -220,9 +230,9 @@ def _make_kernel(d: int, block: int, f16: bool):
         hq, hk = q.shape[1], k.shape[1]
         group = hq // hk
         length = kv_len[0]
-        splits = _splits(q.shape[0], length, max_.shape[2])
+        splits = _splits(length, max_.shape[2])
         for task in prange(q.shape[0] * splits):
-            t, c, j0, j1 = _task(task, splits, pos, length, window)
+            t, c, j0, j1 = _task(task, splits, pos, length, window, max_.shape[2])
             if j1 <= j0:
                 _mark_empty(sum_, t, c)
                 continue
