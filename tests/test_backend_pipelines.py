@@ -4,6 +4,7 @@ cache key or benchmark record is made; `default` stays the exact f32 pipeline ev
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import types
 from pathlib import Path
@@ -19,8 +20,10 @@ from graphir.cache import ProgramCache, key_parts
 from graphir.cli import main
 from graphir.errors import GraphError
 from graphir.passes import default_pipeline, parse_pipeline, pipelines, resolve_pipeline, spell_pipeline
+from graphir.speculative import VERIFY_BUCKETS
 
 GPU = ["gemm-bf16", "attn-bf16", "gemm-bf16-out"]
+CPU_SPELLED = "default,q16-activations{max_rows=16}"  # 16-bit x up to the largest speculative verify call (issue 11)
 
 
 def invoke(*args: str):
@@ -31,7 +34,7 @@ def test_backend_pipelines_are_default_plus_their_passes() -> None:
     named = pipelines()
     assert named["default"] == default_pipeline()
     assert not {"q16-activations", *GPU} & set(named["default"])  # default stays the exact f32 pipeline
-    assert named["cpu"] == [*default_pipeline(), "q16-activations"]
+    assert named["cpu"] == [*default_pipeline(), f"q16-activations{{max_rows={max(VERIFY_BUCKETS)}}}"]
     assert named["gpu"] == [*default_pipeline(), *GPU]
 
 
@@ -66,7 +69,8 @@ def test_auto_is_a_whole_pipeline_and_unknown_names_still_fail() -> None:
 
 
 def test_spelled_pipelines_name_their_passes() -> None:
-    assert spell_pipeline("cpu") == "default,q16-activations"
+    assert spell_pipeline("cpu") == CPU_SPELLED
+    assert parse_pipeline(spell_pipeline("cpu")) == parse_pipeline("cpu")
     assert spell_pipeline("gpu,kv-f16") == "default,gemm-bf16,attn-bf16,gemm-bf16-out,kv-f16"
     assert spell_pipeline("replay-lint{strict=0},default") == "replay-lint{strict=0},default"
     assert parse_pipeline(spell_pipeline("gpu")) == parse_pipeline("gpu")
@@ -94,7 +98,8 @@ def test_program_cache_keys_on_the_resolved_pipeline() -> None:
     sig = graph.signature()
     entries = {p: graph_cache._entry(sig, p) for p in ("default", "cpu", "gpu")}
     assert len(set(entries.values())) == 3 and None not in entries.values()
-    assert graph_cache._entry(sig, "default,q16-activations") == entries["cpu"]  # the pass list, not the name
+    assert graph_cache._entry(sig, CPU_SPELLED) == entries["cpu"]  # the pass list, not the name
+    assert graph_cache._entry(sig, "default,q16-activations") != entries["cpu"]  # its options are part of it
 
     cache = ProgramCache()
     first = cache.get_program(graph, model.weights, "cpu", "auto")
@@ -154,7 +159,7 @@ def test_cli_bench_prints_and_records_the_resolved_pipeline(tmp_path: Path) -> N
     r = invoke("bench", "random:llama-tiny", "--backend", "cpu", "--prefill", "8", "--prompt", "8", "--decode", "4",
                "--repeats", "1", "--no-llama-cpp", "--json", str(out))
     assert r.exit_code == 0, r.output
-    assert "| passes cpu (default,q16-activations) |" in r.stdout
+    assert f"| passes cpu ({CPU_SPELLED}) |" in r.stdout
     data = json.loads(out.read_text())
-    assert (data["passes"], data["pipeline"]) == ("cpu", "default,q16-activations")
-    assert "--passes default,q16-activations" in data["command"]
+    assert (data["passes"], data["pipeline"]) == ("cpu", CPU_SPELLED)
+    assert f"--passes {shlex.quote(CPU_SPELLED)}" in data["command"]  # quoted: braces stay one shell word

@@ -37,7 +37,7 @@ def test_bench_returns_every_number() -> None:
     assert r["programs"] >= 2  # a prefill and the decode Program at least
     assert r["machine"]["cores"] >= 1 and r["machine"]["numba_threads"] >= 1 and r["machine"]["cpu"]
     assert r["date"] and r["backend"] == "cpu" and r["passes"] == "cpu"  # passes "auto": the cpu's pipeline
-    assert r["pipeline"] == "default,q16-activations"
+    assert r["pipeline"] == "default,q16-activations{max_rows=16}"
     assert r["llama_cpp"] is None and "not a GGUF file" in r["llama_cpp_note"]
     assert r["decode_fraction_of_limit"] == pytest.approx(r["decode_tok_s_best"] / r["bandwidth_limit_tok_s"])
     json.dumps(r)  # everything in it is JSON-ready

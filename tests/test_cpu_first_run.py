@@ -27,13 +27,15 @@ def test_jobs_follow_the_lowering_choices():
 
 
 def test_one_token_products_follow_the_pipeline():
-    # the cpu pipeline's q16-activations gives decode's 4- and 8-bit products the integer-x GEMV, not the repacked one
+    # the cpu pipeline's q16-activations gives 4- and 8-bit products of up to 16 rows (decode, verify calls, prefill
+    # chunks of 8) the integer-x GEMV, not the repacked or tiled one
     assert int_x_products("default") is None and int_x_products("") is None
     q16 = int_x_products("cpu")
-    assert q16 == ("gemv_q16x", frozenset({"q4_0", "q4_1", "q8_0"}), 1)
+    assert q16 == ("gemv_q16x", frozenset({"q4_0", "q4_1", "q8_0"}), 16)
     assert int_x_products("default,q8-activations{max_rows=2},q16-activations")[::2] == ("gemv_q8x", 2)
-    uses = [("q4_1", 8), ("q4_1", 1), ("q8_0", 1), ("q5_k", 1), ("q4_1", 2)]
-    assert jobs_for(uses, q16) == ["matmul:q4_1:tile", "intx:gemv_q16x", "matmul:q5_k:gemv", "matmul:q4_1:gemv"]
+    assert int_x_products("default,q16-activations")[2] == 1  # the pass's own default: one-token calls
+    uses = [("q4_1", 32), ("q4_1", 1), ("q8_0", 1), ("q5_k", 1), ("q4_1", 8), ("q4_1", 17)]
+    assert jobs_for(uses, q16) == ["matmul:q4_1:tile", "intx:gemv_q16x", "matmul:q5_k:gemv"]
 
 
 # A prefill Program of the cpu pipeline on a cold cache: the helper compiles the integer-x GEMV its decode will
@@ -70,7 +72,7 @@ def test_helper_compiles_the_cpu_pipelines_decode_gemv(tmp_path):
 
 def test_integer_x_gemvs_are_recorded_with_the_pipeline(monkeypatch):
     """A Program of the cpu pipeline tells precompile its pipeline, and records its integer-x GEMVs (the 16-bit
-    decode products): what the helper compiles, and what the Program then waits for."""
+    products of up to 16 rows): what the helper compiles, and what the Program then waits for."""
     from graphir.backends.cpu import precompile
 
     import graphir
@@ -81,8 +83,8 @@ def test_integer_x_gemvs_are_recorded_with_the_pipeline(monkeypatch):
     assert len(list(model.generate([1, 2, 3, 4, 5, 6, 7], 3, stop_at_eos=False))) == 3
     assert [pipeline for _, pipeline in records] == ["cpu", "cpu"]  # the prefill, then the decode step
     assert ("intx", "gemv_q16x") in records[1][0]  # decode's products at 16-bit x
-    assert ("intx", "gemv_q16x") in records[0][0]  # the prefill's head too: it reads the last row only
-    assert ("mm", "q4_1", 8) in records[0][0]  # the prefill's other products: 8 rows, f32
+    assert ("intx", "gemv_q16x") in records[0][0]  # the prefill's head (its last row) and its 8-row products
+    assert ("mm", "q4_1", 8) not in records[0][0]  # no f32 product: 8 rows are within a verify call's 16
 
 
 # Records what a bound Program would (lowering_rules.RECORD): a q8_0 weight times 5 rows, a q8_0 table read by

@@ -23,6 +23,7 @@ from graphir import flags
 from graphir.errors import GraphError
 from graphir.ir import Graph
 from graphir.passes.report import CoverageReport, recording
+from graphir.speculative import VERIFY_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,11 @@ GPU_PASSES = [
 ]
 CPU_PASSES = [
     # 16-bit x and integer dot products for 4-bit decode GEMVs: 1.09-1.17x the f32 path's decode, greedy text
-    # unchanged on issue 13's 57 prompts (BENCHMARKS.md, "16-bit activations end to end")
-    "q16-activations",
+    # unchanged on issue 13's 57 prompts (BENCHMARKS.md, "16-bit activations end to end"). Up to the largest
+    # verify call's rows: a verify row then computes what a decode step at its position does, bit for bit, so
+    # greedy speculative output equals plain decoding's (issue 11); 8- and 16-row calls (prompt chunks of 8 too)
+    # pay for it, the integer GEMV going row by row (BENCHMARKS.md, "Issue 11 on the cpu pipeline")
+    f"q16-activations{{max_rows={VERIFY_BUCKETS[-1]}}}",
 ]
 
 BACKEND_PASSES = {"cpu": CPU_PASSES, "gpu": GPU_PASSES}  # pipeline name -> what it adds to default
@@ -155,7 +159,7 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
         if name in named:
             if opts:
                 raise GraphError(f"pipeline {spec!r}: {name} takes no options; spell its passes out instead")
-            out += [(n, {}) for n in named[name]]
+            out += parse_pipeline(",".join(named[name]))  # its entries may carry options (cpu's max_rows)
         elif name not in PASSES:
             raise GraphError(f"pipeline {spec!r}: unknown pass {name!r}; "
                              f"known: {', '.join([*named, *sorted(PASSES)])}")

@@ -8,7 +8,11 @@ with 16-bit x are exact in int32 and rounded once to f32 (BENCHMARKS.md, "A 16-b
 kernel for it (lowering is an error).
 
 The match rules are q8-activations' (a 2-D weight, at most max_rows rows of x, a stacked gate|up split back
-into the product and swiglu_split), with mul_mat_q16x and its formats.
+into the product and swiglu_split), with mul_mat_q16x and its formats. The cpu pipeline runs it with max_rows 16,
+the largest speculative verify call (graphir/passes/__init__.py CPU_PASSES): the kernel rounds and sums each row
+of x on its own, so a verify row then equals the decode step at its position bit for bit (decode attention
+chunks its keys as that step's, backends/cpu/attention.py), where f32 verify rows parted from 16-bit decode steps
+at near-ties (issue 11). Prefill chunks of 8 take it too (BENCHMARKS.md, "Issue 11 on the cpu pipeline").
 """
 
 from __future__ import annotations

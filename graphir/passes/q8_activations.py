@@ -17,7 +17,10 @@ rounding (q4_0, q4_1: 1/16 of its block's range) stays the larger error. It is o
 (`--passes default,q8-activations`); `graphir check --passes default,q8-activations` shows the cost.
 
 Only matmuls of a 2-D q4_0 / q4_1 / q8_0 weight (a Param, or Params stacked by stack-projections) by at most
-`max_rows` rows of x change: prefill is compute-bound on dequantized weights and stays in f32. A fused
+`max_rows` rows of x change: prefill is compute-bound on dequantized weights and stays in f32. On the cpu, greedy
+speculative decoding equals plain decoding only if verify calls round x as decode steps do:
+`q8-activations{max_rows=16}` (the cpu pipeline runs q16-activations so; the gpu's verify rows differ in the last
+bits anyway, and its pipeline has neither pass). A fused
 mul_mat_swiglu (its stacked gate|up product) is split back into the product, now mul_mat_q8x, and
 swiglu_split of its two halves.
 """
