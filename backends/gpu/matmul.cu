@@ -589,12 +589,16 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
 #endif
-#ifndef GEMV3_MIN_BLOCKS
-#define GEMV3_MIN_BLOCKS 1  // blocks an SM must hold (__launch_bounds__): caps the registers a thread
-#endif
 #ifndef GEMV3_PROBE
 #define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
 #endif
+// Where gemv1v3_q4_0_r4's time goes (H200, 2026-12-02, Qwen3-8B q4_0 captured step, profile_gpu_decode.py
+// --defines): 2,769 us shipped (its GEMVs 1,925), 2,260 without the decode math (GEMV3_PROBE=1), 2,017 with
+// the loads alone (GEMV3_PROBE=2): the math costs ~510 us a step, the staging ~240. Tried and dropped the same
+// day (bench_gpu_gemv.py --defines, % of copy bandwidth at 4096x4096 / 12288x4096 / 4096x12288 / 151936x4096,
+// shipped q4_0 36.0 / 49.4 / 47.4 / 66.6): more blocks an SM by capping registers (__launch_bounds__ minimum 6:
+// 25.3 / 40.1 / 30.0 / 55.3), and the chunks copied by cp.async, 2 or 3 stages deep, instead of through
+// prefetch registers (32.2 / 38.9 / 43.6 / 63.4; with 8 blocks an SM 26.9 / 38.7 / 34.3 / 54.9); q8_0 lost too.
 
 DEVICE float dot4acc(const F4& x, const float* v, float acc) {
     return fmaf(x.d, v[3], fmaf(x.c, v[2], fmaf(x.b, v[1], fmaf(x.a, v[0], acc))));
@@ -702,79 +706,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     }
 }
 
-#ifndef GEMV3_ASYNC
-#define GEMV3_ASYNC 0  // 1: gemv1v3_async below (where cp.async exists)
-#endif
-#ifndef GEMV3_STAGES
-#define GEMV3_STAGES 2
-#endif
-#if HAVE_CP_ASYNC
-// gemv1v3_staged with the chunks copied to shared memory by cp.async instead of through registers: no
-// prefetch registers (gemv1v3_q4_0_r4 holds 121 of them with the register copy, so 4 blocks an SM), and
-// GEMV3_STAGES chunks of the weight and x in flight. Same terms in the same order: bitwise the same output.
-template <class S, int NR>
-DEVICE void gemv1v3_async(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                          float* __restrict__ Y, int n_out, int n_in) {
-    constexpr int G = GEMV3_THREADS / 32, CB = 32;
-    typedef RowChunks<S::BB, NR, CB> Rows;
-    constexpr int PIECES = Rows::PIECES, PPL = Rows::PPL;
-    constexpr int STAGE_BYTES = (CB * 9) * 16 + G * NR * PIECES * 16;
-    constexpr int ST = GEMV3_STAGES * STAGE_BYTES <= 48 * 1024 ? GEMV3_STAGES : 2;  // static shared memory
-    __shared__ F4 xs[ST][CB * 9];
-    __shared__ U4 ws[ST][G][NR][PIECES];
-    const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * G + grp) * NR;
-    const Rows rows(W, row_bytes, row0, n_out);  // its row pointers only
-    float acc[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
-    const int nb = n_in / 32, nchunks = (nb + CB - 1) / CB;
-    const unsigned boff = (unsigned)(lane * S::BB);
-    auto issue = [&](int c) {  // chunk c into stage c % ST; a group is committed even when empty
-        if (c < nchunks) {
-            const int b0 = c * CB, nbh = nb - b0 < CB ? nb - b0 : CB, npc = Rows::pieces(b0, nb), st = c % ST;
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
-#pragma unroll
-                for (int p = 0; p < PPL; ++p)
-                    if (lane + 32 * p < npc)
-                        cp_async16(&ws[st][grp][r][lane + 32 * p],
-                                   (const U4*)(rows.row[r] + (long long)b0 * S::BB) + lane + 32 * p, true);
-#pragma unroll
-            for (int k = 0; k < CB * 8 / GEMV3_THREADS; ++k) {
-                const int i = threadIdx.x + GEMV3_THREADS * k;
-                cp_async16(&xs[st][i + (i >> 3)], X + (long long)b0 * 32 + 4 * (i < nbh * 8 ? i : 0), i < nbh * 8);
-            }
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int c = 0; c < ST - 1; ++c) issue(c);
-    for (int c = 0; c < nchunks; ++c) {
-        cp_async_wait<ST - 2>();  // this thread's copies of chunk c have landed
-        __syncthreads();          // everyone's have; and every thread is done with chunk c - 1's stage
-        issue(c + ST - 1);        // into chunk c - 1's stage
-        const int b0 = c * CB, nbh = nb - b0 < CB ? nb - b0 : CB, st = c % ST;
-        if (lane < nbh) {
-            const F4* xb = xs[st] + 9 * lane;
-#pragma unroll
-            for (int r = 0; r < NR; ++r) {
-                const unsigned* wp = (const unsigned*)((const u8*)ws[st][grp][r] + (boff & ~3u));
-                unsigned w[S::NW];
-#pragma unroll
-                for (int k = 0; k < S::NW; ++k) w[k] = wp[k];
-                acc[r] += S::dot(w, boff & 3u, xb);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const float s = sum32(acc[r]);
-        if (lane == 0 && row0 + r < n_out) Y[row0 + r] = s;
-    }
-}
-#endif
-
 template <int NR>
 DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in) {
@@ -876,16 +807,11 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
 // Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
 #define FOR_EACH_GEMV1_V3(M) \
     M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
-#if GEMV3_ASYNC && HAVE_CP_ASYNC
-#define GEMV1V3_STAGED gemv1v3_async
-#else
-#define GEMV1V3_STAGED gemv1v3_staged
-#endif
-#define GEMV1V3_BODY_q8_0(NR) GEMV1V3_STAGED<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in)
-#define GEMV1V3_BODY_q4_0(NR) GEMV1V3_STAGED<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
+#define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in)
+#define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
 #define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in)
 #define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS, GEMV3_MIN_BLOCKS) gemv1v3_##name##_##cfg( \
+    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
         PDL_ENTRY();                                                                                      \
