@@ -589,6 +589,9 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
 #endif
+#ifndef GEMV3_LATE_TRIGGER
+#define GEMV3_LATE_TRIGGER 0
+#endif
 #ifndef GEMV3_PROBE
 #define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
 #endif
@@ -804,6 +807,13 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     }
 }
 
+#if GEMV3_LATE_TRIGGER  // test-only: the next kernel is launched only as these blocks end
+#define GEMV3_ENTRY() PDL_WAIT()
+#define GEMV3_EXIT() PDL_TRIGGER()
+#else
+#define GEMV3_ENTRY() PDL_ENTRY()
+#define GEMV3_EXIT() ((void)0)
+#endif
 // Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
 #define FOR_EACH_GEMV1_V3(M) \
     M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
@@ -814,8 +824,9 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
+        GEMV3_ENTRY();                                                                                    \
         GEMV1V3_BODY_##name(NR);                                                                          \
+        GEMV3_EXIT();                                                                                     \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
 
