@@ -589,9 +589,6 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
 #endif
-#ifndef GEMV3_LATE_TRIGGER
-#define GEMV3_LATE_TRIGGER 0
-#endif
 #ifndef GEMV3_PROBE
 #define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
 #endif
@@ -602,6 +599,8 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 // shipped q4_0 36.0 / 49.4 / 47.4 / 66.6): more blocks an SM by capping registers (__launch_bounds__ minimum 6:
 // 25.3 / 40.1 / 30.0 / 55.3), and the chunks copied by cp.async, 2 or 3 stages deep, instead of through
 // prefetch registers (32.2 / 38.9 / 43.6 / 63.4; with 8 blocks an SM 26.9 / 38.7 / 34.3 / 54.9); q8_0 lost too.
+// That step is faster without PDL (2,701 / 2,713 us against 2,769 / 2,771, two calls); letting the next kernel
+// launch only as these GEMVs' blocks end did not explain it (2,883 us with PDL, 2,709 without).
 
 DEVICE float dot4acc(const F4& x, const float* v, float acc) {
     return fmaf(x.d, v[3], fmaf(x.c, v[2], fmaf(x.b, v[1], fmaf(x.a, v[0], acc))));
@@ -807,13 +806,6 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     }
 }
 
-#if GEMV3_LATE_TRIGGER  // test-only: the next kernel is launched only as these blocks end
-#define GEMV3_ENTRY() PDL_WAIT()
-#define GEMV3_EXIT() PDL_TRIGGER()
-#else
-#define GEMV3_ENTRY() PDL_ENTRY()
-#define GEMV3_EXIT() ((void)0)
-#endif
 // Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
 #define FOR_EACH_GEMV1_V3(M) \
     M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
@@ -824,9 +816,8 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        GEMV3_ENTRY();                                                                                    \
+        PDL_ENTRY();                                                                                      \
         GEMV1V3_BODY_##name(NR);                                                                          \
-        GEMV3_EXIT();                                                                                     \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
 
