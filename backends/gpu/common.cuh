@@ -180,22 +180,16 @@ DEVICE float block_max(float v, float* scratch) {
     } while (0)
 
 // ---------------------------------------------------------------- asynchronous copies to shared memory
-// cp.async (sm_80+, CUDA only): 16 bytes global -> shared without passing through registers; a thread's
-// copies since its last commit form a group, wait_group<N> waits until at most N of its groups are in flight
-// (other threads' copies are visible only after a __syncthreads). HAVE_CP_ASYNC says whether they exist.
+// cp.async (sm_80+, CUDA only): 16 bytes global -> shared without passing through registers; other threads'
+// copies are visible after cp_async_wait_all and a __syncthreads.
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define HAVE_CP_ASYNC 1
 DEVICE unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
 DEVICE void cp_async16(void* dst, const void* src, bool valid) {  // !valid: 16 zero bytes, nothing read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-DEVICE void cp_async_wait_all() { cp_async_wait<0>(); }
-#else
-#define HAVE_CP_ASYNC 0
+DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 #endif
 
 // ---------------------------------------------------------------- run-time error flag
