@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--kernels", type=int, default=12, help="show the N kernels with the most device time")
     ap.add_argument("--defines", default="", help="kernel variants to time too, e.g. 'GEMV_NR=2;GEMV_NR=4' "
-                    "(';' between variants, ',' between the -D options of one)")
+                    "(';' between variants, ',' between the -D options of one; 'X@FILES' compiles X into the "
+                    "sources FILES names instead of --define-files: '*', 'a.cu+b.cu', or '-a.cu' for all but a.cu)")
     ap.add_argument("--define-files", default="matmul.cu", help="the kernel sources --defines applies to")
     ap.add_argument("--dtype", default=None, help="convert the weights on load (graphir.load's dtype=)")
     ap.add_argument("--passes", default="default", help="the pass pipeline (e.g. default,q8-activations)")
@@ -92,10 +93,11 @@ def main() -> None:
             ("captured graph alone (launch+sync)", graph_us)]
     if pdl.enabled():  # the same step captured again with each kernel waiting for the last to end
         rows.append(("  the same graph without PDL", recaptured_us(program, model._state, graph_only, args.tokens)))
-    files = tuple(args.define_files.split(","))
     for variant in filter(None, args.defines.split(";")):
-        defines = tuple(variant.split(","))
-        rows.append((f"  kernels with -D{' -D'.join(defines)}",
+        variant, _, fileset = variant.partition("@")
+        defines, files = tuple(variant.split(",")), define_files(fileset or args.define_files)
+        where = f" in {fileset}" if fileset else ""
+        rows.append((f"  kernels with -D{' -D'.join(defines)}{where}",
                      recaptured_us(program, model._state, graph_only, args.tokens, defines, True, files)))
         if pdl.enabled():
             rows.append(("    and without PDL",
@@ -164,6 +166,19 @@ def profile_verify(args) -> None:
         print(f"{what:<34} {us:9.1f} us")
     if args.kernels:
         kernel_table(program, args.kernels)
+
+
+def define_files(spec: str) -> tuple[str, ...]:
+    """Kernel sources from a --defines file set: "a.cu,b.cu" (or '+' between names), "*" for every source,
+    "-a.cu+b.cu" for every source but those."""
+    from graphir.backends.gpu import kernels
+
+    names = spec.lstrip("-").replace("+", ",").split(",")
+    if spec == "*":
+        return tuple(kernels.SOURCES)
+    if spec.startswith("-"):
+        return tuple(k for k in kernels.SOURCES if k not in names)
+    return tuple(names)
 
 
 def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] = (), pdl_on: bool = False,

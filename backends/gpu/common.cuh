@@ -154,11 +154,22 @@ DEVICE float block_max(float v, float* scratch) {
 #define PDL_TRIGGER() ((void)0)
 #define PDL_WAIT() ((void)0)
 #endif
+// PDL_TRIGGER_AFTER_WAIT (measurement only, profile_gpu_decode.py --defines): each kernel lets the next be
+// scheduled only once it has passed its own wait, so at most one kernel waits ahead of the one running, where
+// triggering first lets a chain of small kernels each schedule the next before the GEMV ahead of them ends.
+#ifndef PDL_TRIGGER_AFTER_WAIT
 #define PDL_ENTRY() \
     do {            \
         PDL_TRIGGER(); \
         PDL_WAIT();    \
     } while (0)
+#else
+#define PDL_ENTRY() \
+    do {            \
+        PDL_WAIT();    \
+        PDL_TRIGGER(); \
+    } while (0)
+#endif
 // PDL_ENTRY_EARLY(early, READ): PDL_ENTRY for a kernel whose first loads are of graph Inputs (kv_len,
 // positions: the host copies them into their buffers before the graph is launched, and no kernel writes
 // them). Where `early` is set (the lowering sets it only when every pointer READ loads from is an Input
@@ -167,6 +178,7 @@ DEVICE float block_max(float v, float* scratch) {
 // Letting the decode attention's idle splits (past kv_len, known from READ) return before the wait was
 // measured slower (H200, 2026-12-02, profile_gpu_decode.py, captured step): Qwen3-0.6B 876.4 us against
 // 859.5 with them waiting, Qwen3-8B 4,484.1 against 4,486.1.
+#ifndef PDL_TRIGGER_AFTER_WAIT
 #define PDL_ENTRY_EARLY(early, READ) \
     do {                             \
         PDL_TRIGGER();               \
@@ -178,6 +190,19 @@ DEVICE float block_max(float v, float* scratch) {
             READ;                    \
         }                            \
     } while (0)
+#else
+#define PDL_ENTRY_EARLY(early, READ) \
+    do {                             \
+        if (early) {                 \
+            READ;                    \
+        }                            \
+        PDL_WAIT();                  \
+        PDL_TRIGGER();               \
+        if (!(early)) {              \
+            READ;                    \
+        }                            \
+    } while (0)
+#endif
 
 // ---------------------------------------------------------------- asynchronous copies to shared memory
 // cp.async (sm_80+, CUDA only): 16 bytes global -> shared without passing through registers; other threads'
