@@ -1169,6 +1169,32 @@ def test_rms_norm_mul_rope(mode, hd, n_dims, rng):
     close(out, want, rtol=1e-5, atol=1e-5, dtype="float32")
 
 
+@covers("rms_norm_mul_rope", "rms_norm_mul_rope_set_rows")
+@pytest.mark.parametrize("n", [1, 5])
+def test_rms_norm_mul_rope_reads_q_and_k_heads_of_stacked_rows(n, rng):
+    """q and k as a model's verify call gives them: heads cut from stacked q|k|v rows [n, 3 * heads * hd], a token
+    stride no [rows, hd] view spans (the cpu packs them for its kernel; one row is such a view)."""
+    cap, heads, hd = 11, 2, 32
+    y, w = normal(rng, (n, 3 * heads * hd)), normal(rng, (hd,))
+    pos, idx = rng.integers(0, 5000, n).astype(np.int32), rng.permutation(cap)[:n].astype(np.int32)
+    stacked, positions = g.input("y", y.shape), g.input("pos", (n,), "i32")
+    q, k = (g.view(stacked, shape=(n, heads, hd), strides=(3 * heads * hd, hd, 1), offset=o)
+            for o in (0, heads * hd))
+    rope = {"eps": 1e-6, "n_dims": hd, "mode": "neox", "theta": 1e6}
+    write = g.rms_norm_mul_rope_set_rows(g.state("k", (cap, heads, hd)), k, g.param("w", w.shape), positions,
+                                         g.input("idx", (n,), "i32"), **rope)
+    init = normal(rng, (cap, heads, hd))
+    state = {"k": init.copy()}
+    out = run({"q": g.rms_norm_mul_rope(q, g.param("w", w.shape), positions, **rope)},
+              {"y": y, "pos": pos, "idx": idx}, state=state, updates=(write,),
+              weights=weights_of(w=("f32", w, w.shape)))
+    x = y.reshape(n, 3, heads, hd)
+    close(out["q"], _rope_complex(_rms_norm(x[:, 0], 1e-6) * w, pos, hd, "neox", 1e6, 1.0), dtype="float32")
+    want = init.astype(np.float64)
+    want[idx] = _rope_complex(_rms_norm(x[:, 1], 1e-6) * w, pos, hd, "neox", 1e6, 1.0)
+    close(state["k"], want)
+
+
 @covers("add_rms_norm_mul", "item")
 # gpu: 4 and 4096 columns take the register kernels (1 and 4 float4 a thread), 511 the generic one
 @pytest.mark.parametrize("shape", [(1, 4), (7, 511), (3, 4096)])

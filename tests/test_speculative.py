@@ -172,20 +172,24 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2):
 # Rounding turns a last-bit difference between a verify row and the decode step at its position into a whole
 # rounding step, which grows through the layers (SmolLM2: logits up to 3e-3 apart; greedy tokens part at a
 # near-tie). So every product of a verify call takes 16-bit x as a decode step does, and decode attention chunks
-# each row's keys by the row's own position: a verify row is the decode step, bit for bit. Llama-family models
-# only: Qwen3 and Gemma 3 norm q and k in a fused kernel that numba compiles once for a decode step's contiguous
-# row and once for a verify call's strided rows, so theirs still differ in the last bits.
+# each row's keys by the row's own position: a verify row is the decode step, bit for bit. Qwen3 and Gemma 3 as
+# well: a verify call's per-head q and k norms (rms_norm_mul_rope) read several tokens' heads out of the stacked
+# q|k|v rows, which the cpu packs for the decode step's kernel; they took the numpy reference before, whose f64
+# rope put them 2.4e-7 from the decode step at q_rope.
 def load_cpu(spec: str, **kw) -> Model:
     model = graphir.load(spec, backend="cpu", passes="auto", ctx=kw.pop("ctx", CTX), **kw)
     assert model.passes == "cpu"
     return model
 
 
-@pytest.fixture(scope="module", params=["q4_0", "q4_1"])
+@pytest.fixture(scope="module", params=[("random:llama-tiny", "q4_0"), ("random:llama-tiny", "q4_1"),
+                                        ("random:qwen3-tiny", "q4_0"), ("random:gemma3-tiny", "q4_1")],
+                ids=lambda p: f"{p[0][7:]}-{p[1]}")
 def quantized(request):
-    """(target, drafters): llama-tiny in 4 bits on the cpu pipeline; a q8_0 copy and prompt lookup."""
-    drafters = {"q8_0 copy": load_cpu("random:llama-tiny", dtype="q8_0"), "lookup": sp.PromptLookup(min_ngram=1)}
-    return load_cpu("random:llama-tiny", dtype=request.param), drafters
+    """(target, drafters): a tiny model in 4 bits on the cpu pipeline; a q8_0 copy and prompt lookup."""
+    spec, dtype = request.param
+    drafters = {"q8_0 copy": load_cpu(spec, dtype="q8_0"), "lookup": sp.PromptLookup(min_ngram=1)}
+    return load_cpu(spec, dtype=dtype), drafters
 
 
 def verify_rows_and_decode_steps(model: Model, prompt: list[int], tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:

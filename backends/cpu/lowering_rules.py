@@ -304,8 +304,16 @@ def _rms_norm_mul_rope(n, ins, out, p):
     x, w, pos = val(ins[0]), val(ins[1]), ins[2]
     x2, o = rows2d(x), out[0]
     o2 = rows2d(o)
-    if x2 is None or w.ndim != 1:
+    if w.ndim != 1:
         return None
+    packed = None
+    if x2 is None or not x2.flags.c_contiguous:
+        # Several tokens' heads cut from the stacked q|k|v rows: [n, heads, head_dim] with the stacked row's token
+        # stride, which no [rows, head_dim] view spans. Packed into a buffer bound with the Program, they take the
+        # decode step's kernel in its C layout, so a verify row is the decode step's bit for bit. The numpy
+        # reference, which took them before, rounds its rope in f64: 2.4e-7 apart at q_rope (issue 11).
+        packed = np.empty(x.shape, np.float32)
+        x2 = packed.reshape(-1, x.shape[-1])
     eps, inv_freq, neox = np.float32(p["eps"]), _inv_freq(p), p["mode"] == "neox"
     _note(("kernel", K.rms_norm_mul, (x2, w, eps, o2)),
           ("kernel", K.rope, (o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)))
@@ -314,6 +322,8 @@ def _rms_norm_mul_rope(n, ins, out, p):
     rope = KernelCall(K.rope, o, pos, inv_freq, p["n_dims"], neox, p["freq_scale"], o)
 
     def step() -> None:
+        if packed is not None:
+            np.copyto(packed, x)
         norm()
         rope()
     return o, step
