@@ -113,6 +113,23 @@ def test_kernel_matches_the_integer_formula(dtype, n_out, n_in, m, rng):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [2, 3, 7, 8, 16, 17])
+def test_each_row_of_x_is_the_one_row_kernel_bit_for_bit(path, dtype, m, rng):
+    """Row t of an m-row call equals the kernel on x[t] alone, bit for bit (speculative verify rows must be the
+    decode steps: tests/test_speculative.py): the AVX2 path unpacks each weight quad once for up to 16 rows, and each
+    row must still see its own accumulators in the 1-row order. 17 rows: a second tile of one row. Random non-zero
+    x, n_in of 1, 3, 5, 7 and 48 blocks (a lone pair, a quad and a pair, two quads, whole quads)."""
+    for n_out, n_in in [(1, 32), (7, 96), (511, 160), (1025, 224), (7, 1536)]:
+        raw = random_quantized(rng, dtype, (n_out, n_in))
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        got = run_kernel(raw, dtype, x, path)
+        for t in range(m):
+            one = run_kernel(raw, dtype, x[t:t + 1], path)[0]
+            assert np.array_equal(got[t], one), f"[{n_out} x {n_in}] row {t} of {m}: {np.abs(got[t] - one).max():.3g}"
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_q8_0_extreme_codes(path, rng):
     """q8_0's largest block sums: codes -128 and 127 against x codes +-32767 (|sum| up to 32 * 128 * 32767 < 2^27,
     exact in int32), a weight block of scale 0, 1 to 7 blocks; the integer sums exactly, y within the bound."""

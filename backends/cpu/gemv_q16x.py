@@ -18,6 +18,10 @@ holds here with these changes:
     right alone, then `vpmaddwd` as above. A block's sum reaches 32 * 128 * 32767 < 2^27: exact in int32, but
     converted to f32 it is rounded once (the only rounding q4's path does not have; the tests' bound has one more
     2^-24 a term for it).
+  * m > 1 rows of x (prompt chunks, speculative verify calls): a weight row's quads are unpacked once for a tile
+    of up to 4 rows (`_rows_dot_avx2`), each row with its own accumulators in the 1-row order, so row t is the
+    1-row kernel on x[t] bit for bit (issue 11: verify rows equal the decode steps); 1.2-1.45x faster at 2-16 rows
+    than a row dot a row of x (BENCHMARKS.md, "Issue 11 on the cpu pipeline").
 The portable path (no AVX2) is gemv_q8x's row loop on int16 codes in element order: the same bits.
 """
 
@@ -39,7 +43,10 @@ AVX2 = GQ.AVX2
 Q16_MAX = np.float32(32767.0)
 WORDS_ORDER = np.array([j // 2 + 16 * (j % 2) for j in range(32)])  # x's code of element j at WORDS_ORDER[j]
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_V16I16, _V8I32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+_V16I16, _V8I32, _V4F32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 4)
+# rows of x a pass over a weight row takes, accumulators in registers: 1.3-1.45x faster than row by row at 4-16 rows;
+# 8 measured about as fast and compiled twice as long (5.5 s, 2.7 s the kernel with 4)
+_TILE = 4
 
 
 @njit(cache=True)
@@ -78,10 +85,10 @@ def _pair_codes(builder, fmt: int, w, b):
     return codes
 
 
-def _pair_isums(builder, fmt: int, w, x, b):
-    """[<8 x i32>] * 2: blocks b and b + 1 (b even), lane l the sum of 4 of the block's code x code products."""
+def _pair_isums(builder, codes, x, b):
+    """[<8 x i32>] * 2: blocks b and b + 1 (b even) of _pair_codes' codes by x's, lane l the sum of 4 of the block's
+    code x code products."""
     madd = GQ.fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
-    codes = _pair_codes(builder, fmt, w, b)
 
     def xload(e: int, h: int):
         off = builder.add(builder.mul(builder.add(b, _c64(e)), _c64(32)), _c64(16 * h))
@@ -90,12 +97,22 @@ def _pair_isums(builder, fmt: int, w, x, b):
     return [builder.add(*[builder.call(madd, [codes[e][h], xload(e, h)]) for h in range(2)]) for e in range(2)]
 
 
+def _quad_codes(builder, fmt: int, w, b0, blocks: int) -> list:
+    """_pair_codes of each pair of blocks b0 .. b0 + blocks - 1 (blocks 2 or 4)."""
+    return [_pair_codes(builder, fmt, w, builder.add(b0, _c64(2 * p))) for p in range(blocks // 2)]
+
+
+def _quad_isums_of(builder, codes: list, x, b0):
+    """<4 x i32>: the integer sums of blocks b0 .. b0 + 3 from _quad_codes' codes (blocks past them 0)."""
+    sums = []
+    for p, pair in enumerate(codes):
+        sums += _pair_isums(builder, pair, x, builder.add(b0, _c64(2 * p)))
+    return GQ.quad_reduce(builder, sums)
+
+
 def _quad_isums(builder, fmt: int, w, x, b0, blocks: int):
     """<4 x i32>: the integer sums of blocks b0 .. b0 + 3 (the first `blocks`, 2 or 4, read; the rest 0)."""
-    sums = []
-    for p in range(blocks // 2):
-        sums += _pair_isums(builder, fmt, w, x, builder.add(b0, _c64(2 * p)))
-    return GQ.quad_reduce(builder, sums)
+    return _quad_isums_of(builder, _quad_codes(builder, fmt, w, b0, blocks), x, b0)
 
 
 def _data(context, builder, ty, val):
@@ -139,6 +156,68 @@ def _row_isums_avx2(typingctx, fmt, w, x, out):
     return types.none(fmt, w, x, out), codegen
 
 
+def _emit_rows_dot(builder, fmt: int, w, x, dw, dx, mw, sx, y, r, m, xrow, srow, n_out) -> None:
+    """y[t * n_out + r] = the weight row's dot product with x's row t (emit_row_dot's arithmetic), for t < m: x's
+    rows (int16, xrow codes apart; dx / sx rows srow apart) in tiles of _TILE, then a pair and a single row as m
+    leaves them, each tile a pass over the weight row unpacking each quad's codes once. Each row keeps its own
+    accumulators, updated in the 1-row order, so its result is that row's alone."""
+    fma4 = GQ.fn(builder, "llvm.fma.v4f32", _V4F32, [_V4F32] * 3)
+    zero4 = ir.Constant(_V4F32, [0.0] * 4)
+    nblk2 = builder.udiv(xrow, _c64(32))
+
+    def rows(t0, nt: int) -> None:  # rows t0 .. t0 + nt - 1, nt a constant: their accumulators in registers
+        ts = [builder.add(t0, _c64(t)) for t in range(nt)]
+        xs = [builder.gep(x, [builder.mul(t, xrow)]) for t in ts]
+        dxs, sxs = [[builder.gep(p, [builder.mul(t, srow)]) for t in ts] for p in (dx, sx)]
+        acc = [cgutils.alloca_once_value(builder, zero4) for _ in ts]
+        off = [cgutils.alloca_once_value(builder, zero4) for _ in ts]
+
+        def quad(b0, blocks: int) -> None:
+            codes = _quad_codes(builder, fmt, w, b0, blocks)  # once for the tile's rows
+            dwq = GQ._load4f(builder, dw, b0)
+            for t in range(nt):
+                isum = builder.sitofp(_quad_isums_of(builder, codes, xs[t], b0), _V4F32)
+                dd = builder.fmul(dwq, GQ._load4f(builder, dxs[t], b0))
+                builder.store(builder.call(fma4, [isum, dd, builder.load(acc[t])]), acc[t])
+                if fmt == 1:
+                    mo = [GQ._load4f(builder, mw, b0), GQ._load4f(builder, sxs[t], b0), builder.load(off[t])]
+                    builder.store(builder.call(fma4, mo), off[t])
+
+        GQ.for_quads(builder, nblk2, quad)
+        for t in range(nt):
+            v = GQ.row_total(builder, fmt, builder.load(acc[t]), builder.load(off[t]))
+            builder.store(v, builder.gep(y, [builder.add(builder.mul(ts[t], n_out), r)]))
+
+    tiles = builder.udiv(m, _c64(_TILE))
+    with cgutils.for_range(builder, tiles) as tile:
+        rows(builder.mul(tile.index, _c64(_TILE)), _TILE)
+    left = builder.urem(m, _c64(_TILE))  # a pair and a single row, not a body for each of 1 .. 3 rows: compile time
+    with builder.if_then(builder.icmp_unsigned(">=", left, _c64(2))):
+        rows(builder.mul(tiles, _c64(_TILE)), 2)
+    with builder.if_then(builder.trunc(left, ir.IntType(1))):
+        rows(builder.sub(m, _c64(1)), 1)
+
+
+@intrinsic
+def _rows_dot_avx2(typingctx, fmt, w, x, dw, dx, mw, sx, y, r):
+    """y[t, r] = _row_dot_avx2(fmt, w, x[t], dw, dx[t], mw, sx[t]) bit for bit for every row t of x, each weight
+    quad unpacked once for up to _TILE rows: x, dx, sx, y 2-D C arrays, r an integer."""
+    if not isinstance(fmt, types.IntegerLiteral) or any(a.layout != "C" for a in (x, dx, sx, y)):
+        return None
+    code = fmt.literal_value
+
+    def codegen(context, builder, sig, args):
+        arys = [_data(context, builder, t, a) for t, a in zip(sig.args[1:8], args[1:8])]
+        m, xrow = cgutils.unpack_tuple(builder, arys[1].shape, 2)
+        srow = cgutils.unpack_tuple(builder, arys[3].shape, 2)[1]
+        n_out = cgutils.unpack_tuple(builder, arys[6].shape, 2)[1]
+        row = context.cast(builder, args[8], sig.args[8], types.int64)
+        _emit_rows_dot(builder, code, *[a.data for a in arys], row, m, xrow, srow, n_out)
+        return context.get_dummy_value()
+
+    return types.none(fmt, w, x, dw, dx, mw, sx, y, r), codegen
+
+
 # ---------------------------------------------------------------- the GEMV: output rows split over threads
 @njit(parallel=True, cache=True)
 def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
@@ -148,13 +227,19 @@ def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
     per = (n_out + nsup - 1) // nsup
     for s in prange(nsup):
         for r in range(s * per, min(n_out, (s + 1) * per)):
-            for t in range(m):  # the weight row stays in L1 across x's rows
+            if m == 1:  # a decode step: the row dot alone, without the tiles' setup (2-3% of its ~25 ns a row)
                 if fmt == 0:
-                    y[t, r] = _row_dot_avx2(0, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+                    y[0, r] = _row_dot_avx2(0, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 elif fmt == 1:
-                    y[t, r] = _row_dot_avx2(1, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+                    y[0, r] = _row_dot_avx2(1, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 else:
-                    y[t, r] = _row_dot_avx2(2, qs[r], xq[t], dw[r], dx[t], mw[r], sx[t])
+                    y[0, r] = _row_dot_avx2(2, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
+            elif fmt == 0:
+                _rows_dot_avx2(0, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
+            elif fmt == 1:
+                _rows_dot_avx2(1, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
+            else:
+                _rows_dot_avx2(2, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
 
 
 @njit(parallel=True, cache=True)

@@ -203,13 +203,17 @@ def emit_row_dot(builder, fmt: int, quad_isums, w, x, dw, dx, mw, sx, nblk2):
                           off)
 
     for_quads(builder, nblk2, quad)
+    return row_total(builder, fmt, builder.load(acc), builder.load(off))
 
+
+def row_total(builder, fmt: int, acc, off):
+    """y = (a_0 + a_1) + (a_2 + a_3), plus ((o_0 + o_1) + (o_2 + o_3)) for q4_1 (<4 x f32> acc, off)."""
     def total(v):
         e = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
         return builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
 
-    y = total(builder.load(acc))
-    return builder.fadd(y, total(builder.load(off))) if fmt == 1 else y
+    y = total(acc)
+    return builder.fadd(y, total(off)) if fmt == 1 else y
 
 
 @intrinsic
