@@ -1,8 +1,7 @@
 """mul_mat_q16x on the CPU: x rounded to 16-bit blocks once a call, integer block dot products (q4_0, q4_1, q8_0).
 
 gemv_q8x.py's GEMV with int16 codes of x (why: graphir/ops/fused.py, mul_mat_q16x): the same repacked weight
-(gemv_q8x.repack, and its cache entry), the same quad reduction and float order, so its module docstring
-holds here with these changes:
+(gemv_q8x.repack, and its cache entry), the same float order, so its module docstring holds here with these changes:
   * x per row (`quantize_x`): gemv_q8x.quantize_blocks with qmax 32767, codes int16 [nblk2 * 32], each block
     stored evens then odds (element j at j // 2 + 16 (j % 2), WORDS_ORDER), the order the AVX2 path reads.
   * The weight's 32 bytes of a block pair read as 16 words ("words" layout): word i's nibbles, low to high,
@@ -18,6 +17,7 @@ holds here with these changes:
     right alone, then `vpmaddwd` as above. A block's sum reaches 32 * 128 * 32767 < 2^27: exact in int32, but
     converted to f32 it is rounded once (the only rounding q4's path does not have; the tests' bound has one more
     2^-24 a term for it).
+  * A quad's four block sums are reduced by unpacks and adds (`_quad_reduce`), not three `vphaddd`.
   * m > 1 rows of x (prompt chunks, speculative verify calls): a weight row's quads are unpacked once for a tile
     of up to 4 rows (`_rows_dot_avx2`), each row with its own accumulators in the 1-row order, so row t is the
     1-row kernel on x[t] bit for bit (issue 11: verify rows equal the decode steps); 1.2-1.45x faster at 2-16 rows
@@ -107,7 +107,21 @@ def _quad_isums_of(builder, codes: list, x, b0):
     sums = []
     for p, pair in enumerate(codes):
         sums += _pair_isums(builder, pair, x, builder.add(b0, _c64(2 * p)))
-    return GQ.quad_reduce(builder, sums)
+    return _quad_reduce(builder, sums)
+
+
+def _quad_reduce(builder, sums: list):
+    """<4 x i32>: lane e = the sum of the 8 lanes of sums[e] (2 or 4 <8 x i32>; missing ones count 0), by unpacks
+    and adds where gemv_q8x.quad_reduce takes three `vphaddd` (1.02-1.2x faster GEMVs at 1-16 rows of x; integer
+    sums, so the same bits)."""
+    sums = sums + [ir.Constant(_V8I32, [0] * 8)] * (4 - len(sums))
+    shuf = lambda u, v, idx: builder.shuffle_vector(u, v, ir.Constant(ir.VectorType(_I32, len(idx)), idx))  # noqa: E731
+    # per 128-bit half: [s0 02, s1 02, s0 13, s1 13] (and s2, s3's), then [s0 0123, s1 .., s2 .., s3 ..]
+    pairs = [builder.add(shuf(sums[i], sums[i + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+                         shuf(sums[i], sums[i + 1], [2, 10, 3, 11, 6, 14, 7, 15])) for i in (0, 2)]
+    h = builder.add(shuf(pairs[0], pairs[1], [0, 1, 8, 9, 4, 5, 12, 13]),
+                    shuf(pairs[0], pairs[1], [2, 3, 10, 11, 6, 7, 14, 15]))
+    return builder.add(shuf(h, h, [0, 1, 2, 3]), shuf(h, h, [4, 5, 6, 7]))
 
 
 def _quad_isums(builder, fmt: int, w, x, b0, blocks: int):
