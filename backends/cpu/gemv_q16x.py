@@ -19,9 +19,10 @@ gemv_q8x.py's GEMV with int16 codes of x (why: graphir/ops/fused.py, mul_mat_q16
     2^-24 a term for it).
   * A quad's four block sums are reduced by unpacks and adds (`_quad_reduce`), not three `vphaddd`.
   * m > 1 rows of x (prompt chunks, speculative verify calls): a weight row's quads are unpacked once for a tile
-    of up to 4 rows (`_rows_dot_avx2`), each row with its own accumulators in the 1-row order, so row t is the
-    1-row kernel on x[t] bit for bit (issue 11: verify rows equal the decode steps); 1.2-1.45x faster at 2-16 rows
-    than a row dot a row of x (BENCHMARKS.md, "Issue 11 on the cpu pipeline").
+    of up to 4 rows (`_rows_dot_avx2`, a tile over 16 weight rows at a time), each row with its own accumulators
+    in the 1-row order, so row t is the 1-row kernel on x[t] bit for bit (issue 11: verify rows equal the decode
+    steps); 1.2-1.45x faster at 2-16 rows than a row dot a row of x (BENCHMARKS.md, "Issue 11 on the cpu
+    pipeline").
 The portable path (no AVX2) is gemv_q8x's row loop on int16 codes in element order: the same bits.
 """
 
@@ -47,6 +48,9 @@ _V16I16, _V8I32, _V4F32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.Ve
 # rows of x a pass over a weight row takes, accumulators in registers: 1.3-1.45x faster than row by row at 4-16 rows;
 # 8 measured about as fast and compiled twice as long (5.5 s, 2.7 s the kernel with 4)
 _TILE = 4
+# weight rows a tile of x's rows passes over before the next tile, so the tile's codes stay in L1 (SmolLM2's ffn_down,
+# 1536 inputs: 16 rows of x are 48 KB; 1.14-1.18x faster at 16 rows than all tiles a weight row)
+_RBLOCK = 16
 
 
 @njit(cache=True)
@@ -170,11 +174,12 @@ def _row_isums_avx2(typingctx, fmt, w, x, out):
     return types.none(fmt, w, x, out), codegen
 
 
-def _emit_rows_dot(builder, fmt: int, w, x, dw, dx, mw, sx, y, r, m, xrow, srow, n_out) -> None:
-    """y[t * n_out + r] = the weight row's dot product with x's row t (emit_row_dot's arithmetic), for t < m: x's
-    rows (int16, xrow codes apart; dx / sx rows srow apart) in tiles of _TILE, then a pair and a single row as m
-    leaves them, each tile a pass over the weight row unpacking each quad's codes once. Each row keeps its own
-    accumulators, updated in the 1-row order, so its result is that row's alone."""
+def _emit_rows_dot(builder, fmt: int, qs, x, dw, dx, mw, sx, y, r0, r1, m, qrow, xrow, srow, n_out) -> None:
+    """y[t * n_out + r] = weight row r's dot product with x's row t (emit_row_dot's arithmetic), for t < m and r0 <=
+    r < r1: x's rows (int16, xrow codes apart; dx / sx rows srow apart) in tiles of _TILE, then a pair and a single
+    row as m leaves them; each tile passes over the weight rows (qrow bytes, scales srow apart) unpacking each
+    quad's codes once, while its x rows stay in L1. Each row of x keeps its own accumulators, updated in the 1-row
+    order, so its result is that row's alone."""
     fma4 = GQ.fn(builder, "llvm.fma.v4f32", _V4F32, [_V4F32] * 3)
     zero4 = ir.Constant(_V4F32, [0.0] * 4)
     nblk2 = builder.udiv(xrow, _c64(32))
@@ -183,24 +188,29 @@ def _emit_rows_dot(builder, fmt: int, w, x, dw, dx, mw, sx, y, r, m, xrow, srow,
         ts = [builder.add(t0, _c64(t)) for t in range(nt)]
         xs = [builder.gep(x, [builder.mul(t, xrow)]) for t in ts]
         dxs, sxs = [[builder.gep(p, [builder.mul(t, srow)]) for t in ts] for p in (dx, sx)]
-        acc = [cgutils.alloca_once_value(builder, zero4) for _ in ts]
-        off = [cgutils.alloca_once_value(builder, zero4) for _ in ts]
+        acc = [cgutils.alloca_once(builder, _V4F32) for _ in ts]
+        off = [cgutils.alloca_once(builder, _V4F32) for _ in ts]
+        with cgutils.for_range_slice(builder, r0, r1, _c64(1)) as (r, _):
+            w = builder.gep(qs, [builder.mul(r, qrow)])
+            dwr, mwr = [builder.gep(p, [builder.mul(r, srow)]) for p in (dw, mw)]
+            for a in acc + off:
+                builder.store(zero4, a)
 
-        def quad(b0, blocks: int) -> None:
-            codes = _quad_codes(builder, fmt, w, b0, blocks)  # once for the tile's rows
-            dwq = GQ._load4f(builder, dw, b0)
+            def quad(b0, blocks: int) -> None:
+                codes = _quad_codes(builder, fmt, w, b0, blocks)  # once for the tile's rows
+                dwq = GQ._load4f(builder, dwr, b0)
+                for t in range(nt):
+                    isum = builder.sitofp(_quad_isums_of(builder, codes, xs[t], b0), _V4F32)
+                    dd = builder.fmul(dwq, GQ._load4f(builder, dxs[t], b0))
+                    builder.store(builder.call(fma4, [isum, dd, builder.load(acc[t])]), acc[t])
+                    if fmt == 1:
+                        mo = [GQ._load4f(builder, mwr, b0), GQ._load4f(builder, sxs[t], b0), builder.load(off[t])]
+                        builder.store(builder.call(fma4, mo), off[t])
+
+            GQ.for_quads(builder, nblk2, quad)
             for t in range(nt):
-                isum = builder.sitofp(_quad_isums_of(builder, codes, xs[t], b0), _V4F32)
-                dd = builder.fmul(dwq, GQ._load4f(builder, dxs[t], b0))
-                builder.store(builder.call(fma4, [isum, dd, builder.load(acc[t])]), acc[t])
-                if fmt == 1:
-                    mo = [GQ._load4f(builder, mw, b0), GQ._load4f(builder, sxs[t], b0), builder.load(off[t])]
-                    builder.store(builder.call(fma4, mo), off[t])
-
-        GQ.for_quads(builder, nblk2, quad)
-        for t in range(nt):
-            v = GQ.row_total(builder, fmt, builder.load(acc[t]), builder.load(off[t]))
-            builder.store(v, builder.gep(y, [builder.add(builder.mul(ts[t], n_out), r)]))
+                v = GQ.row_total(builder, fmt, builder.load(acc[t]), builder.load(off[t]))
+                builder.store(v, builder.gep(y, [builder.add(builder.mul(ts[t], n_out), r)]))
 
     tiles = builder.udiv(m, _c64(_TILE))
     with cgutils.for_range(builder, tiles) as tile:
@@ -213,23 +223,24 @@ def _emit_rows_dot(builder, fmt: int, w, x, dw, dx, mw, sx, y, r, m, xrow, srow,
 
 
 @intrinsic
-def _rows_dot_avx2(typingctx, fmt, w, x, dw, dx, mw, sx, y, r):
-    """y[t, r] = _row_dot_avx2(fmt, w, x[t], dw, dx[t], mw, sx[t]) bit for bit for every row t of x, each weight
-    quad unpacked once for up to _TILE rows: x, dx, sx, y 2-D C arrays, r an integer."""
-    if not isinstance(fmt, types.IntegerLiteral) or any(a.layout != "C" for a in (x, dx, sx, y)):
+def _rows_dot_avx2(typingctx, fmt, qs, x, dw, dx, mw, sx, y, r0, r1):
+    """y[t, r] = _row_dot_avx2(fmt, qs[r], x[t], dw[r], dx[t], mw[r], sx[t]) bit for bit for every row t of x and r0
+    <= r < r1, each weight quad unpacked once for up to _TILE rows: the arrays 2-D C, r0 / r1 integers."""
+    if not isinstance(fmt, types.IntegerLiteral) or any(a.layout != "C" for a in (qs, x, dw, dx, mw, sx, y)):
         return None
     code = fmt.literal_value
 
     def codegen(context, builder, sig, args):
         arys = [_data(context, builder, t, a) for t, a in zip(sig.args[1:8], args[1:8])]
+        qrow = cgutils.unpack_tuple(builder, arys[0].shape, 2)[1]
         m, xrow = cgutils.unpack_tuple(builder, arys[1].shape, 2)
         srow = cgutils.unpack_tuple(builder, arys[3].shape, 2)[1]
         n_out = cgutils.unpack_tuple(builder, arys[6].shape, 2)[1]
-        row = context.cast(builder, args[8], sig.args[8], types.int64)
-        _emit_rows_dot(builder, code, *[a.data for a in arys], row, m, xrow, srow, n_out)
+        r0, r1 = [context.cast(builder, v, t, types.int64) for v, t in zip(args[8:], sig.args[8:])]
+        _emit_rows_dot(builder, code, *[a.data for a in arys], r0, r1, m, qrow, xrow, srow, n_out)
         return context.get_dummy_value()
 
-    return types.none(fmt, w, x, dw, dx, mw, sx, y, r), codegen
+    return types.none(fmt, qs, x, dw, dx, mw, sx, y, r0, r1), codegen
 
 
 # ---------------------------------------------------------------- the GEMV: output rows split over threads
@@ -240,20 +251,24 @@ def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
     nsup = max(1, min(n_out, nth))
     per = (n_out + nsup - 1) // nsup
     for s in prange(nsup):
-        for r in range(s * per, min(n_out, (s + 1) * per)):
-            if m == 1:  # a decode step: the row dot alone, without the tiles' setup (2-3% of its ~25 ns a row)
+        lo, hi = s * per, min(n_out, (s + 1) * per)
+        if m == 1:  # a decode step: the row dot alone, without the tiles' setup (2-3% of its ~25 ns a row)
+            for r in range(lo, hi):
                 if fmt == 0:
                     y[0, r] = _row_dot_avx2(0, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 elif fmt == 1:
                     y[0, r] = _row_dot_avx2(1, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 else:
                     y[0, r] = _row_dot_avx2(2, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
-            elif fmt == 0:
-                _rows_dot_avx2(0, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
+            continue
+        for r0 in range(lo, hi, _RBLOCK):
+            r1 = min(hi, r0 + _RBLOCK)
+            if fmt == 0:
+                _rows_dot_avx2(0, qs, xq, dw, dx, mw, sx, y, r0, r1)
             elif fmt == 1:
-                _rows_dot_avx2(1, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
+                _rows_dot_avx2(1, qs, xq, dw, dx, mw, sx, y, r0, r1)
             else:
-                _rows_dot_avx2(2, qs[r], xq, dw[r], dx, mw[r], sx, y, r)
+                _rows_dot_avx2(2, qs, xq, dw, dx, mw, sx, y, r0, r1)
 
 
 @njit(parallel=True, cache=True)
