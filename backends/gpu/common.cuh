@@ -120,11 +120,18 @@ DEVICE float block_max(float v, float* scratch) {
 // ---------------------------------------------------------------- programmatic dependent launch
 // Inside a captured decode graph each kernel is launched with programmatic stream serialization
 // (sm_90+, CUDA; backends/gpu/pdl.py): it may start while the kernel before it still runs. Every
-// kernel therefore begins with PDL_ENTRY(): PDL_TRIGGER() then PDL_WAIT(). PDL_WAIT returns
+// kernel therefore begins with PDL_ENTRY(): PDL_WAIT() then PDL_TRIGGER(). PDL_WAIT returns
 // once the kernel before has finished and its writes are visible; nothing may be read from or
 // written to activations, State or the error flag before it. PDL_TRIGGER lets the next kernel be
-// scheduled as soon as every block of this one has started. Both are no-ops without the launch
+// scheduled once every block of this one has passed its wait. Both are no-ops without the launch
 // attribute, on older GPUs and on HIP. tests/test_gpu_pdl.py checks every kernel has them.
+// Why the wait comes first: triggering at entry (as until 2026-12-02) let each small kernel after a
+// GEMV schedule the next one while it waited itself, so a chain of waiting kernels (norm, norm-rope,
+// attention, combine, the next GEMV) held SM slots while the GEMV ahead of them still had blocks to
+// run. With the trigger after the wait at most one kernel waits ahead of the running one, and its
+// launch still overlaps that kernel. Captured decode step, H200, profile_gpu_decode.py --defines,
+// same call each: Qwen3-8B bf16 4,474 -> 4,408 us, q4_0 2,769 -> 2,629; Qwen3-0.6B bf16 867 -> 822,
+// q4_0 861 -> 746 (BENCHMARKS.md, eighteenth session). PDL_TRIGGER_BEFORE_WAIT compiles the old order.
 // A GEMV prefetching its weight rows into L2 between trigger and wait was measured (H200,
 // 2026-12-01, benchmarks/profile_gpu_decode.py --defines) and made Qwen3-8B decode slower
 // (4930 -> 5566 us per captured step with bulk requests, 5614 with per-line ones), so none does.
@@ -154,38 +161,35 @@ DEVICE float block_max(float v, float* scratch) {
 #define PDL_TRIGGER() ((void)0)
 #define PDL_WAIT() ((void)0)
 #endif
-// PDL_TRIGGER_AFTER_WAIT (measurement only, profile_gpu_decode.py --defines): each kernel lets the next be
-// scheduled only once it has passed its own wait, so at most one kernel waits ahead of the one running, where
-// triggering first lets a chain of small kernels each schedule the next before the GEMV ahead of them ends.
-#ifndef PDL_TRIGGER_AFTER_WAIT
+#ifndef PDL_TRIGGER_BEFORE_WAIT
 #define PDL_ENTRY() \
     do {            \
-        PDL_TRIGGER(); \
         PDL_WAIT();    \
+        PDL_TRIGGER(); \
     } while (0)
-#else
+#else  // the order before 2026-12-02, for measurements only (profile_gpu_decode.py --defines)
 #define PDL_ENTRY() \
     do {            \
-        PDL_WAIT();    \
         PDL_TRIGGER(); \
+        PDL_WAIT();    \
     } while (0)
 #endif
 // PDL_ENTRY_EARLY(early, READ): PDL_ENTRY for a kernel whose first loads are of graph Inputs (kv_len,
 // positions: the host copies them into their buffers before the graph is launched, and no kernel writes
 // them). Where `early` is set (the lowering sets it only when every pointer READ loads from is an Input
-// node) READ runs between trigger and wait, so those loads overlap the kernel before instead of starting
+// node) READ runs before the wait, so those loads overlap the kernel before instead of starting
 // the chain after it; otherwise after the wait, as in PDL_ENTRY. READ may touch nothing but Inputs.
 // Letting the decode attention's idle splits (past kv_len, known from READ) return before the wait was
 // measured slower (H200, 2026-12-02, profile_gpu_decode.py, captured step): Qwen3-0.6B 876.4 us against
 // 859.5 with them waiting, Qwen3-8B 4,484.1 against 4,486.1.
-#ifndef PDL_TRIGGER_AFTER_WAIT
+#ifndef PDL_TRIGGER_BEFORE_WAIT
 #define PDL_ENTRY_EARLY(early, READ) \
     do {                             \
-        PDL_TRIGGER();               \
         if (early) {                 \
             READ;                    \
         }                            \
         PDL_WAIT();                  \
+        PDL_TRIGGER();               \
         if (!(early)) {              \
             READ;                    \
         }                            \
@@ -193,11 +197,11 @@ DEVICE float block_max(float v, float* scratch) {
 #else
 #define PDL_ENTRY_EARLY(early, READ) \
     do {                             \
+        PDL_TRIGGER();               \
         if (early) {                 \
             READ;                    \
         }                            \
         PDL_WAIT();                  \
-        PDL_TRIGGER();               \
         if (!(early)) {              \
             READ;                    \
         }                            \

@@ -23,7 +23,7 @@
 // PDL (captured graphs): the kernel starts with PDL_ENTRY like every other, so nothing a peer can see
 // (the slot, the flags) is written before the kernel ahead has finished writing x. Its trigger lets
 // the next kernel's blocks become resident and wait; by then every block of this one is resident
-// (that is when the trigger fires), so spinning blocks never wait for a GPU slot. No block waits
+// and past its own wait (that is when the trigger fires), so spinning blocks never wait for a GPU slot. No block waits
 // for another block of its own launch, only for its lane on the peers, which each peer runs once
 // its earlier kernels end: no cycle, whatever the block scheduling.
 #include "common.cuh"
