@@ -4,8 +4,9 @@ In a replayed CUDA graph each kernel still waits for the one before it to finish
 scheduled and its first loads to return: ~1-3 us per boundary on an H200, ~430 boundaries in a
 Qwen3-8B decode step. Launched with programmatic stream serialization (sm_90+), a kernel is
 scheduled as soon as every block of the one before has executed PDL_TRIGGER, and holds at PDL_WAIT
-until that one has finished (common.cuh): block scheduling and launch latency overlap the kernel
-ahead. Measured on an H200 (BENCHMARKS.md): ~230 us per Qwen3-8B step, ~200 us per Qwen3-0.6B step.
+until that one has finished (common.cuh; each kernel triggers just after its own wait): block
+scheduling and launch latency overlap the kernel ahead. Measured on an H200 (BENCHMARKS.md,
+2026-12-02): ~250 us per Qwen3-8B step, ~175 us per Qwen3-0.6B step.
 
 CuPy's RawKernel launches without launch attributes, so these launches go through the driver's
 cuLaunchKernelEx by ctypes, with the same CUfunction, grid, block, shared memory and arguments.
