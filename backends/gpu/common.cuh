@@ -148,6 +148,11 @@ DEVICE float block_max(float v, float* scratch) {
 // lets the next kernel be scheduled only after storing its rows (2026-12-02, one H200, Qwen3-8B captured
 // step, profile_gpu_decode.py --defines at 29798cf): 4,488 us shipped, 4,541 with the late trigger, 4,880
 // with the L1 prefetch, 4,929 with both.
+// Retried after the order changed (2026-12-03, one H200, captured step, profile_gpu_decode.py --defines at
+// 25371dd): the m == 1 GEMV asking L2 for its first batch before the wait, Qwen3-8B bf16 4,363 -> 4,760 us
+// (every block asks, later waves too, so most requests repeat the loads right after), Qwen3-0.6B 821 -> 815;
+// the staged 4-bit GEMV loading its first chunk into registers before the wait, Qwen3-8B q4_0 2,629 -> 2,674,
+// Qwen3-0.6B q4_0 746 -> 738. Neither kept.
 // Nor does the delta-rule step read its State early (no earlier kernel of a graph writes a State its
 // step reads): 3.64 us a call that way against 3.65 (Qwen3.5-9B, replayed alone), no gain to keep.
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -540,33 +540,6 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 }
 
-// GEMV_EARLY_L2 (measurement only, profile_gpu_decode.py --defines): before its wait each lane asks L2 for the
-// lines of its first batch of units (weights only: no kernel of a graph writes them), so the weight's first
-// bytes move while the small kernel ahead of the GEMV still runs.
-#ifndef GEMV_EARLY_L2
-#define GEMV_EARLY_L2 0
-#endif
-template <class F, int T, int G, int NR, int UN, bool SW = false>
-DEVICE void gemv1v2_early_l2(const u8* __restrict__ W, long long row_bytes, int n_out, int n_in) {
-    constexpr int GP = SW ? T / G / 2 : T / G;
-    const int lane = threadIdx.x % G, grp = threadIdx.x / G;
-    const bool up = SW && grp % 2 == 1;
-    const int row0 = (blockIdx.x * GP + (SW ? grp / 2 : grp)) * NR;
-    const int units = (n_in / F::QK) * F::UPB;
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const int o = row0 + r < n_out ? row0 + r : n_out - 1;
-        const u8* wr = W + (long long)(up ? n_out + o : o) * row_bytes;
-#pragma unroll
-        for (int i = 0; i < UN; ++i) {
-            const int u = lane + G * i;
-#if !defined(__HIPCC__)
-            if (u < units) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + (long long)(u / F::UPB) * F::BB));
-#endif
-        }
-    }
-}
-
 // Configurations (matmul.py GEMV1_CONFIGS mirrors them: threads, rows per block = T / G * NR).
 #define FOR_EACH_GEMV1_CFG(M, name, F) \
     M(name, F, g32r2, 128, 32, 2, 4)   \
@@ -577,7 +550,6 @@ DEVICE void gemv1v2_early_l2(const u8* __restrict__ W, long long row_bytes, int 
     extern "C" __global__ void __launch_bounds__(T) gemv1v2_##name##_##cfg(                                \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        if (GEMV_EARLY_L2) gemv1v2_early_l2<F, T, G, NR, UN>(W, row_bytes, n_out, n_in);                     \
         PDL_ENTRY();                                                                                       \
         gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
     }
@@ -587,7 +559,6 @@ DEVICE void gemv1v2_early_l2(const u8* __restrict__ W, long long row_bytes, int 
     extern "C" __global__ void __launch_bounds__(T == G ? 2 * T : T) gemv1sw_##name##_##cfg(               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
-        if (GEMV_EARLY_L2) gemv1v2_early_l2<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, n_out, n_in); \
         PDL_ENTRY();                                                                                       \
         gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, X, Y, n_out, n_in);          \
     }
@@ -617,9 +588,6 @@ FOR_EACH_WIDE(DEFINE_GEMV1V2)
 #endif
 #ifndef GEMV3_PREFETCH
 #define GEMV3_PREFETCH 1
-#endif
-#ifndef GEMV3_EARLY
-#define GEMV3_EARLY 0  // measurement only: the staged kernels load their first chunk of weights before the wait
 #endif
 #ifndef GEMV3_PROBE
 #define GEMV3_PROBE 0  // 1, 2: test-only timing probes (below); wrong results
@@ -693,7 +661,6 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     const int nb = n_in / 32;
     const unsigned boff = (unsigned)(lane * S::BB);  // this lane's block in the staged chunk
     rows.load(0, nb, lane);
-    if (GEMV3_EARLY) PDL_ENTRY();  // otherwise the kernel's first line (DEFINE_GEMV1V3)
     for (int b0 = 0; b0 < nb; b0 += CB) {
         const int nbh = nb - b0 < CB ? nb - b0 : CB;
 #if GEMV3_PROBE == 2  // test-only (profile_gpu_decode.py --defines): the weight loads alone, no staging or math
@@ -845,14 +812,11 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
 #define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in)
 #define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
 #define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in)
-#define GEMV1V3_EARLY_q8_0 GEMV3_EARLY
-#define GEMV1V3_EARLY_q4_0 GEMV3_EARLY
-#define GEMV1V3_EARLY_q4_k 0
 #define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
-        if (!GEMV1V3_EARLY_##name) PDL_ENTRY();                                                           \
+        PDL_ENTRY();                                                                                      \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
