@@ -36,7 +36,7 @@ def decode_program(spec: str, passes: str, prompt: int):
     """(the cached decode Program, the kernels its steps call as lowering_rules recorded them at bind time)."""
     binds: list = []  # what each Program's bind recorded; the decode Program binds last
     prepare = precompile.prepare
-    precompile.prepare = lambda rec: (binds.append(list(rec)), prepare(rec))[1]
+    precompile.prepare = lambda rec, *rest: (binds.append(list(rec)), prepare(rec, *rest))[1]
     try:
         _, program = cpu_program(spec, passes, prompt)
     finally:

@@ -38,7 +38,8 @@ from . import gemv_q8x as GQ
 
 __all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
 
-CACHE_DEPENDS = ("gemv_q8x.py",)  # compiled into the kernels here: its quantizer, row loop and emitters
+CACHE_DEPENDS = ("gemv_q8x.py", "attention.py")  # compiled into the kernels here: gemv_q8x's quantizer, row loop,
+# emitters and (portable path) attention's f16 widening
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # gemv_q8x's format codes
 AVX2 = GQ.AVX2
 Q16_MAX = np.float32(32767.0)
@@ -198,13 +199,14 @@ def _emit_rows_dot(builder, fmt: int, qs, x, dw, dx, mw, sx, y, r0, r1, m, qrow,
 
             def quad(b0, blocks: int) -> None:
                 codes = _quad_codes(builder, fmt, w, b0, blocks)  # once for the tile's rows
-                dwq = GQ._load4f(builder, dwr, b0)
+                dwq = GQ.load4h(builder, dwr, b0)
+                mwq = GQ.load4h(builder, mwr, b0) if fmt == 1 else None  # widened once for the tile's rows, as d
                 for t in range(nt):
                     isum = builder.sitofp(_quad_isums_of(builder, codes, xs[t], b0), _V4F32)
                     dd = builder.fmul(dwq, GQ._load4f(builder, dxs[t], b0))
                     builder.store(builder.call(fma4, [isum, dd, builder.load(acc[t])]), acc[t])
                     if fmt == 1:
-                        mo = [GQ._load4f(builder, mwr, b0), GQ._load4f(builder, sxs[t], b0), builder.load(off[t])]
+                        mo = [mwq, GQ._load4f(builder, sxs[t], b0), builder.load(off[t])]
                         builder.store(builder.call(fma4, mo), off[t])
 
             GQ.for_quads(builder, nblk2, quad)

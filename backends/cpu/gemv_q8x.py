@@ -7,8 +7,13 @@ Layouts, repacked once a weight (`repack`): codes padded with zero blocks to an 
 with zeros to a multiple of 4 (nblk4):
   * q4_0 / q4_1: qs uint8 [rows, nblk2 * 16], blocks paired as in gemv_repacked.py: byte j of pair k
     holds element j of block 2k in its low nibble and element j of block 2k + 1 in its high nibble,
-    so one 32-byte load and a shift give both blocks' codes in x's order; d (and q4_1's m) f32 [rows, nblk4].
-  * q8_0: qs [rows, nblk2 * 32] (the int8 codes, stored as uint8), d f32 [rows, nblk4].
+    so one 32-byte load and a shift give both blocks' codes in x's order; d (and q4_1's m) [rows, nblk4].
+  * q8_0: qs [rows, nblk2 * 32] (the int8 codes, stored as uint8), d [rows, nblk4].
+  * d and m stay the file's f16 bits (uint16), widened in the kernel (`vcvtph2ps`, exact: the same f32 values as
+    widening them once at repack). A decode step streams its weights from memory (SmolLM2's products: 114.1 MB
+    with f32 scales, 97.7 MB with f16; L3 32 MB): on the 2-core EPYC at 2 threads its decode step went 7.34 -> 6.92
+    ms and the products 5.21 -> 4.85 ms (medians of 8 alternated processes); with a weight hot in cache the 1-row
+    q4_1 GEMV is 1-3% slower, the widening's cost (BENCHMARKS.md, "f16 scales in the repacked GEMV weights").
 x per row (`quantize_x`, q8_blocks' arithmetic bit for bit): codes int8 [nblk2 * 32], dx f32 [nblk4], and
 for q4_1 sx = fl(dx * sum q) f32 [nblk4].
 
@@ -33,14 +38,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import direct_call
+from .attention import f16_to_f32
 from .gemv_repacked import target_features
-from .matmul import _F16, _num_threads
+from .matmul import _num_threads
 
 __all__ = ["FORMATS", "repack", "quantize_blocks", "quantize_x", "prepare", "AVX2"]
 
+CACHE_DEPENDS = ("attention.py",)  # compiled into the portable kernel: its f16 widening
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # the kernels' format codes
 _BLOCK = {"q4_0": (18, 2), "q4_1": (20, 4), "q8_0": (34, 2)}  # bytes per ggml block, offset of its codes
-AVX2 = "+avx2" in target_features().split(",")  # what numba compiles for (NUMBA_CPU_FEATURES, else the host)
+# what numba compiles for (NUMBA_CPU_FEATURES, else the host); F16C widens the scales (every AVX2 CPU has it)
+AVX2 = {"+avx2", "+f16c"} <= set(target_features().split(","))
 
 
 # ---------------------------------------------------------------- repacking and x's codes
@@ -50,15 +58,14 @@ def padded(nblk: int) -> tuple[int, int]:
 
 
 def repack(w_raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(qs, d, m or None) of uint8 [rows, row_bytes] ggml blocks, in the layouts above."""
+    """(qs, d, m or None) of uint8 [rows, row_bytes] ggml blocks, in the layouts above (d, m: f16 bits)."""
     bb, off = _BLOCK[dtype]
     rows, nblk = w_raw.shape[0], w_raw.shape[1] // bb
     nblk2, nblk4 = padded(nblk)
     blk = np.zeros((rows, nblk4, bb), np.uint8)  # zero blocks (d = m = 0) pad
     blk[:, :nblk] = np.asarray(w_raw).reshape(rows, nblk, bb)
-    d = np.ascontiguousarray(_F16[blk[:, :, 0:2].copy().view(np.uint16)[:, :, 0]], np.float32)
-    m = np.ascontiguousarray(_F16[blk[:, :, 2:4].copy().view(np.uint16)[:, :, 0]], np.float32) \
-        if dtype == "q4_1" else None
+    d = np.ascontiguousarray(blk[:, :, 0:2].copy().view(np.uint16)[:, :, 0])
+    m = np.ascontiguousarray(blk[:, :, 2:4].copy().view(np.uint16)[:, :, 0]) if dtype == "q4_1" else None
     raw = blk[:, :nblk2, off:]
     if dtype == "q8_0":
         return np.ascontiguousarray(raw).reshape(rows, -1), d, m
@@ -176,6 +183,12 @@ def _load4f(builder, base, b0):
     return builder.load(p, align=4)
 
 
+def load4h(builder, base, b0):
+    """<4 x f32>: the f16 bits at base[b0 .. b0 + 3] (a uint16 pointer) widened, exactly."""
+    p = builder.bitcast(builder.gep(base, [b0]), ir.VectorType(_I16, 4).as_pointer())
+    return builder.fpext(builder.bitcast(builder.load(p, align=2), ir.VectorType(ir.HalfType(), 4)), _V4F32)
+
+
 def for_quads(builder, nblk2, body) -> None:
     """body(b0, blocks) for each quad of blocks b0 .. b0 + 3 (blocks 4), then for the last pair (blocks 2) where
     nblk2 % 4 == 2."""
@@ -188,18 +201,19 @@ def for_quads(builder, nblk2, body) -> None:
 
 
 def emit_row_dot(builder, fmt: int, quad_isums, w, x, dw, dx, mw, sx, nblk2):
-    """The row's dot product over nblk2 blocks (pointers to its bytes, x's codes, the four scale rows) in the
-    module docstring's float order; quad_isums(builder, fmt, w, x, b0, blocks) gives four blocks' integer sums."""
+    """The row's dot product over nblk2 blocks (pointers to its bytes, x's codes, the four scale rows: the weight's
+    f16 bits, x's f32) in the module docstring's float order; quad_isums(builder, fmt, w, x, b0, blocks) gives four
+    blocks' integer sums."""
     fma4 = fn(builder, "llvm.fma.v4f32", _V4F32, [_V4F32, _V4F32, _V4F32])
     zero4 = ir.Constant(_V4F32, [0.0] * 4)
     acc, off = cgutils.alloca_once_value(builder, zero4), cgutils.alloca_once_value(builder, zero4)
 
     def quad(b0, blocks: int) -> None:
         isum = builder.sitofp(quad_isums(builder, fmt, w, x, b0, blocks), _V4F32)
-        dd = builder.fmul(_load4f(builder, dw, b0), _load4f(builder, dx, b0))
+        dd = builder.fmul(load4h(builder, dw, b0), _load4f(builder, dx, b0))
         builder.store(builder.call(fma4, [isum, dd, builder.load(acc)]), acc)
         if fmt == 1:
-            builder.store(builder.call(fma4, [_load4f(builder, mw, b0), _load4f(builder, sx, b0), builder.load(off)]),
+            builder.store(builder.call(fma4, [load4h(builder, mw, b0), _load4f(builder, sx, b0), builder.load(off)]),
                           off)
 
     for_quads(builder, nblk2, quad)
@@ -219,7 +233,7 @@ def row_total(builder, fmt: int, acc, off):
 @intrinsic
 def _row_dot_avx2(typingctx, fmt, w, x, dw, dx, mw, sx):
     """float32 row dot product (module docstring's order): fmt a literal format code; w the weight row's
-    bytes, x the codes (nblk2 * 32), dw / mw the row's scales, dx / sx x's (nblk4; 1-D C arrays)."""
+    bytes, x the codes (nblk2 * 32), dw / mw the row's scales (f16 bits), dx / sx x's (nblk4; 1-D C arrays)."""
     if not isinstance(fmt, types.IntegerLiteral):
         return None
     code = fmt.literal_value
@@ -262,9 +276,9 @@ def _row_dot_portable(fmt, w, x, dw, dx, mw, sx):
                     c = (v & 15) if b % 2 == 0 else (v >> 4)
                     c = c - 8 if fmt == 0 else c
                 isum += c * np.int32(x[32 * b + j])
-            acc[e] = _fma32(np.float32(isum), dw[b] * dx[b], acc[e])
+            acc[e] = _fma32(np.float32(isum), f16_to_f32(dw[b]) * dx[b], acc[e])
             if fmt == 1:
-                off[e] = _fma32(mw[b], sx[b], off[e])
+                off[e] = _fma32(f16_to_f32(mw[b]), sx[b], off[e])
     y = (acc[0] + acc[1]) + (acc[2] + acc[3])
     return y + ((off[0] + off[1]) + (off[2] + off[3])) if fmt == 1 else y
 
