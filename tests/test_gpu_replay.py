@@ -89,8 +89,9 @@ def test_reused_prefill_bucket_equals_a_fresh_program(spec, bucket, monkeypatch)
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "smollm2-135m"])
 def test_greedy_generation_with_capture_equals_without(spec, monkeypatch):
     if spec == "smollm2-135m":
-        from graphir.errors import LoadError
         from graphir.models.default_model import smollm2_path
+
+        from graphir.errors import LoadError
 
         try:  # found without importing the package, whose __init__ imports `llm` (absent on GPU machines)
             smollm2_path()
