@@ -4,6 +4,7 @@
     python benchmarks/bench_gpu_gemv.py --variants [--formats bf16,q8_0] [--shapes 4096x4096,...]
     python benchmarks/bench_gpu_gemv.py --gemvm [--tokens 16,8] [--cfgs g128r2,j4w8r2] [--models qwen,smollm]
     python benchmarks/bench_gpu_gemv.py --q8x [--formats q4_0,q8_0] [--cfgs w4r4,w8r4] [--shapes 4096x4096,...]
+    python benchmarks/bench_gpu_gemv.py --tc [--shapes 4096x4096,...]
 
 Formats bf16, q8_0, q4_k, q4_0 at Qwen3-8B shapes (n_out x n_in): 4096x4096 (q/o), 12288x4096
 (gate/up), 4096x12288 (down), 151936x4096 (LM head). Bandwidth counts the weight's stored bytes
@@ -38,6 +39,10 @@ q8-activations pass) for every geometry of gemv_q8x.py Q8X_CONFIGS against the c
 current Q8X_KERNEL choice bracketed. Each q8x result's first and last rows are checked against the op's
 reference (within the f32 bound of tests/test_gpu_gemv_q8x.py) and every geometry against the first bit for bit
 (they add the same terms in the same order); the f32 kernel's against the dequantized product.
+
+--tc times q4_0's m == 1 GEMV on tensor cores (backends/gpu/gemv_tc.py, each geometry of GEOMETRIES) against its
+f32 kernel, through mul_mat's lowering (the repacking happens outside the timing) as the plain mode does, each
+result checked against numpy within 1e-5 of sum |x||w|.
 """
 
 from __future__ import annotations
@@ -377,6 +382,28 @@ def main_q8x(cp, rng, args, bw: float) -> None:
             print(f"{fmt:7} {shape[0]:>6}x{shape[1]:<6} {pct['f32']:7.1f} " + " ".join(cells), flush=True)
 
 
+def main_tc(cp, rng, args, bw: float) -> None:
+    """q4_0 at m == 1: the f32 kernel (TC_FALLBACK) against each tensor-core geometry (gemv_tc.GEOMETRIES), through
+    mul_mat's own lowering on rotated copies, each result checked against numpy (bench_one)."""
+    from graphir.backends.gpu import gemv_tc
+    from graphir.backends.gpu import matmul as mm
+
+    shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
+    iters = args.iters or 100
+    choices = [("f32 " + mm.TC_FALLBACK, mm.TC_FALLBACK, None)] + [(f"tc {c}", "tc", c) for c in gemv_tc.GEOMETRIES]
+    table = {}
+    for label, kernel, geometry in choices:
+        mm.GEMV1_KERNEL["q4_0"] = kernel
+        if geometry:
+            gemv_tc.GEOMETRY = geometry
+        for shape in shapes:
+            table[label, shape] = 100 * bench_one(cp, rng, "q4_0", shape, iters)["bps"] / bw
+    print(f"\nq4_0, m = 1: % of copy bandwidth ({bw / 1e12:.3f} TB/s)")
+    print(f"{'kernel':12} " + " ".join(f"{f'{r}x{c}':>12}" for r, c in shapes))
+    for label, _, _ in choices:
+        print(f"{label:12} " + " ".join(f"{table[label, sh]:12.1f}" for sh in shapes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer iterations")
@@ -388,6 +415,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,8", help="with --gemvm: tokens a call")
     ap.add_argument("--cfgs", default=None, help="with --gemvm: GEMVM_CONFIGS keys; with --q8x: Q8X_CONFIGS keys "
                                                  "(default all)")
+    ap.add_argument("--tc", action="store_true", help="time q4_0's tensor-core geometries against its f32 kernel, "
+                                                      "checked")
     ap.add_argument("--q8x", action="store_true", help="time mul_mat_q8x's geometries against the f32 GEMV, checked")
     ap.add_argument("--models", default=",".join(GEMVM_MODELS), help="with --gemvm: " + ", ".join(GEMVM_MODELS))
     ap.add_argument("--defines", default="", help="-D options matmul.cu and gemv_q8x.cu are compiled with, ',' "
@@ -398,7 +427,8 @@ def main() -> None:
 
     if args.defines:
         extra = tuple(args.defines.split(","))
-        kernels.SOURCES.update({k: v + extra for k, v in kernels.SOURCES.items() if k in ("matmul.cu", "gemv_q8x.cu")})
+        kernels.SOURCES.update({k: v + extra for k, v in kernels.SOURCES.items()
+                                if k in ("matmul.cu", "gemv_q8x.cu", "gemv_tc.cu")})
         print(f"kernels compiled with -D{' -D'.join(extra)}")
 
     if not available():
@@ -418,6 +448,9 @@ def main() -> None:
         return
     if args.q8x:
         main_q8x(cp, rng, args, bw)
+        return
+    if args.tc:
+        main_tc(cp, rng, args, bw)
         return
     rows = []
     print(f"{'format':7} {'shape':>13} {'us/call':>9} {'GB/s':>8} {'% copy':>7}  notes")

@@ -36,9 +36,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="no CU
 
 
 def _tensor_cores() -> bool:
-    from graphir.backends.gpu.attention import _tensor_cores
+    from graphir.backends.gpu.device import tensor_cores
 
-    return available() and _tensor_cores()
+    return available() and tensor_cores()
 
 
 # The kernel's tests; without bf16 tensor cores flash_attn_bf16 runs the f32 kernel (test_without_tensor_cores_*).
@@ -316,7 +316,7 @@ def test_without_tensor_cores_falls_back_to_f32(monkeypatch):
     roundings, off its reference by about their cost (4e-3 of max |ref| here)."""
     from graphir.backends.gpu import attention
 
-    monkeypatch.setattr(attention, "_tensor_cores", lambda: False)
+    monkeypatch.setattr(attention, "tensor_cores", lambda: False)
     case = Case(70, 8, 2, 128, 128, 100, "f32")
     run = RuleRunner(case)
     assert run.kernels == ["attn_prefill_f32_d128_g4"], run.kernels

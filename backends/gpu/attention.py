@@ -39,6 +39,7 @@ import numpy as np
 from graphir.errors import BackendError
 
 from . import kernels, matmul
+from .device import tensor_cores
 from .launch import Launch, Lowering, cdiv, f32, i32
 
 FILE = "attention.cu"
@@ -195,15 +196,6 @@ KV_CONVERT_THREADS = 256  # ATTN_KV_CONVERT_THREADS
 KV_BF16_KEY = "attn_bf16_kv_scratch"
 
 
-@functools.cache
-def _tensor_cores() -> bool:
-    """bf16 mma.sync, ldmatrix and cp.async: CUDA sm_80 and later."""
-    from .device import cupy
-
-    cp = cupy()
-    return not cp.cuda.runtime.is_hip and int(cp.cuda.Device().compute_capability) >= 80
-
-
 def _tc_dk(d: int, dv: int) -> int:
     """The attn_prefill_bf16_d<DK> that serves head dims d, dv (<= TC_MAX_HEAD_DIM)."""
     return 64 if max(d, dv) <= 64 else 128 if max(d, dv) <= 128 else 256
@@ -267,7 +259,7 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
     q, k, v = ins[:3]
     n_q, hq, d = q.shape
     cap, hk, dv = v.shape
-    if not _tensor_cores() or max(d, dv) > TC_MAX_HEAD_DIM:
+    if not tensor_cores() or max(d, dv) > TC_MAX_HEAD_DIM:
         return lower_flash_attn(lw, n, ins, outs, p)
     kv = _kv_name(k)
     if _kv_name(v) != kv:

@@ -29,6 +29,13 @@ def available() -> bool:
 
 
 @functools.cache
+def tensor_cores() -> bool:
+    """mma.sync on f16/bf16, ldmatrix and cp.async: CUDA sm_80 and later (not HIP)."""
+    cp = cupy()
+    return not cp.cuda.runtime.is_hip and int(cp.cuda.Device().compute_capability) >= 80
+
+
+@functools.cache
 def stream() -> object:
     """The one stream every gpu Program runs on. Programs of a model share State buffers, so their
     work must stay in order; a stream of our own (not the legacy default one) can be captured.

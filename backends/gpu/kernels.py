@@ -31,6 +31,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "sample.cu": (),
     "p2p.cu": (),
     "gemv_q8x.cu": (),
+    "gemv_tc.cu": (),
 }
 
 

@@ -103,6 +103,13 @@ class GpuParam:
             self._cache[key] = cupy().asarray(self.ref.f32())  # the host copy the cpu backend also uses
         return self._cache[key]
 
+    def derived(self, name: str, make: Any) -> Any:
+        """`make(self)`'s value (e.g. the weight repacked for one kernel), made once per weight store."""
+        key = ("gpu", name) + self.ref.key
+        if key not in self._cache:
+            self._cache[key] = make(self)
+        return self._cache[key]
+
 
 def _upload(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     cp = cupy()

@@ -29,7 +29,7 @@ from graphir.dtypes import dtype as dtype_info
 from graphir.errors import BackendError
 from graphir.ops import OPS
 
-from . import kernels
+from . import gemv_tc, kernels
 from .device import cupy
 from .launch import GpuParam, HostLibraryCall, Launch, Lowering, cdiv, i32
 from .layout import copy_launch
@@ -80,9 +80,12 @@ V3_FORMATS = ("q8_0", "q4_0", "q4_k")
 # prefetch); q4_k v3r4 34/47/46/63 (v3r2 32/45/43/60). Tried and dropped the same day: each row's blocks
 # split over 2 or 4 groups of a block (4x more blocks for 4096-row weights, each group staging its own x):
 # q4_0 24-44 %, q8_0 35-67 %, below v3r2 at every shape, so few blocks an SM was not what held it back.
-GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "v3r4",
+GEMV1_KERNEL = {"f32": "g128r1", "f16": "g128r1", "bf16": "g128r1", "q8_0": "v3r2", "q4_0": "tc",
                 "q4_1": "g32r4", "q5_0": "g32r4", "q5_1": "g32r4", "q4_k": "v3r4", "q5_k": "g32r2",
                 "q6_k": "g32r2", "iq4_xs": "g32r2"}
+# "tc" (q4_0): gemv_tc.py's tensor-core kernel where the device has tensor cores; TC_FALLBACK elsewhere and for
+# the fused-swiglu and 8-bit-x callers that need a matmul.cu kernel.
+TC_FALLBACK = "v3r4"
 # Formats whose gemv1v2 traits read 16-byte windows / headers (quant.cuh Fq*w): they need rows of
 # whole 16-byte pieces in a 16-byte aligned weight.
 _WIDE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k")
@@ -178,6 +181,8 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         buf = lw.scratch((m, n_in))
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
+    if m == 1 and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available():
+        return steps + gemv_tc.steps(lw, w, x2, y2)
     name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
@@ -197,6 +202,8 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
             return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
+    if cfg == "tc":  # gemv_tc.cu's kernel is not a matmul.cu one: callers asking for one get the f32 kernel
+        cfg = TC_FALLBACK
     ok = cfg in GEMV1_CONFIGS or (cfg in GEMV1_V3 and fmt in V3_FORMATS)
     if not ok or not _v2_fits(fmt, n_in, w_ptr):
         return f"gemv1_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK

@@ -1,0 +1,64 @@
+"""The m == 1 GEMV of q4_0 weights on tensor cores (kernels in gemv_tc.cu; CUDA sm_80 and later).
+
+mul_mat lowers a 1-token product of a 2-D q4_0 Param here where GEMV1_KERNEL["q4_0"] is "tc" (matmul.py) and the
+device has tensor cores; elsewhere (HIP, older GPUs) the f32 kernel serves it. The weight is repacked once per
+weight store (`repack_q4_0_tc`, on the device) into 16-row tiles of mma fragments, kept beside the ggml copy
+that prefill and the other kernels read. x keeps f32 accuracy (split into two f16 halves per block of 32, see
+gemv_tc.cu), so the result is within the same 1e-5 of sum |x||w| as the f32 kernel's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .device import cupy, tensor_cores
+from .launch import GpuParam, Launch, Lowering, cdiv, i32
+from .layout import copy_launch
+
+# cfg -> (row tiles of 16 a block, warps a block splitting the column groups), as FOR_EACH_GEMV_TC in gemv_tc.cu
+GEOMETRIES = {"t1w4": (1, 4), "t1w8": (1, 8), "t2w4": (2, 4), "t2w8": (2, 8)}
+GEOMETRY = "t1w4"  # not yet measured against the others
+GROUP = 128  # columns a group: 4 q4_0 blocks
+REPACK_THREADS = 256
+
+
+def available() -> bool:
+    return tensor_cores()
+
+
+def n_groups(n_in: int) -> int:
+    return cdiv(n_in, GROUP)
+
+
+def repack(w: GpuParam) -> tuple[Any, Any]:
+    """(codes, scales) of a 2-D q4_0 weight in gemv_tc.cu's tile layout: uint32 [tiles, groups, 32, 8] and
+    [tiles, groups, 32]."""
+    from . import kernels
+
+    cp = cupy()
+    n_out, n_in = w.shape
+    tiles, groups = cdiv(n_out, 16), n_groups(n_in)
+    codes = cp.empty((tiles, groups, 32, 8), np.uint32)
+    scales = cp.empty((tiles, groups, 32), np.uint32)
+    kernels.get("gemv_tc.cu", "repack_q4_0_tc")(
+        (cdiv(tiles * groups * 32, REPACK_THREADS),), (REPACK_THREADS,),
+        (w.raw, np.int64(w.raw.shape[1]), codes, scales, i32(n_out), i32(n_in), i32(groups)))
+    return codes, scales
+
+
+def steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
+    """The launch of y2[0] = w @ x2[0] (x2: [1, n_in] f32), x staged to an aligned buffer where it is not."""
+    n_out, n_in = w.shape
+    codes, scales = w.derived("q4_0_tc", repack)
+    tiles, warps = GEOMETRIES[geometry or GEOMETRY]
+    out: list = []
+    if x2.data.ptr % 16:  # x is read with 16-byte loads
+        buf = lw.scratch(x2.shape)
+        out.append(copy_launch(x2, buf, what="aligned x"))
+        x2 = buf
+    cfg = geometry or GEOMETRY
+    out.append(Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles), 32 * warps,
+                      (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)))))
+    return out
