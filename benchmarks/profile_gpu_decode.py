@@ -63,6 +63,8 @@ def main() -> None:
                     "step at too, e.g. '64,32,16' (backends/gpu/attention.py; each lowers the step again)")
     ap.add_argument("--target-blocks", default="", help="decode attention's TARGET_BLOCKS values (its grid at full "
                     "context; 0: one wave, the shipped None) to time the captured step at too, e.g. '264,528,0'")
+    ap.add_argument("--gemv1", default="", help="m == 1 GEMV choices (backends/gpu/matmul.py GEMV1_KERNEL) to time "
+                    "the captured step with too, e.g. 'q4_0=v3r4+tc' (each lowers the step again)")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
@@ -115,6 +117,8 @@ def main() -> None:
     if args.target_blocks:
         sweep_attention(model, settings, "TARGET_BLOCKS", [int(v) or None for v in args.target_blocks.split(",")],
                         args.tokens)
+    if args.gemv1:
+        sweep_gemv1(model, settings, args.gemv1, args.tokens)
 
     if args.kernels:
         kernel_table(program, args.kernels)
@@ -122,23 +126,37 @@ def main() -> None:
 
 def sweep_attention(model, settings, name: str, values: list, n: int) -> None:
     """The captured decode step lowered again at each value of decode attention's setting `name` (MIN_CHUNK:
-    rows a split at least; TARGET_BLOCKS: the grid at full context, None for one wave), at the model's
-    current context (a few tokens longer each time)."""
+    rows a split at least; TARGET_BLOCKS: the grid at full context, None for one wave)."""
     from graphir.backends.gpu import attention
 
-    shipped = getattr(attention, name)
+    sweep(model, settings, f"decode attention {name}", lambda v: setattr(attention, name, v), values,
+          getattr(attention, name), n)
+
+
+def sweep_gemv1(model, settings, spec: str, n: int) -> None:
+    """The captured decode step lowered again with each m == 1 GEMV choice of --gemv1 ("q4_0=v3r4+tc")."""
+    from graphir.backends.gpu import matmul
+
+    fmt, _, values = spec.partition("=")
+    sweep(model, settings, f"GEMV1_KERNEL[{fmt}]", lambda v: matmul.GEMV1_KERNEL.__setitem__(fmt, v),
+          values.split("+"), matmul.GEMV1_KERNEL[fmt], n)
+
+
+def sweep(model, settings, label: str, set_value, values: list, shipped, n: int) -> None:
+    """Time the captured graph alone after set_value(v) for each value, at the model's current context (a few
+    tokens longer each time); the shipped value is set again after."""
     try:
         for v in values:
-            setattr(attention, name, v)
+            set_value(v)
             model.programs.clear()
             model._decode_sample(3, settings)
             model._decode_sample(3, settings)  # captured on its second call
             program = model._program(1, False, sampler=True)
             assert program.captured, "decode Program not captured"
             us = per_call_us(graph_alone(program), n)
-            print(f"decode attention {name} {v}: captured graph alone {us:8.1f} us (context {model.n_past})")
+            print(f"{label} {v}: captured graph alone {us:8.1f} us (context {model.n_past})")
     finally:
-        setattr(attention, name, shipped)
+        set_value(shipped)
         model.programs.clear()
 
 
