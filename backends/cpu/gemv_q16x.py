@@ -23,6 +23,11 @@ gemv_q8x.py's GEMV with int16 codes of x (why: graphir/ops/fused.py, mul_mat_q16
     in the 1-row order, so row t is the 1-row kernel on x[t] bit for bit (issue 11: verify rows equal the decode
     steps); 1.2-1.45x faster at 2-16 rows than a row dot a row of x (BENCHMARKS.md, "Issue 11 on the cpu
     pipeline").
+  * One row of x (a decode step): each thread prefetches the weight row _PREFETCH_ROWS ahead of the one it
+    reads (codes and scales, `prefetcht0`; no arithmetic changes): SmolLM2's 121 products 4.30-4.40 -> 3.72-3.89
+    ms a step replayed at 2 threads, where the hardware prefetchers alone wait on more misses (which ones was not
+    measured; page boundaries and each GEMV's first rows are the likely ones). BENCHMARKS.md, "Prefetching the
+    decode GEMV's weight rows".
 The portable path (no AVX2) is gemv_q8x's row loop on int16 codes in element order: the same bits.
 """
 
@@ -245,7 +250,32 @@ def _rows_dot_avx2(typingctx, fmt, qs, x, dw, dx, mw, sx, y, r0, r1):
     return types.none(fmt, qs, x, dw, dx, mw, sx, y, r0, r1), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, a, r, off):
+    """Prefetch (read, into L1: `prefetcht0`) the cache line of byte `off` of row r of a (2-D, C-contiguous); no
+    fault past the array's end, as any prefetch."""
+    if not isinstance(a, types.Array) or a.ndim != 2 or a.layout != "C":
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = _data(context, builder, sig.args[0], args[0])
+        rr, oo = [context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:])]
+        row = builder.mul(rr, cgutils.unpack_tuple(builder, ary.strides, 2)[0])
+        p = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [builder.add(row, oo)])
+        i32 = ir.IntType(32)
+        f = GQ.fn(builder, "llvm.prefetch.p0", ir.VoidType(), [p.type, i32, i32, i32])
+        builder.call(f, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, L1, data
+        return context.get_dummy_value()
+
+    return types.none(a, r, off), codegen
+
+
 # ---------------------------------------------------------------- the GEMV: output rows split over threads
+# weight rows a decode step's thread prefetches ahead of the row it reads (288-768 bytes a row at SmolLM2's shapes):
+# 4-8 measured best, 16 and 32 nearer no prefetch, prefetchnta as fast as prefetcht0 (BENCHMARKS.md)
+_PREFETCH_ROWS = 8
+
+
 @njit(parallel=True, cache=True)
 def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
     quantize_x(x, xq, dx, sx)  # serially here: one numba dispatch a GEMV, as gemv_q8x
@@ -256,6 +286,12 @@ def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
         lo, hi = s * per, min(n_out, (s + 1) * per)
         if m == 1:  # a decode step: the row dot alone, without the tiles' setup (2-3% of its ~25 ns a row)
             for r in range(lo, hi):
+                if r + _PREFETCH_ROWS < hi:  # a row's lines (consecutive rows cover a line two rows share) and scales
+                    for o in range(0, qs.shape[1], 64):
+                        _prefetch(qs, r + _PREFETCH_ROWS, o)
+                    _prefetch(dw, r + _PREFETCH_ROWS, 0)
+                    if fmt == 1:
+                        _prefetch(mw, r + _PREFETCH_ROWS, 0)
                 if fmt == 0:
                     y[0, r] = _row_dot_avx2(0, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 elif fmt == 1:
