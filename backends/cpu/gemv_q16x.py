@@ -40,11 +40,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import gemv_q8x as GQ
+from .prefetch import prefetch
 
 __all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
 
-CACHE_DEPENDS = ("gemv_q8x.py", "attention.py")  # compiled into the kernels here: gemv_q8x's quantizer, row loop,
-# emitters and (portable path) attention's f16 widening
+# compiled into the kernels here: gemv_q8x's quantizer, row loop, emitters and (portable path) attention's f16
+# widening; prefetch's intrinsic
+CACHE_DEPENDS = ("gemv_q8x.py", "attention.py", "prefetch.py")
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # gemv_q8x's format codes
 AVX2 = GQ.AVX2
 Q16_MAX = np.float32(32767.0)
@@ -250,26 +252,6 @@ def _rows_dot_avx2(typingctx, fmt, qs, x, dw, dx, mw, sx, y, r0, r1):
     return types.none(fmt, qs, x, dw, dx, mw, sx, y, r0, r1), codegen
 
 
-@intrinsic
-def _prefetch(typingctx, a, r, off):
-    """Prefetch (read, into L1: `prefetcht0`) the cache line of byte `off` of row r of a (2-D, C-contiguous); no
-    fault past the array's end, as any prefetch."""
-    if not isinstance(a, types.Array) or a.ndim != 2 or a.layout != "C":
-        return None
-
-    def codegen(context, builder, sig, args):
-        ary = _data(context, builder, sig.args[0], args[0])
-        rr, oo = [context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], sig.args[1:])]
-        row = builder.mul(rr, cgutils.unpack_tuple(builder, ary.strides, 2)[0])
-        p = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [builder.add(row, oo)])
-        i32 = ir.IntType(32)
-        f = GQ.fn(builder, "llvm.prefetch.p0", ir.VoidType(), [p.type, i32, i32, i32])
-        builder.call(f, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, L1, data
-        return context.get_dummy_value()
-
-    return types.none(a, r, off), codegen
-
-
 # ---------------------------------------------------------------- the GEMV: output rows split over threads
 # weight rows a decode step's thread prefetches ahead of the row it reads (288-768 bytes a row at SmolLM2's shapes):
 # 4-8 measured best, 16 and 32 nearer no prefetch, prefetchnta as fast as prefetcht0 (BENCHMARKS.md)
@@ -288,10 +270,10 @@ def _gemv_avx2(fmt, x, qs, dw, mw, xq, dx, sx, y, nth):
             for r in range(lo, hi):
                 if r + _PREFETCH_ROWS < hi:  # a row's lines (consecutive rows cover a line two rows share) and scales
                     for o in range(0, qs.shape[1], 64):
-                        _prefetch(qs, r + _PREFETCH_ROWS, o)
-                    _prefetch(dw, r + _PREFETCH_ROWS, 0)
+                        prefetch(qs, r + _PREFETCH_ROWS, o)
+                    prefetch(dw, r + _PREFETCH_ROWS, 0)
                     if fmt == 1:
-                        _prefetch(mw, r + _PREFETCH_ROWS, 0)
+                        prefetch(mw, r + _PREFETCH_ROWS, 0)
                 if fmt == 0:
                     y[0, r] = _row_dot_avx2(0, qs[r], xq[0], dw[r], dx[0], mw[r], sx[0])
                 elif fmt == 1:
