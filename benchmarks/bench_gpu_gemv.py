@@ -390,7 +390,8 @@ def main_tc(cp, rng, args, bw: float) -> None:
 
     shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else SHAPES)
     iters = args.iters or 100
-    choices = [("f32 " + mm.TC_FALLBACK, mm.TC_FALLBACK, None)] + [(f"tc {c}", "tc", c) for c in gemv_tc.GEOMETRIES]
+    choices = [("f32 " + mm.TC_FALLBACK, mm.TC_FALLBACK, None)] + [(f"tc {c}", "tc", c)
+                                                                     for c in [*gemv_tc.GEOMETRIES, "auto"]]
     table = {}
     for label, kernel, geometry in choices:
         mm.GEMV1_KERNEL["q4_0"] = kernel

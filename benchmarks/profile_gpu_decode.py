@@ -134,12 +134,19 @@ def sweep_attention(model, settings, name: str, values: list, n: int) -> None:
 
 
 def sweep_gemv1(model, settings, spec: str, n: int) -> None:
-    """The captured decode step lowered again with each m == 1 GEMV choice of --gemv1 ("q4_0=v3r4+tc")."""
-    from graphir.backends.gpu import matmul
+    """The captured decode step lowered again with each m == 1 GEMV choice of --gemv1 ("q4_0=v3r4+tc+tc@t2w8":
+    "tc@CFG" is the tensor-core kernel in geometry CFG of backends/gpu/gemv_tc.py, "tc" its GEOMETRY)."""
+    from graphir.backends.gpu import gemv_tc, matmul
 
     fmt, _, values = spec.partition("=")
-    sweep(model, settings, f"GEMV1_KERNEL[{fmt}]", lambda v: matmul.GEMV1_KERNEL.__setitem__(fmt, v),
-          values.split("+"), matmul.GEMV1_KERNEL[fmt], n)
+    shipped = (matmul.GEMV1_KERNEL[fmt], gemv_tc.GEOMETRY)
+
+    def set_value(v) -> None:
+        kernel, _, cfg = (v if isinstance(v, str) else "@".join(v)).partition("@")
+        matmul.GEMV1_KERNEL[fmt] = kernel
+        gemv_tc.GEOMETRY = cfg or shipped[1]
+
+    sweep(model, settings, f"GEMV1_KERNEL[{fmt}]", set_value, values.split("+"), shipped, n)
 
 
 def sweep(model, settings, label: str, set_value, values: list, shipped, n: int) -> None:

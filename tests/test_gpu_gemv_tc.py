@@ -38,7 +38,7 @@ def _x(rng: np.random.Generator, n_in: int) -> np.ndarray:
     """Normal values times a per-32-block magnitude from 1e-30 to 1e6, every fifth block zero."""
     mags = 10.0 ** rng.uniform(-30, 6, n_in // 32)
     mags[::5] = 0.0
-    mags[1] = 1e6  # f16 overflows at 65504 without the block scale
+    mags[len(mags) // 2] = 1e6  # f16 overflows at 65504 without the block scale
     return (rng.standard_normal(n_in) * np.repeat(mags, 32)).astype(np.float32)[None, :]
 
 
@@ -171,3 +171,11 @@ def test_geometries_mirror_the_kernel_source():
     line = re.search(r"#define FOR_EACH_GEMV_TC\(M\) (.*)", text).group(1)
     pairs = re.findall(r"M\((\d+), (\d+)\)", line)
     assert {f"t{t}w{w}": (int(t), int(w)) for t, w in pairs} == GEOMETRIES
+
+
+def test_auto_geometry_covers_every_size():
+    from graphir.backends.gpu.gemv_tc import AUTO, GEOMETRIES, geometry_for
+
+    assert all(cfg in GEOMETRIES for cfg, _ in AUTO) and AUTO[-1][1] == 0
+    for n_out in (1, 16, 4096, 12288, 151936):
+        assert geometry_for(n_out, "auto") in GEOMETRIES

@@ -36,7 +36,7 @@
 #include "common.cuh"
 
 #ifndef GEMV_TC_PREFETCH
-#define GEMV_TC_PREFETCH 1  // the next group's codes, scales and x loaded while this group is multiplied
+#define GEMV_TC_PREFETCH 2  // groups a warp loads ahead of the one it multiplies (codes, scales and x)
 #endif
 
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -190,20 +190,21 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
     float acc[T][2];
 #pragma unroll
     for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = 0.0f;
-    int grp = warp;
-    if (grp < n_groups) {
-        Loads<T> cur;
-        load_group<T>(cur, C, S, X, tile0, n_tiles, grp, n_groups, nb, lane);
-        for (; grp < n_groups; grp += W) {
-#if GEMV_TC_PREFETCH
-            Loads<T> nxt;
-            if (grp + W < n_groups) load_group<T>(nxt, C, S, X, tile0, n_tiles, grp + W, n_groups, nb, lane);
-            multiply_group<T>(cur, acc, lane);
-            cur = nxt;
-#else
-            if (grp > warp) load_group<T>(cur, C, S, X, tile0, n_tiles, grp, n_groups, nb, lane);
-            multiply_group<T>(cur, acc, lane);
-#endif
+    // A ring of D + 1 groups' loads: the one multiplied and the D loaded ahead of it (D = GEMV_TC_PREFETCH).
+    constexpr int D = GEMV_TC_PREFETCH;
+    Loads<T> buf[D + 1];
+#pragma unroll
+    for (int k = 0; k < D; ++k)
+        if (warp + k * W < n_groups) load_group<T>(buf[k], C, S, X, tile0, n_tiles, warp + k * W, n_groups, nb, lane);
+    for (int grp = warp; grp < n_groups; grp += (D + 1) * W) {
+#pragma unroll
+        for (int k = 0; k <= D; ++k) {
+            const int gk = grp + k * W;
+            if (gk < n_groups) {
+                if (gk + D * W < n_groups)
+                    load_group<T>(buf[(k + D) % (D + 1)], C, S, X, tile0, n_tiles, gk + D * W, n_groups, nb, lane);
+                multiply_group<T>(buf[k], acc, lane);
+            }
         }
     }
     const int g = lane >> 2;
@@ -228,7 +229,7 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
 }
 
 // gemv_tc_q4_0_t<T>w<W>: gemv_tc.py GEOMETRIES mirrors the list.
-#define FOR_EACH_GEMV_TC(M) M(1, 4) M(1, 8) M(2, 4) M(2, 8)
+#define FOR_EACH_GEMV_TC(M) M(1, 4) M(1, 8) M(1, 16) M(2, 4) M(2, 8) M(2, 16) M(4, 4)
 #define DEFINE_GEMV_TC(T, W)                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * W) gemv_tc_q4_0_t##T##w##W(                                 \
         const u32x4* __restrict__ C, const unsigned* __restrict__ S, const float* __restrict__ X,                 \
