@@ -36,10 +36,20 @@
 #include "common.cuh"
 
 #ifndef GEMV_TC_PREFETCH
-#define GEMV_TC_PREFETCH 2  // groups a warp loads ahead of the one it multiplies (codes, scales and x)
+// Groups a warp loads ahead of the one it multiplies (codes, scales and x). H200, 2026-12-03, bench_gpu_gemv.py --tc
+// (% of copy bandwidth at 4096x4096 / 12288x4096 / 4096x12288 / 151936x4096, each shape's best geometry): depth 1
+// 40.5 / 62.5 / 63.2 / 93.6, depth 2 (80-127 registers) 37.0 / 58.6 / 59.4 / 87.6.
+#define GEMV_TC_PREFETCH 1
+#endif
+#ifndef GEMV_TC_LATE_TRIGGER
+#define GEMV_TC_LATE_TRIGGER 0  // 1: measurement only, the next kernel launched as this one's blocks end
 #endif
 
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if GEMV_TC_LATE_TRIGGER
+#undef PDL_ENTRY
+#define PDL_ENTRY() PDL_WAIT()
+#endif
 
 DEVICE void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -226,6 +236,9 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
         const int row = tile0 * 16 + threadIdx.x;
         if (row < n_out) Y[row] = s;
     }
+#if GEMV_TC_LATE_TRIGGER
+    PDL_TRIGGER();
+#endif
 }
 
 // gemv_tc_q4_0_t<T>w<W>: gemv_tc.py GEOMETRIES mirrors the list.
