@@ -62,9 +62,56 @@ _RBLOCK = 16
 
 
 @njit(cache=True)
+def _words_blocks(x, xq, dx, sx, full):
+    """Whole blocks 0 .. full - 1 of one row x (1-D) in quantize_blocks' arithmetic with qmax 32767, stored evens then
+    odds, in loops LLVM vectorizes: each block's max |x| on the f32 bits as integers (the same maximum for any x but
+    NaN), the scales of all blocks in one loop (its divisions side by side; sx holds 1 / d until the codes are
+    summed), the codes without branches, evens and odds as two strided streams. quantize_blocks' loop (a bounds test
+    and a scatter through WORDS_ORDER an element) stays scalar."""
+    bits = x.view(np.int32)
+    for b in range(full):
+        top = np.int32(0)
+        for j in range(32 * b, 32 * b + 32):
+            top = max(top, bits[j] & np.int32(0x7FFFFFFF))
+        dx[b] = np.int32(top).view(np.float32) / Q16_MAX
+    for b in range(full):
+        d = dx[b]
+        sx[b] = np.float32(1.0) / d if d >= GQ.F32_TINY else np.float32(0.0)
+    for b in range(full):
+        xb, qb, inv = x[32 * b:32 * b + 32], xq[32 * b:32 * b + 32], sx[b]  # indices from 0: no negative-index fix-ups
+        s = np.int32(0)
+        for i in range(16):
+            e, f = _code(xb[2 * i] * inv), _code(xb[2 * i + 1] * inv)
+            qb[i], qb[16 + i] = e, f
+            s = np.int32(s + e + f)  # int32 throughout (numba widens int32 sums to int64): 32 codes, < 2^21
+        sx[b] = dx[b] * np.float32(s)
+
+
+@njit(inline="always")
+def _code(v):
+    """quantize_blocks' rounding of v: to nearest, ties away from zero."""
+    a = abs(v)
+    f = np.floor(a)
+    q = np.int32(np.int32(f) + np.int32(a - f >= np.float32(0.5)))
+    return np.int32(-q) if v < 0 else q
+
+
+@njit(cache=True)
 def quantize_x(x, xq, dx, sx):
-    """x's int16 codes as the AVX2 path reads them: quantize_blocks with qmax 32767, each block evens then odds."""
-    GQ.quantize_blocks(x, xq, dx, sx, Q16_MAX, WORDS_ORDER)
+    """x's int16 codes as the AVX2 path reads them: quantize_blocks with qmax 32767, each block evens then odds, the
+    same bytes for any x without NaN; whole blocks by _words_blocks (SmolLM2's 576 and 1536 inputs, one row, through
+    the dispatcher: 2.7 -> 1.1 and 5.5 -> 1.7 us a call; its decode step's products 0.5-1.0 ms faster in alternated
+    processes, more than those calls add up to: BENCHMARKS.md, "Prefetching the decode GEMV's weight rows")."""
+    m, n_in = x.shape
+    full = n_in // 32
+    for t in range(m):
+        _words_blocks(x[t], xq[t], dx[t], sx[t], full)
+    if n_in % 32:  # a partial block, then padding
+        GQ.quantize_blocks(x[:, 32 * full:], xq[:, 32 * full:], dx[:, full:], sx[:, full:], Q16_MAX, WORDS_ORDER)
+    else:  # padding: codes and scales 0, as quantize_blocks leaves them
+        xq[:, 32 * full:] = 0
+        dx[:, full:] = 0
+        sx[:, full:] = 0
 
 
 @njit(cache=True)
