@@ -24,8 +24,9 @@ GEOMETRIES = {"t1w4": (1, 4), "t1w8": (1, 8), "t1w16": (1, 16), "t2w4": (2, 4), 
 GEOMETRY = "auto"
 # H200, 2026-12-03, `bench_gpu_gemv.py --tc` (% of copy bandwidth, the f32 kernel's beside): 151936x4096 (9,496
 # tiles) t4w4 93.6 (66.9); 12288x4096 (768) t2w4 62.5 (51.6); 4096x4096 (256) t2w16 40.5 (35.4); 4096x12288
-# (256) t2w16 63.2 (45.7).
-AUTO = (("t4w4", 4096), ("t2w4", 512), ("t2w16", 0))
+# (256) t2w16 63.2 (45.7). Below 512 tiles t1w8: Qwen3-0.6B q4_0's captured step (profile_gpu_decode.py --gemv1,
+# one call) 715.2 us with every GEMV at t1w8, 748.6 at t2w8, 764.7 with the small ones at t2w16 (f32 kernel 749.2).
+AUTO = (("t4w4", 4096), ("t2w4", 512), ("t1w8", 0))
 GROUP = 128  # columns a group: 4 q4_0 blocks
 REPACK_THREADS = 256
 
