@@ -81,6 +81,20 @@ def test_tc_gemv_x_of_one_scale(rng, monkeypatch):
 
 @tc_only
 @on_gpu
+def test_tc_gemv_keeps_f32_accuracy(rng, monkeypatch):
+    """Within 4e-6 of sum |x||w| per row, where the suite's bound is 1e-5: x in f16 alone (no low half, ~2^-12 of
+    each x) misses this by several times at this K, the two halves (~2^-22) and f32 sums do not."""
+    x = rng.standard_normal((1, 4096)).astype(np.float32)
+    got, x, wf, _ = _run(rng, (1027, 4096), "t1w8", monkeypatch, x)
+    xd, wd = x[0].astype(np.float64), wf.astype(np.float64)
+    err = np.abs(got[0] - wd @ xd)
+    bound = 4e-6 * (np.abs(wd) @ np.abs(xd))
+    worst = int(np.argmax(err / bound))
+    assert (err <= bound).all(), f"row {worst}: error {err[worst]:.3g}, {err[worst] / bound[worst]:.2f}x the bound"
+
+
+@tc_only
+@on_gpu
 def test_repacked_layout_holds_the_ggml_codes_and_scales(rng, monkeypatch):
     """Codes and scales read back from the tile layout (gemv_tc.cu's description) equal the ggml blocks'."""
     from graphir.backends.gpu.gemv_tc import repack
