@@ -41,15 +41,9 @@
 // 40.5 / 62.5 / 63.2 / 93.6, depth 2 (80-127 registers) 37.0 / 58.6 / 59.4 / 87.6.
 #define GEMV_TC_PREFETCH 1
 #endif
-#ifndef GEMV_TC_LATE_TRIGGER
-#define GEMV_TC_LATE_TRIGGER 0  // 1: measurement only, the next kernel launched as this one's blocks end
-#endif
+
 
 #if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#if GEMV_TC_LATE_TRIGGER
-#undef PDL_ENTRY
-#define PDL_ENTRY() PDL_WAIT()
-#endif
 
 DEVICE void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -236,9 +230,6 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
         const int row = tile0 * 16 + threadIdx.x;
         if (row < n_out) Y[row] = s;
     }
-#if GEMV_TC_LATE_TRIGGER
-    PDL_TRIGGER();
-#endif
 }
 
 // gemv_tc_q4_0_t<T>w<W>: gemv_tc.py GEOMETRIES mirrors the list.
