@@ -82,13 +82,14 @@ inline void emu_launch(unsigned gx, unsigned gy, unsigned threads, const std::fu
 """
 
 
-def build(d: Path, source: str, launchers: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+def build(d: Path, source: str, launchers: str, flags: tuple[str, ...] = (), prelude: str = "") -> ctypes.CDLL:
     """backends/gpu/<source> with the shim and `launchers` (extern "C" functions), built by g++ in d;
-    the test skips where g++ is missing."""
+    `prelude` goes between the shim and the source (host definitions a source leaves to its tests). The test
+    skips where g++ is missing."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not installed: the host emulation of the kernels needs it")
-    (d / "emu.cpp").write_text(f'{SHIM}\n#include "{kernels.KERNEL_DIR / source}"\n{launchers}')
+    (d / "emu.cpp").write_text(f'{SHIM}\n{prelude}\n#include "{kernels.KERNEL_DIR / source}"\n{launchers}')
     cmd = [gxx, "-std=c++20", "-O1", *flags, "-shared", "-fPIC", "-pthread", f"-I{kernels.KERNEL_DIR}",
            str(d / "emu.cpp"), "-o", str(d / "emu.so")]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -6,10 +6,18 @@ weight with the GPU suite's bound of 1e-5 of sum |x||w| (a code, scale or x half
 more). x blocks span 1e-30 to 1e6 and include all-zero blocks: the per-block power-of-two scale must keep f16
 from overflowing or losing small blocks. The repacked layout is read back on the host and compared with the
 codes and scales of the ggml rows, following the layout as gemv_tc.cu documents it.
+
+Without a GPU (CI) the same source runs on the host (tests/_host_emulation.py): the six PTX helpers are given
+host definitions here, mma.sync as the PTX ISA's fragment layout of m16n8k16 states it (each lane posts its
+registers, the warp meets at a barrier, each lane sums its four outputs), so the repacking, the code and x
+conversions, the scales and the reductions are checked in CI; only the tensor core itself is not.
 """
 
 from __future__ import annotations
 
+import ctypes
+
+import _host_emulation as host_emulation
 import numpy as np
 import pytest
 from test_gpu_matmul import _check_product, _param, on_gpu
@@ -102,8 +110,13 @@ def test_repacked_layout_holds_the_ggml_codes_and_scales(rng, monkeypatch):
     shape = (21, 224)  # a partial second tile; 7 blocks: a partial second group
     _, _, _, gp = _run(rng, shape, "t1w4", monkeypatch)
     codes, scales = (a.get() for a in repack(gp))
+    _check_layout(codes, scales, gp.ref.raw, shape)
+
+
+def _check_layout(codes: np.ndarray, scales: np.ndarray, raw: np.ndarray, shape: tuple[int, int]) -> None:
+    """Codes and scales of gemv_tc.cu's tile layout, read back by its description, equal the ggml blocks'."""
     n_out, n_in = shape
-    blocks = gp.ref.raw.view(np.uint8).reshape(n_out, n_in // 32, 18)
+    blocks = raw.view(np.uint8).reshape(n_out, n_in // 32, 18)
     d = blocks[:, :, :2].copy().view(np.uint16)[:, :, 0]
     qs = blocks[:, :, 2:]
     q = np.concatenate([qs & 0xF, qs >> 4], axis=2)  # [row, block, element]
@@ -193,3 +206,133 @@ def test_auto_geometry_covers_every_size():
     assert all(cfg in GEOMETRIES for cfg, _ in AUTO) and AUTO[-1][1] == 0
     for n_out in (1, 16, 4096, 12288, 151936):
         assert geometry_for(n_out, "auto") in GEOMETRIES
+
+
+# ---------------------------------------------------------------- the kernels on the host (no GPU)
+HOST_HELPERS = r"""
+#define GEMV_TC_HOST 1
+inline int min(int a, int b) { return a < b ? a : b; }
+inline unsigned emu_h(double v) {  // round to the nearest f16 (even on ties), as cvt.rn / .rn f16x2 do
+    _Float16 h = (_Float16)v;
+    unsigned short b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+inline double emu_f(unsigned bits) {
+    unsigned short b = (unsigned short)bits;
+    _Float16 h;
+    std::memcpy(&h, &b, 2);
+    return (double)h;
+}
+inline unsigned emu_h2(double lo, double hi) { return emu_h(lo) | (emu_h(hi) << 16); }
+inline unsigned sub_f16x2(unsigned a, unsigned b) {
+    return emu_h2(emu_f(a) - emu_f(b), emu_f(a >> 16) - emu_f(b >> 16));
+}
+inline unsigned fma_f16x2(unsigned a, unsigned b, unsigned c) {
+    return emu_h2(emu_f(a) * emu_f(b) + emu_f(c), emu_f(a >> 16) * emu_f(b >> 16) + emu_f(c >> 16));
+}
+inline unsigned pack_f16x2(float lo, float hi) { return emu_h2(lo, hi); }
+inline float f16_lo(unsigned h2) { return (float)emu_f(h2); }
+inline float f16_hi(unsigned h2) { return (float)emu_f(h2 >> 16); }
+inline float __shfl_sync(unsigned, float v, int src) {  // v of lane src, as the shim's xor shuffle meets
+    float* posted = emu_posted.data() + (emu_shuffles++ % 2) * blockDim.x;
+    posted[threadIdx.x] = v;
+    emu_warps[threadIdx.x / 32]->arrive_and_wait();
+    return posted[(threadIdx.x & ~31u) + (unsigned)src];
+}
+// mma.sync.m16n8k16.row.col.f32.f16.f16.f32, from the PTX ISA's fragment layouts (g = lane / 4, t = lane % 4):
+// A a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); B b0 (k 2t..2t+1, n g), b1 (k 2t+8..);
+// C/D c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1); the lower half of a register is the lower index.
+struct EmuFrag { unsigned a[4], b[2]; };
+inline EmuFrag emu_frags[2][1024];
+inline thread_local unsigned emu_mmas = 0;
+inline void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    EmuFrag* post = emu_frags[emu_mmas++ % 2];
+    post[threadIdx.x] = EmuFrag{{a[0], a[1], a[2], a[3]}, {b0, b1}};
+    emu_warps[threadIdx.x / 32]->arrive_and_wait();
+    const unsigned base = threadIdx.x & ~31u, lane = threadIdx.x & 31u, g = lane / 4, t = lane % 4;
+    auto A = [&](int r, int k) {
+        unsigned reg = post[base + 4 * (r % 8) + (k % 8) / 2].a[(r >= 8) + 2 * (k >= 8)];
+        return emu_f(k % 2 ? reg >> 16 : reg);
+    };
+    auto B = [&](int k, int n) {
+        unsigned reg = post[base + 4 * n + (k % 8) / 2].b[k >= 8];
+        return emu_f(k % 2 ? reg >> 16 : reg);
+    };
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+        double dot = 0.0;  // products of halves and their sum over 16 are exact in double
+        for (int k = 0; k < 16; ++k) dot += A(r, k) * B(k, n);
+        c[i] = (float)((double)c[i] + dot);
+    }
+}
+"""
+HOST_LAUNCHERS = r"""
+extern "C" void emu_repack(unsigned grid, unsigned threads, const u8* W, long long rb, unsigned* C, unsigned* S,
+                           int n_out, int n_in, int n_groups) {
+    emu_launch(grid, 1, threads, [=] { repack_q4_0_tc(W, rb, C, S, n_out, n_in, n_groups); });
+}
+typedef void (*emu_tc_t)(const u32x4*, const unsigned*, const float*, float*, int, int, int);
+extern "C" void emu_gemv_tc(emu_tc_t kernel, unsigned grid, unsigned threads, const u32x4* C, const unsigned* S,
+                            const float* X, float* Y, int n_out, int n_in, int n_groups) {
+    emu_launch(grid, 1, threads, [=] { kernel(C, S, X, Y, n_out, n_in, n_groups); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def tc_host(tmp_path_factory):
+    """run(cfg, raw, x, n_out) -> (y, codes, scales): repack_q4_0_tc and gemv_tc_q4_0_<cfg> built for the host."""
+    from graphir.backends.gpu.gemv_tc import GEOMETRIES, GROUP, REPACK_THREADS
+
+    lib = host_emulation.build(tmp_path_factory.mktemp("gemv_tc_emu"), "gemv_tc.cu", HOST_LAUNCHERS,
+                               prelude=HOST_HELPERS)
+
+    def run(cfg: str, raw: np.ndarray, x: np.ndarray, n_out: int):
+        n_in = x.shape[-1]
+        tiles, groups = -(-n_out // 16), -(-n_in // GROUP)
+        codes = np.full((tiles, groups, 32, 8), 0xDEADBEEF, np.uint32)
+        scales = np.full((tiles, groups, 32), 0xDEADBEEF, np.uint32)
+        wb = np.ascontiguousarray(raw.view(np.uint8).reshape(n_out, -1))
+        ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+        lib.emu_repack(ctypes.c_uint(-(-tiles * groups * 32 // REPACK_THREADS)), ctypes.c_uint(REPACK_THREADS),
+                       ptr(wb), ctypes.c_longlong(wb.shape[1]), ptr(codes), ptr(scales), ctypes.c_int(n_out),
+                       ctypes.c_int(n_in), ctypes.c_int(groups))
+        t, w = GEOMETRIES[cfg]
+        xs = np.ascontiguousarray(x.reshape(-1), np.float32)
+        y = np.full(n_out + 8, np.nan, np.float32)
+        y[n_out:] = -7.25  # a write past the rows changes one
+        ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+        kernel = ctypes.cast(getattr(lib, f"gemv_tc_q4_0_{cfg}"), ctypes.c_void_p)
+        lib.emu_gemv_tc(kernel, ctypes.c_uint(-(-tiles // t)), ctypes.c_uint(32 * w), ptr(codes), ptr(scales),
+                        ptr(xs), ptr(y), ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(groups))
+        assert (y[n_out:] == -7.25).all(), f"gemv_tc_q4_0_{cfg} wrote past its {n_out} rows"
+        return y[None, :n_out], codes, scales
+
+    return run
+
+
+HOST_CASES = [("t1w8", (1, 32)), ("t1w4", (17, 160)), ("t2w4", (33, 384)), ("t2w16", (40, 1056)), ("t4w4", (70, 128)),
+              ("t1w16", (16, 4128))]
+
+
+@pytest.mark.parametrize("cfg,shape", HOST_CASES, ids=[f"{c}-{r}x{k}" for c, (r, k) in HOST_CASES])
+def test_tc_kernels_on_the_host(cfg, shape, tc_host, rng):
+    """Repacking and every part of the GEMV but the tensor core, against the f64 product (x blocks from 1e-30 to
+    1e6), and the repacked codes read back as test_repacked_layout_holds_the_ggml_codes_and_scales reads them."""
+    raw = random_quantized(rng, "q4_0", shape)
+    x = _x(rng, shape[1])
+    y, codes, scales = tc_host(cfg, raw, x, shape[0])
+    _check_product(y, x, dequantize(raw, "q4_0", shape))
+    _check_layout(codes, scales, raw, shape)
+
+
+def test_tc_kernel_on_the_host_keeps_f32_accuracy(tc_host, rng):
+    """test_tc_gemv_keeps_f32_accuracy's bound on the host build (no low f16 half misses it several times)."""
+    shape = (33, 4096)
+    raw = random_quantized(rng, "q4_0", shape)
+    x = rng.standard_normal((1, 4096)).astype(np.float32)
+    y, _, _ = tc_host("t1w8", raw, x, shape[0])
+    wd, xd = dequantize(raw, "q4_0", shape).astype(np.float64), x[0].astype(np.float64)
+    err, bound = np.abs(y[0] - wd @ xd), 4e-6 * (np.abs(wd) @ np.abs(xd))
+    assert (err <= bound).all(), f"{(err / bound).max():.2f}x the bound"

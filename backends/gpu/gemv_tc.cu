@@ -32,7 +32,8 @@
 // sums of rows g and g+8, and scales them by that block's d. The warps of a block split the groups (split-K)
 // and add their rows through shared memory.
 //
-// HIP and GPUs before sm_80: the file compiles to nothing and gemv_tc.py keeps the f32 kernel.
+// HIP and GPUs before sm_80: the file compiles to nothing and gemv_tc.py keeps the f32 kernel. The tests also build
+// it for the host (tests/_host_emulation.py), with the PTX helpers replaced by an emulation of their warp semantics.
 #include "common.cuh"
 
 #ifndef GEMV_TC_PREFETCH
@@ -43,8 +44,9 @@
 #endif
 
 
-#if !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-
+#if !defined(__HIPCC__) && ((defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800) || defined(GEMV_TC_HOST))
+// GEMV_TC_HOST: the host build of tests/test_gpu_gemv_tc.py, which defines these six helpers itself.
+#ifndef GEMV_TC_HOST
 DEVICE void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
@@ -81,6 +83,7 @@ DEVICE float f16_hi(unsigned h2) {
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "r"(h2));
     return f;
 }
+#endif  // GEMV_TC_HOST
 
 // Code word -> the four A registers, each an f16 pair of exact values q - 8 (layout above).
 DEVICE void codes_f16(unsigned w, unsigned (&a)[4]) {
@@ -285,4 +288,4 @@ extern "C" __global__ void repack_q4_0_tc(const u8* __restrict__ W, long long ro
     S[id] = q4_0_scale(W, row_bytes, r0, blk, n_out, nb) | (q4_0_scale(W, row_bytes, r1, blk, n_out, nb) << 16);
 }
 
-#endif  // CUDA sm_80+
+#endif  // CUDA sm_80+ (or the host build)
