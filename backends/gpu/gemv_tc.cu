@@ -3,9 +3,12 @@
 // Why: the f32 kernel (matmul.cu gemv1v3_q4_0) spends ~3 instructions a 4-bit weight (mask, bias, multiply-add)
 // plus shared-memory staging of 18-byte blocks, and on an H200 that arithmetic, not DRAM, sets its speed: the
 // Qwen3-8B q4_0 step's GEMVs took ~1,925 us where their loads alone took ~1,170 (BENCHMARKS.md, seventeenth
-// session). Here a weight costs ~1.1 instructions: a 32-bit word of 8 codes becomes four f16 pairs with a
-// mask-or (the code as the low mantissa bits of 1024) and one f16x2 subtract or multiply-add that leaves the
-// exact value q - 8; mma.sync m16n8k16 multiplies 16 rows x 16 of them by x and sums in f32.
+// session). Here a weight's codes cost ~1.1 instructions (~2 with x's conversion, the B operands' selects and the
+// per-block scales): a 32-bit word of 8 codes becomes four f16 pairs with a mask-or (the code as the low mantissa
+// bits of 1024) and one f16x2 subtract or multiply-add that leaves the exact value q - 8; mma.sync m16n8k16
+// multiplies 16 rows x 16 of them by x and sums in f32. Measured (H200, 2026-12-03, BENCHMARKS.md nineteenth
+// session): these GEMVs 15-40 % faster than the f32 kernel at Qwen3-8B's shapes, its captured q4_0 step 3.5 %
+// (2,629 -> 2,539 us): with the arithmetic this low, bytes in flight and per-kernel fixed costs hold it.
 //
 // x keeps f32 accuracy: each x block of 32 is scaled by a power of two (its largest |x| lands in [2^14, 2^15),
 // so no f16 overflow or subnormal), then split into hi = f16(x) and lo = f16(x - hi); the mma's column 2j
