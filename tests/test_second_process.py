@@ -237,18 +237,30 @@ def test_gc_paused_collects_nothing_inside_and_leaves_nothing_frozen() -> None:
 
 
 def test_gc_paused_keeps_a_callers_frozen_objects_frozen_and_a_disabled_collector_off() -> None:
+    """Checked by what a collection frees, not by gc.get_freeze_count(): frozen objects still die by reference
+    count, so another thread (the cpu backend's load monitor) can lower that count during the block."""
     import gc
+    import weakref
 
     from graphir.gc_pause import gc_paused
 
+    dead: list[str] = []
+    before = _Cycle()
+    weakref.finalize(before, dead.append, "frozen by the caller")
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        del before  # garbage, but frozen: no collection looks at it while it stays frozen
         with gc_paused():
-            _Cycle()
-        assert gc.get_freeze_count() == frozen and gc.isenabled()
+            inside = _Cycle()
+            weakref.finalize(inside, dead.append, "made inside")
+        assert gc.isenabled()
+        del inside
+        gc.collect()
+        assert dead == ["made inside"]  # the caller's cycle is still frozen; the block's objects were not frozen
     finally:
         gc.unfreeze()
+    gc.collect()
+    assert sorted(dead) == ["frozen by the caller", "made inside"]
     gc.disable()
     try:
         with gc_paused():
