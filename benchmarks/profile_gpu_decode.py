@@ -139,14 +139,15 @@ def sweep_gemv1(model, settings, spec: str, n: int) -> None:
     from graphir.backends.gpu import gemv_tc, matmul
 
     fmt, _, values = spec.partition("=")
-    shipped = (matmul.GEMV1_KERNEL[fmt], gemv_tc.GEOMETRY)
+    shipped_geometry = gemv_tc.GEOMETRY
 
-    def set_value(v) -> None:
-        kernel, _, cfg = (v if isinstance(v, str) else "@".join(v)).partition("@")
+    def set_value(v: str) -> None:
+        kernel, _, cfg = v.partition("@")
         matmul.GEMV1_KERNEL[fmt] = kernel
-        gemv_tc.GEOMETRY = cfg or shipped[1]
+        gemv_tc.GEOMETRY = cfg or shipped_geometry
 
-    sweep(model, settings, f"GEMV1_KERNEL[{fmt}]", set_value, values.split("+"), shipped, n)
+    sweep(model, settings, f"GEMV1_KERNEL[{fmt}]", set_value, values.split("+"),
+          f"{matmul.GEMV1_KERNEL[fmt]}@{shipped_geometry}", n)
 
 
 def sweep(model, settings, label: str, set_value, values: list, shipped, n: int) -> None:

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from .device import cupy, tensor_cores
-from .launch import GpuParam, Launch, Lowering, cdiv, i32
-from .layout import copy_launch
+from .launch import GpuParam, Launch, cdiv, i32
 
 # cfg -> (row tiles of 16 a block, warps a block splitting the column groups), as FOR_EACH_GEMV_TC in gemv_tc.cu
 GEOMETRIES = {"t1w4": (1, 4), "t1w8": (1, 8), "t1w16": (1, 16), "t2w4": (2, 4), "t2w8": (2, 8), "t2w16": (2, 16),
@@ -62,17 +61,11 @@ def geometry_for(n_out: int, geometry: str | None = None) -> str:
     return cfg
 
 
-def steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
-    """The launch of y2[0] = w @ x2[0] (x2: [1, n_in] f32), x staged to an aligned buffer where it is not."""
+def steps(w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
+    """The launch of y2[0] = w @ x2[0] (x2: [1, n_in] f32, 16-byte aligned: matmul._gemv_steps stages it)."""
     n_out, n_in = w.shape
     codes, scales = w.derived("q4_0_tc", repack)
     cfg = geometry_for(n_out, geometry)
     tiles, warps = GEOMETRIES[cfg]
-    out: list = []
-    if x2.data.ptr % 16:  # x is read with 16-byte loads
-        buf = lw.scratch(x2.shape)
-        out.append(copy_launch(x2, buf, what="aligned x"))
-        x2 = buf
-    out.append(Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles), 32 * warps,
-                      (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)))))
-    return out
+    return [Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles), 32 * warps,
+                   (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in))))]

@@ -98,10 +98,7 @@ class GpuParam:
     def f32(self) -> Any:
         if self.dtype == "f32":
             return self.raw
-        key = ("gpu", "f32") + self.ref.key
-        if key not in self._cache:
-            self._cache[key] = cupy().asarray(self.ref.f32())  # the host copy the cpu backend also uses
-        return self._cache[key]
+        return self.derived("f32", lambda p: cupy().asarray(p.ref.f32()))  # the host copy the cpu backend also uses
 
     def derived(self, name: str, make: Any) -> Any:
         """`make(self)`'s value (e.g. the weight repacked for one kernel), made once per weight store."""

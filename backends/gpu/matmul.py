@@ -182,7 +182,7 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
     if m == 1 and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available():
-        return steps + gemv_tc.steps(lw, w, x2, y2)
+        return steps + gemv_tc.steps(w, x2, y2)
     name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
