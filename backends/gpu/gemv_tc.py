@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kernels
 from .device import cupy, tensor_cores
 from .launch import GpuParam, Launch, cdiv, i32
 
@@ -41,8 +42,6 @@ def n_groups(n_in: int) -> int:
 def repack(w: GpuParam) -> tuple[Any, Any]:
     """(codes, scales) of a 2-D q4_0 weight in gemv_tc.cu's tile layout: uint32 [tiles, groups, 32, 8] and
     [tiles, groups, 32]."""
-    from . import kernels
-
     cp = cupy()
     n_out, n_in = w.shape
     tiles, groups = cdiv(n_out, 16), n_groups(n_in)
