@@ -57,7 +57,7 @@ BUGS = [
      "            if (hr >= hb) {", "            if (hr > hb) {",
      "tests/test_gpu_rope.py", "rows_per_group"),
     ("attn_combine drops the last partial split", "attention.cu",
-     "const int na = cdiv_i(L, chunk);", "const int na = L / chunk;",
+     "const int na = cdiv_i(Ls, chunk);", "const int na = Ls / chunk;",
      "tests/test_gpu_attention.py", "decode"),
     ("the 16-byte bf16 cast drops the n % 4 tail", "matmul.cu",
      "if (first < n - 4 * n4) y[4 * n4 + first] = f32_to_bf16(x[4 * n4 + first]);",
@@ -96,6 +96,14 @@ BUGS = [
     ("attn_combine adds the rows it loads before the maxima one split group late", "attention.cu",
      "const int sp = sg + CSG * i;", "const int sp = sg + CSG * (i + 1);",
      "tests/test_gpu_attention.py", "decode"),
+    ("decode attention cuts a verify call's queries by the call's kv_len, not their own positions", "attention.cu",
+     "DEVICE int split_len(int p, int L) { return p >= 0 && p < L ? p + 1 : L; }",
+     "DEVICE int split_len(int p, int L) { return L; }",
+     "tests/test_speculative.py", "gpu_verify_rows"),
+    ("the 2..16-token float GEMV adds a unit's two runs one after the other, not their sum", "matmul.cu",
+     "for (int r = 0; r < NR; ++r) dot8<true>(a, c, v[i][r], 1.0f, 1.0f, acc[r * M + t]);",
+     "for (int r = 0; r < NR; ++r) dot8<false>(a, c, v[i][r], 1.0f, 1.0f, acc[r * M + t]);",
+     "tests/test_speculative.py", "gpu_verify_rows or gpu_greedy"),
 ]
 
 

@@ -521,12 +521,12 @@ def test_gemvm_configs_mirror_the_kernel_source():
 
 
 def test_gemvm_kernel_choice(monkeypatch):
-    """GEMVM_KERNEL names one geometry for every 2..16-token call; "auto" takes GEMVM_AUTO's first geometry
-    with enough blocks."""
+    """GEMVM_KERNEL "exact" (the default) pairs each call with the decode geometry; a name takes one geometry for
+    every 2..16-token call; "auto" takes GEMVM_AUTO's first geometry with enough blocks."""
     from graphir.backends.gpu import matmul as mm
 
-    assert mm.gemv_kernel("bf16", 4096, 1024, 16, 0) == (f"gemvm16_bf16_{mm.GEMVM_KERNEL}",
-                                                         *mm.GEMVM_CONFIGS[mm.GEMVM_KERNEL])
+    assert mm.gemv_kernel("bf16", 4096, 1024, 16, 0) == ("gemvm16_bf16_j32w2r4", 64, 4)  # decode: g64r2
+    assert mm.gemv_kernel("bf16", 1024, 1024, 2, 0) == ("gemvm2_bf16_j32w4r4", 128, 4)  # decode: g128r1
     monkeypatch.setattr(mm, "GEMVM_KERNEL", "j32w4r4")
     assert mm.gemv_kernel("f32", 7, 1000, 3, 0) == ("gemvm4_f32_j32w4r4", 128, 4)
     monkeypatch.setattr(mm, "GEMVM_KERNEL", "auto")
@@ -559,15 +559,18 @@ def gemvm_host(tmp_path_factory):
     """The host build of matmul.cu: (shared library, run(kernel, cfg, fmt, raw, x, n_out, fused) -> y)."""
     import ctypes
 
-    from graphir.backends.gpu.matmul import GEMVM_CONFIGS
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_SW, GEMVM_CONFIGS
 
     lib = host_emulation.build(tmp_path_factory.mktemp("gemvm_emu"), "matmul.cu", GEMVM_LAUNCHER,
                                ("-ffp-contract=off",))
 
     def run(kernel: str, raw: np.ndarray, x: np.ndarray, n_out: int, fused: bool = False) -> np.ndarray:
         cfg = kernel.rsplit("_", 1)[1]
-        threads, rows = GEMVM_CONFIGS[cfg]
-        rows = rows // 2 if fused else rows
+        if kernel.startswith("gemv1"):  # the decode step's gemv1v2_ / gemv1sw_ (fused: outputs a block)
+            threads, rows = (GEMV1_SW if fused else GEMV1_CONFIGS)[cfg]
+        else:
+            threads, rows = GEMVM_CONFIGS[cfg]
+            rows = rows // 2 if fused else rows
         m, n_in = x.shape
         wb = raw.view(np.uint8).reshape(raw.shape[0], -1)
         w_buf = np.full(wb.size + 2 * EMU_GUARD, 0xFF, np.uint8)  # NaN in every float format
@@ -616,6 +619,53 @@ def test_gemvm_sets_on_the_host(fmt, m, shape, gemvm_host):
         if cfg == "j32w4r4":
             np.testing.assert_array_equal(plain, gemvm_host(f"gemvm{bucket}_{fmt}_g128r2", raw, x, 2 * n_out))
             np.testing.assert_array_equal(fused, gemvm_host(f"gemvmsw{bucket}_{fmt}_g128r2", raw, x, n_out, True))
+
+
+# (fmt, decode geometry, m, (rows, n_in)): every float geometry a decode GEMV takes (g128r1; g64r2 and g32r2 for
+# many short rows, matmul.short_float_rows), partial blocks, 1 to 129 units a row
+EXACT_CASES = [("bf16", "g128r1", 3, (7, 1000)), ("f32", "g128r1", 16, (33, 1032)), ("f16", "g128r1", 9, (5, 1160)),
+               ("f32", "g64r2", 5, (9, 576)), ("bf16", "g64r2", 16, (3, 1024)), ("f32", "g32r2", 2, (13, 64)),
+               ("bf16", "g32r2", 11, (6, 8))]
+
+
+@pytest.mark.parametrize("fmt,cfg,m,shape", EXACT_CASES,
+                         ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in EXACT_CASES])
+def test_verify_gemv_rows_are_the_decode_gemv_on_the_host(fmt, cfg, m, shape, gemvm_host):
+    """The 2..16-token GEMV that GEMVM_KERNEL "exact" pairs with a decode geometry gives each token's row bit for
+    bit what the decode step's GEMV gives for that token alone, plain and fused with swiglu: a verify call's
+    rows are decode steps (tests/test_speculative.py runs whole models on the GPU)."""
+    rng = np.random.default_rng(shape[0] + m)
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, (2 * n_out, n_in))  # gate rows, then up rows, for the fused kernels
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    pair = f"j32w{int(cfg[1:].split('r')[0]) // 32}r4"
+    bucket = 1 << (m - 1).bit_length()
+    rows = gemvm_host(f"gemvm{bucket}_{fmt}_{pair}", raw[:n_out], x, n_out)
+    fused = gemvm_host(f"gemvmsw{bucket}_{fmt}_{pair}", raw, x, n_out, fused=True)
+    for t in range(m):
+        one = gemvm_host(f"gemv1v2_{fmt}_{cfg}", raw[:n_out], x[t:t + 1], n_out)[0]
+        np.testing.assert_array_equal(rows[t], one, err_msg=f"row {t}")
+        one = gemvm_host(f"gemv1sw_{fmt}_{cfg}", raw, x[t:t + 1], n_out, fused=True)[0]
+        np.testing.assert_array_equal(fused[t], one, err_msg=f"fused row {t}")
+
+
+@pytest.mark.parametrize("fmt,shape", [("f32", (960, 576)), ("f32", (3072, 576)), ("f32", (49152, 576)),
+                                       ("bf16", (151936, 1024)), ("bf16", (6144, 4096)), ("f16", (4096, 1024))])
+def test_verify_gemv_pairs_with_the_decode_geometry(fmt, shape, monkeypatch):
+    """GEMVM_KERNEL "exact" picks, for every 2..16-token call, the j32 geometry of the decode step's row split
+    (the pairs the host test above checks bit for bit), whatever geometry the decode step takes."""
+    from graphir.backends.gpu import matmul as mm
+
+    n_out, n_in = shape
+    assert mm.GEMVM_KERNEL == "exact"
+    one = mm.gemv_kernel(fmt, n_out, n_in, 1, 0)[0]
+    lanes = int(one.rsplit("_", 1)[1][1:].split("r")[0])
+    for m in (2, 3, 8, 16):
+        bucket = 1 << (m - 1).bit_length()
+        assert mm.gemv_kernel(fmt, n_out, n_in, m, 0)[:2] == (f"gemvm{bucket}_{fmt}_j32w{lanes // 32}r4", lanes)
+    monkeypatch.setattr(mm, "GEMV1_KERNEL", dict(mm.GEMV1_KERNEL, **{fmt: "g32r4"}))
+    if mm.short_float_rows(fmt, n_out, mm._row_bytes(fmt, n_in)) is None:
+        assert mm.gemv_kernel(fmt, n_out, n_in, 4, 0)[0] == f"gemvm4_{fmt}_j32w1r4"  # follows a retuned table
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q8_0", "q4_k", "q6_k", "f32"])

@@ -136,13 +136,56 @@ def check_speculative_equals_plain_up_to_near_ties(target: Model, drafter, k: in
         assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
 
 
+# ---------------------------------------------------------------- the gpu: verify rows are decode steps
+# A verify call's products of a float weight take the 2..16-token GEMV paired with the decode step's geometry
+# (matmul.py GEMVM_KERNEL "exact": the same lanes sum the same units in the same arithmetic), and decode attention
+# cuts each query's keys into the splits of its own decode step (attention.cu split_len; n_split sized for one
+# query): so its rows are the decode steps' bit for bit. Quantized weights still take other kernels in a verify
+# call (gemv_<fmt> against the decode step's tuned ones): there tokens agree up to near-ties.
+GPU_FLOAT_TARGETS = [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"), ("random:gemma3-tiny", "f16")]
+
+
 @pytest.mark.gpu
 @gpu_only
-def test_gpu_greedy_speculative_equals_plain_greedy():
-    """On the GPU a verify call's rows go through other kernels than a decode step (a GEMV for m rows,
-    cuBLAS above 8, the prefill attention kernel above 4 queries), so logits may differ in the last
-    bits: the tokens must agree, or part at a near-tie of the plain path's logits."""
-    target = load("random:llama-tiny", "gpu")
+@pytest.mark.parametrize("spec,dtype", GPU_FLOAT_TARGETS, ids=lambda v: v[7:] if v.startswith("random:") else v)
+def test_gpu_verify_rows_are_decode_steps_bitwise(spec, dtype, monkeypatch):
+    """Every verify bucket, half full and full, after a short prompt and after 1150 keys: with few attention splits
+    (n_split <= 64) a split there holds more than MIN_CHUNK keys, and the verify call's keys 1151.. cross 1152, a
+    multiple of n_split, so the call's kv_len and each query's own length cut the keys into other splits (the
+    rule attention.cu split_len keeps). Bitwise the decode steps."""
+    from graphir.backends.gpu import attention
+
+    monkeypatch.setattr(attention, "TARGET_BLOCKS", 64)  # n_split: 64 // (kv heads x head chunks)
+    target = graphir.load(spec, backend="gpu", ctx=2048, dtype=dtype)
+    assert target.passes == "gpu"
+    tokens = prompt_of(16, seed=5)
+    for n in (20, 1150):
+        for b in sp.VERIFY_BUCKETS:
+            for m in sorted({b // 2 + 1, b}):
+                rows, steps = verify_rows_and_decode_steps(target, prompt_of(n), tokens[:m])
+                assert np.array_equal(rows, steps), \
+                    f"prompt {n}, bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("spec,dtype", GPU_FLOAT_TARGETS, ids=lambda v: v[7:] if v.startswith("random:") else v)
+def test_gpu_greedy_speculative_equals_plain_greedy(spec, dtype):
+    """On the gpu's own pipeline: draft lengths 1..8 over PROMPT_LENGTHS (prefill and verify bucket edges, the
+    context's end), a q8_0 copy and prompt lookup drafting: token for token, no near-tie allowance."""
+    target = graphir.load(spec, backend="gpu", ctx=CTX, dtype=dtype)
+    drafters = {"q8_0 copy": graphir.load(spec, backend="gpu", ctx=CTX, dtype="q8_0"),
+                "lookup": sp.PromptLookup(min_ngram=1)}
+    for name, drafter in drafters.items():
+        assert greedy_equals_plain(target, drafter, name) > 40
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_quantized_greedy_speculative_equals_plain_up_to_near_ties():
+    """A q4_0 target on the gpu: its verify GEMVs are not the decode step's kernels, so tokens agree with plain
+    greedy decoding or part at a near-tie of the plain path's logits."""
+    target = load("random:llama-tiny", "gpu", dtype="q4_0")
     for drafter, k in ((load("random:llama-tiny", "gpu", dtype="q8_0"), 5), ("lookup", 3), ("lookup", 8)):
         check_speculative_equals_plain_up_to_near_ties(target, drafter, k)
 
@@ -746,7 +789,8 @@ def test_a_recurrent_model_without_per_token_state_graphs_is_refused_clearly(mon
 @pytest.mark.gpu
 @gpu_only
 def test_gpu_recurrent_greedy_speculative_equals_plain_greedy():
-    """Qwen3.5 on the gpu: tokens agree with plain greedy decoding, or part at a near-tie (see the llama test)."""
+    """Qwen3.5 on the gpu: tokens agree with plain greedy decoding, or part at a near-tie (its verify graph keeps
+    per-token states through other kernels than the decode step's)."""
     target = load(RECURRENT, "gpu")
     for drafter, k in ((load(RECURRENT, "gpu", dtype="q8_0"), 5), ("lookup", 3), (load("random:llama-tiny", "gpu"), 8)):
         check_speculative_equals_plain_up_to_near_ties(target, drafter, k)

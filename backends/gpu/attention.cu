@@ -104,11 +104,16 @@ DEVICE void visible_range(int p, int L, int window, int& lo, int& hi) {
     lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;  // p >= 0, window > 0: no overflow
 }
 
-// Split s of n_split covers rows [s*chunk, min((s+1)*chunk, L)): chunk follows the actual kv_len
-// (never below min_chunk), so short contexts use few splits and long ones use them all.
-// attn_combine uses the same formula to know which splits wrote a partial.
-DEVICE int split_chunk(int L, int n_split, int min_chunk) {
-    int c = cdiv_i(L, n_split);
+// Split s of n_split covers rows [s*chunk, min((s+1)*chunk, Ls)): chunk follows the rows the query can
+// see, Ls = split_len(p, L) (never below min_chunk), so short contexts use few splits and long ones use
+// them all. attn_combine uses the same formula to know which splits wrote a partial. Ls is the query's own
+// end (p + 1), not the call's kv_len: a verify call's query at position p is then cut into the splits of
+// the decode step at p (whose kv_len is p + 1), and with the same n_split (attention.py) its partials and
+// their merge are that step's bit for bit.
+DEVICE int split_len(int p, int L) { return p >= 0 && p < L ? p + 1 : L; }
+
+DEVICE int split_chunk(int Ls, int n_split, int min_chunk) {
+    int c = cdiv_i(Ls, n_split);
     return c > min_chunk ? c : min_chunk;
 }
 
@@ -236,10 +241,10 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
         if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
     }
-    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int Ls = split_len(p, L), chunk = split_chunk(Ls, n_split, min_chunk);
     const int s0 = s * chunk;
-    if (s0 >= L) return;  // inactive split: attn_combine does not read it
-    const int s1 = s0 + chunk < L ? s0 + chunk : L;
+    if (s0 >= Ls) return;  // inactive split: attn_combine does not read it
+    const int s1 = s0 + chunk < Ls ? s0 + chunk : Ls;
 
     int lo, hi;
     visible_range(p, L, window, lo, hi);
@@ -350,10 +355,10 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
         if (s == 0 && blockIdx.y == 0 && qi == 0 && tid == 0) report_error(errflag, code, L);
         return;
     }
-    const int chunk = split_chunk(L, n_split, min_chunk);
+    const int Ls = split_len(p, L), chunk = split_chunk(Ls, n_split, min_chunk);
     const int s0 = s * chunk;
-    if (s0 >= L) return;  // inactive split: the combine does not read it
-    const int s1 = s0 + chunk < L ? s0 + chunk : L;
+    if (s0 >= Ls) return;  // inactive split: the combine does not read it
+    const int s1 = s0 + chunk < Ls ? s0 + chunk : Ls;
 
     int lo, hi;
     visible_range(p, L, window, lo, hi);
@@ -495,10 +500,10 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
 #endif
 extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
-             const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv, int cap, int n_split,
-             int min_chunk, int early) {
-    int L;
-    PDL_ENTRY_EARLY(early, L = kv_len[0]);
+             const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv,
+             int cap, int n_split, int min_chunk, int early) {
+    int L, p;
+    PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.y]));
     constexpr int NT = ATTN_COMBINE_THREADS, CW = 32, CSG = NT / CW;  // CW column vectors x CSG split groups
     __shared__ float w[ATTN_MAX_SPLITS];
     __shared__ float red[MAX_THREADS / WARP_SIZE];
@@ -524,8 +529,8 @@ attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
         for (int e = tid; e < dv; e += NT) o[e] = 0.0f;
         return;
     }
-    const int chunk = split_chunk(L, n_split, min_chunk);
-    const int na = cdiv_i(L, chunk);  // <= n_split
+    const int Ls = split_len(p, L), chunk = split_chunk(Ls, n_split, min_chunk);
+    const int na = cdiv_i(Ls, chunk);  // <= n_split
     float M = tid < na ? m0 : NEG_INF;
     for (int s = tid + NT; s < na; s += NT) M = fmaxf(M, part_m[base + s]);
     M = block_max(M, red);

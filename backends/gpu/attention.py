@@ -8,9 +8,11 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
 
 - decode (n_q <= DECODE_MAX_QUERIES): `attn_decode_<kv><suffix>` over a fixed grid of n_split
   splits per (query, kv head, head chunk), then `attn_combine`. A split's row count is
-  max(MIN_CHUNK, ceil(kv_len / n_split)), computed on the device, so the work follows the actual
-  context and splits past kv_len exit at once. n_split is sized so that every block of a full
-  context is resident at once (one wave: SMs x resident blocks of the decode kernel). The shape
+  max(MIN_CHUNK, ceil(Ls / n_split)), Ls the rows the query sees (its position + 1, at most kv_len),
+  computed on the device, so the work follows the actual context and splits past Ls exit at once.
+  n_split is sized so that every block of one query's full context is resident at once (one wave:
+  SMs x resident blocks of the decode kernel), the same for a verify call's queries, so that each
+  is its decode step bit for bit. The shape
   classes take R rows per row group per step, loads of the next step overlapping this step's math
   (R per KV dtype and GQA class: the table at the end of attention.cu); `_any` one row at a time.
   H200, 2026-11-30, `bench_gpu_attention.py --variants`, %copy at 1k/8k/32k: f16 7.3/41.5/58.5, f32 16.9/53.1/85.6
@@ -158,11 +160,14 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     if suffix == "_any":  # one head per block
         gb, n_gch = 1, group
     dname = f"attn_decode_{kv}{suffix}"
-    per_split = n_q * hk * n_gch
     target = TARGET_BLOCKS
     if target is None:
         target = resident_blocks(kernels.get(FILE, dname), DECODE_THREADS)
-    n_split = decode_splits(cap, per_split, target)
+    # Splits a query are sized for one query whatever n_q is, and each query's split length follows its own
+    # position (attention.cu split_len): a verify call's query is its decode step bit for bit, so greedy
+    # speculative decoding equals plain greedy decoding exactly. A 16-query call runs 16 of a decode step's
+    # waves at full context; before, its queries shared one wave (each split then 16 times longer).
+    n_split = decode_splits(cap, hk * n_gch, target)
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
@@ -172,7 +177,7 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
                (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
                 i32(window), i32(n_gch), lw.errflag, code, early)),
         Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
-               (part_m, part_l, part_acc, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK),
+               (part_m, part_l, part_acc, pos, kv_len, out, i32(hq), i32(dv), i32(cap), i32(n_split), i32(MIN_CHUNK),
                 early)),
     ]
 

@@ -27,21 +27,22 @@
 
 DEVICE F4 ldx(const float* p) { return *(const F4*)p; }
 
+DEVICE float dot4(const F4& a, const float* v) {
+    return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
+}
+
 // acc += x . v over two runs of 4 (a: run 0, c: run 1). FINAL: v are the weights; otherwise
-// integer codes whose run scales sl, sh multiply each run's dot once.
+// integer codes whose run scales sl, sh multiply each run's dot once. FINAL adds the two runs' dots,
+// each its own chain, as gemv1v2_impl does for float rows: every float GEMV below (gemv_, gemvm,
+// gemvm_sets) then sums a row's units in the decode kernel's arithmetic, so a verify call's row of a
+// float weight is the decode step's value bit for bit where the geometry splits the row alike
+// (matmul.py gemvm_cfg; tests/test_speculative.py).
 template <bool FINAL>
 DEVICE void dot8(const F4& a, const F4& c, const float* v, float sl, float sh, float& acc) {
     if (FINAL) {
-        float s = acc;
-        s = fmaf(a.a, v[0], s); s = fmaf(a.b, v[1], s); s = fmaf(a.c, v[2], s); s = fmaf(a.d, v[3], s);
-        s = fmaf(c.a, v[4], s); s = fmaf(c.b, v[5], s); s = fmaf(c.c, v[6], s); s = fmaf(c.d, v[7], s);
-        acc = s;
+        acc = acc + (dot4(a, v) + dot4(c, v + 4));
     } else {
-        float s0 = a.a * v[0];
-        s0 = fmaf(a.b, v[1], s0); s0 = fmaf(a.c, v[2], s0); s0 = fmaf(a.d, v[3], s0);
-        float s1 = c.a * v[4];
-        s1 = fmaf(c.b, v[5], s1); s1 = fmaf(c.c, v[6], s1); s1 = fmaf(c.d, v[7], s1);
-        acc = fmaf(sh, s1, fmaf(sl, s0, acc));
+        acc = fmaf(sh, dot4(c, v + 4), fmaf(sl, dot4(a, v), acc));
     }
 }
 
@@ -397,6 +398,8 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
 // twice the blocks for fewer rows; j4w8r4: 64 FMAs a lane per 16-byte x load (vocabulary-sized weights).
 #define FOR_EACH_GEMVM_SETS_CFG(X, name, F) \
     X(name, F, j32w4r4, 32, 4, 4, 64)      \
+    X(name, F, j32w2r4, 32, 2, 4, 64)      \
+    X(name, F, j32w1r4, 32, 1, 4, 64)      \
     X(name, F, j8w8r2, 8, 8, 2, 64)        \
     X(name, F, j4w8r2, 4, 8, 2, 64)        \
     X(name, F, j4w8r4, 4, 8, 4, 64)
@@ -414,12 +417,9 @@ FOR_EACH_FLOAT(DEFINE_GEMVM_SETS)
 //    one 16-byte header load for q4_k/q5_k.
 //  - AFFINE formats (value s*q + o) use x.(s*q + o) = s*(x.q) + o*sum(x) over each run of 4:
 //    the run's sum(x) is shared by the group's NR rows, which saves the per-value FMA.
-//  - float formats accumulate each word in two chains (shorter FMA dependency).
+//  - float formats accumulate each word in two chains (shorter FMA dependency): dot8, as the 2..16-token
+//    float GEMVs do.
 // Float rows that are not whole 8-value pieces take gemv1_<fmt> (matmul.py routes them).
-DEVICE float dot4(const F4& a, const float* v) {
-    return fmaf(a.d, v[3], fmaf(a.c, v[2], fmaf(a.b, v[1], a.a * v[0])));
-}
-
 // The decode step's add + rms_norm inside these GEMVs was built and measured slower (H200, 2026-12-02,
 // profile_gpu_decode.py, captured step): the add as the producing GEMV's epilogue (y = r + W x) cost nothing,
 // but each reading GEMV then computed the norm's sum of squares from the x it loads and multiplied x by the
@@ -492,8 +492,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
                     for (int r = 0; r < NR; ++r) {
                         float v[8], sl = 1.0f, sh = 1.0f;
                         F::decode(q[i][r], j, w, v, sl, sh, tab);
-                        const float d0 = dot4(a, v), d1 = dot4(c, v + 4);
-                        acc[r] = F::FINAL ? acc[r] + (d0 + d1) : fmaf(sh, d1, fmaf(sl, d0, acc[r]));
+                        dot8<F::FINAL>(a, c, v, sl, sh, acc[r]);  // the 2..16-token float GEMVs' arithmetic
                     }
                 }
             }

@@ -45,8 +45,8 @@ GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_
 #   j<J>w<WB>r<NR> (gemvm_sets_impl): sets of J lanes owning NR rows, 32 / J sets a warp (reading the same x
 #   pieces), WB warps a block, a row's units over the J * WB lanes; j32w4r4 is bitwise g128r2.
 GEMVM_MAX_TOKENS = 16
-GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j8w8r2": (256, 8), "j4w8r2": (256, 16),
-                 "j4w8r4": (256, 32)}
+GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j32w2r4": (64, 4), "j32w1r4": (32, 4),
+                 "j8w8r2": (256, 8), "j4w8r2": (256, 16), "j4w8r4": (256, 32)}
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
 # `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
 # 1,515 / 2,137, g32r4 1,525 / 1,944 / 2,894, g32r8 1,509 / 2,078 / 3,232 (gemv_bf16: 1,642 / 2,107 / - ); the two
@@ -56,8 +56,13 @@ GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j8
 # g128r2 1,227 / 745 / 549 / 453, j32w4r4 992 / 680 / 494 / 427 (auto 893, j8w8r2 912 at 16). j32w4r4 adds in
 # g128r2's order (bitwise the same results) and was faster at every shape but the small o / down rows; the
 # captured 16-token verify call of Qwen3-0.6B went 2,848 -> 2,174 us with it.
-# The cfg every 2..16-token call takes; "auto": gemvm_auto's pick per shape and bucket.
-GEMVM_KERNEL = "j32w4r4"
+# The cfg every 2..16-token call takes. "exact" (the default): j32w<G/32>r4 where the decode step's kernel
+# (gemv1v2_<fmt>_g<G>r<NR>) splits a row over G lanes: the same lanes take the same units, sum them with the
+# same dot8 and meet in sum32's butterfly and then in warp order, so each row of a verify call is the decode
+# step's value bit for bit and greedy speculative decoding equals plain greedy decoding exactly on float
+# weights (tests/test_speculative.py). "auto": gemvm_auto's pick per shape and bucket; a cfg name:
+# that geometry everywhere (benchmarks; rows then differ from the decode step's in the last bits).
+GEMVM_KERNEL = "exact"
 # "auto" (a guess from instruction counts; measured above: not better than j32w4r4 on Qwen3-0.6B, and not
 # g128r2's order): the first geometry of GEMVM_AUTO whose grid has at
 # least the blocks beside it. j4w8r4 (32-row blocks, 64 FMAs a lane per 16-byte x load) for vocabulary-sized
@@ -198,7 +203,11 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
             bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8 / gemvm16
-            cfg = GEMVM_KERNEL if GEMVM_KERNEL != "auto" else gemvm_auto(n_out, bucket)
+            cfg = GEMVM_KERNEL
+            if cfg == "exact":
+                cfg = gemvm_exact(fmt, n_out, n_in, w_ptr)
+            elif cfg == "auto":
+                cfg = gemvm_auto(n_out, bucket)
             return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
@@ -212,6 +221,15 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
         return f"gemv1v3_{fmt}_{cfg[2:]}", threads, rows
     threads, rows = GEMV1_CONFIGS[cfg]
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
+
+
+def gemvm_exact(fmt: str, n_out: int, n_in: int, w_ptr: int) -> str:
+    """The 2..16-token geometry whose rows are the decode step's GEMV rows bit for bit (GEMVM_KERNEL "exact")."""
+    name = gemv_kernel(fmt, n_out, n_in, 1, w_ptr)[0]
+    cfg = name.rsplit("_", 1)[1]
+    if not name.startswith("gemv1v2_") or cfg not in GEMV1_CONFIGS:
+        raise BackendError(f"mul_mat: no 2..16-token GEMV adds a row as the decode step's {name} does")
+    return f"j32w{int(cfg[1:].split('r')[0]) // 32}r4"
 
 
 def gemvm_auto(n_out: int, bucket: int) -> str:
