@@ -104,6 +104,12 @@ BUGS = [
      "for (int r = 0; r < NR; ++r) dot8<true>(a, c, v[i][r], 1.0f, 1.0f, acc[r * M + t]);",
      "for (int r = 0; r < NR; ++r) dot8<false>(a, c, v[i][r], 1.0f, 1.0f, acc[r * M + t]);",
      "tests/test_speculative.py", "gpu_verify_rows or gpu_greedy"),
+    ("a verify call's decode-GEMV blocks read token t's x n_out floats apart, not n_in", "common.cuh",
+     "X += (long long)((int)blockIdx.x - bx * m) * n_in;", "X += (long long)((int)blockIdx.x - bx * m) * n_out;",
+     "tests/test_gpu_matmul.py", "quantized_weights_are"),
+    ("the 2..16-token products of a quantized weight go back to gemv_<fmt> (the lowering)", "matmul.py",
+     'return (GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS', 'return (GEMVM_KERNEL == "never" and 1 < m',
+     "tests/test_speculative.py", "gpu_verify_rows and q4_0"),
 ]
 
 

@@ -77,7 +77,11 @@ def test_decode_gemv_geometry_follows_the_rows(fmt, shape, cfg):
     assert mm.gemv_kernel(fmt, n_out, n_in, 2, 0)[0] == f"gemvm2_{fmt}_{cfg_m}"  # two tokens: not the m == 1 rule
     assert mm.gemv_kernel(fmt, n_out, n_in, 5, 0)[0] == f"gemvm8_{fmt}_{cfg_m}"
     assert mm.gemv_kernel(fmt, n_out, n_in, 9, 0)[0] == f"gemvm16_{fmt}_{cfg_m}"
-    assert mm.gemv_kernel("q4_0", n_out, n_in, 9, 0)[0] == "gemv16_q4_0"  # quantized: the 16-token gemv
+    # quantized: the decode step's own kernel, a token a block (GEMVM_KERNEL "exact": matmul.decode_kernel_serves);
+    # where that is gemv1_<fmt> (rows not of whole 16-byte pieces), gemv16_<fmt>, which adds in its order
+    for q in ("q4_0", "q4_1"):
+        one = mm.gemv_kernel(q, n_out, n_in, 1, 0)[0]
+        assert mm.gemv_kernel(q, n_out, n_in, 9, 0)[0] == (f"gemv16_{q}" if one == f"gemv1_{q}" else one)
     assert mm.gemv_kernel(fmt, n_out, n_in - 4, 5, 0)[0] == f"gemv_{fmt}"  # rows not of whole 8-value units
     assert mm.gemv_kernel("q4_0", n_out, n_in, 1, 0) == mm.gemv_kernel("q4_0", 1, n_in, 1, 0)
 

@@ -272,17 +272,18 @@ extern "C" void emu_repack(unsigned grid, unsigned threads, const u8* W, long lo
                            int n_out, int n_in, int n_groups) {
     emu_launch(grid, 1, threads, [=] { repack_q4_0_tc(W, rb, C, S, n_out, n_in, n_groups); });
 }
-typedef void (*emu_tc_t)(const u32x4*, const unsigned*, const float*, float*, int, int, int);
+typedef void (*emu_tc_t)(const u32x4*, const unsigned*, const float*, float*, int, int, int, int);
 extern "C" void emu_gemv_tc(emu_tc_t kernel, unsigned grid, unsigned threads, const u32x4* C, const unsigned* S,
-                            const float* X, float* Y, int n_out, int n_in, int n_groups) {
-    emu_launch(grid, 1, threads, [=] { kernel(C, S, X, Y, n_out, n_in, n_groups); });
+                            const float* X, float* Y, int n_out, int n_in, int n_groups, int m) {
+    emu_launch(grid, 1, threads, [=] { kernel(C, S, X, Y, n_out, n_in, n_groups, m); });
 }
 """
 
 
 @pytest.fixture(scope="module")
 def tc_host(tmp_path_factory):
-    """run(cfg, raw, x, n_out) -> (y, codes, scales): repack_q4_0_tc and gemv_tc_q4_0_<cfg> built for the host."""
+    """run(cfg, raw, x, n_out) -> (y [m, n_out], codes, scales): repack_q4_0_tc and gemv_tc_q4_0_<cfg> built for
+    the host; x [n_in] or [m, n_in] (m tokens: m blocks a row block, common.cuh GEMV1_TOKEN_BLOCK)."""
     from graphir.backends.gpu.gemv_tc import GEOMETRIES, GROUP, REPACK_THREADS
 
     lib = host_emulation.build(tmp_path_factory.mktemp("gemv_tc_emu"), "gemv_tc.cu", HOST_LAUNCHERS,
@@ -299,15 +300,16 @@ def tc_host(tmp_path_factory):
                        ptr(wb), ctypes.c_longlong(wb.shape[1]), ptr(codes), ptr(scales), ctypes.c_int(n_out),
                        ctypes.c_int(n_in), ctypes.c_int(groups))
         t, w = GEOMETRIES[cfg]
+        m = x.size // n_in
         xs = np.ascontiguousarray(x.reshape(-1), np.float32)
-        y = np.full(n_out + 8, np.nan, np.float32)
-        y[n_out:] = -7.25  # a write past the rows changes one
+        y = np.full(m * n_out + 8, np.nan, np.float32)
+        y[m * n_out:] = -7.25  # a write past the rows changes one
         ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
         kernel = ctypes.cast(getattr(lib, f"gemv_tc_q4_0_{cfg}"), ctypes.c_void_p)
-        lib.emu_gemv_tc(kernel, ctypes.c_uint(-(-tiles // t)), ctypes.c_uint(32 * w), ptr(codes), ptr(scales),
-                        ptr(xs), ptr(y), ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(groups))
-        assert (y[n_out:] == -7.25).all(), f"gemv_tc_q4_0_{cfg} wrote past its {n_out} rows"
-        return y[None, :n_out], codes, scales
+        lib.emu_gemv_tc(kernel, ctypes.c_uint(-(-tiles // t) * m), ctypes.c_uint(32 * w), ptr(codes), ptr(scales),
+                        ptr(xs), ptr(y), ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(groups), ctypes.c_int(m))
+        assert (y[m * n_out:] == -7.25).all(), f"gemv_tc_q4_0_{cfg} wrote past its {m} x {n_out} outputs"
+        return y[:m * n_out].reshape(m, n_out), codes, scales
 
     return run
 
@@ -325,6 +327,17 @@ def test_tc_kernels_on_the_host(cfg, shape, tc_host, rng):
     y, codes, scales = tc_host(cfg, raw, x, shape[0])
     _check_product(y, x, dequantize(raw, "q4_0", shape))
     _check_layout(codes, scales, raw, shape)
+
+
+@pytest.mark.parametrize("cfg,m,shape", [("t1w8", 3, (17, 160)), ("t2w4", 2, (33, 384)), ("t4w4", 5, (70, 128))])
+def test_tc_kernel_takes_a_token_a_block_on_the_host(cfg, m, shape, tc_host, rng):
+    """m tokens on m times the blocks (a speculative verify call): each token's row is the 1-token call's bit for
+    bit (the same code and lanes run it), so a verify call's rows are decode steps."""
+    raw = random_quantized(rng, "q4_0", shape)
+    x = np.stack([_x(rng, shape[1]) for _ in range(m)])
+    y = tc_host(cfg, raw, x, shape[0])[0]
+    for t in range(m):
+        np.testing.assert_array_equal(y[t], tc_host(cfg, raw, x[t], shape[0])[0][0], err_msg=f"token {t}")
 
 
 def test_tc_kernel_on_the_host_keeps_f32_accuracy(tc_host, rng):

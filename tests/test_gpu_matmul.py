@@ -270,6 +270,43 @@ def test_gemv1_variants(fmt, cfg, shape, rng, monkeypatch):
     _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
 
 
+# (fmt, shape): every quantized decode kernel (tc for q4_0 where tensor cores are, gemv1v3 for q8_0 and q4_k,
+# gemv1v2 for the rest; 16-byte aligned rows) and the gemv1_ fallback (q4_0 rows of 36 bytes)
+VERIFY_QUANT = [("q4_0", (511, 512)), ("q4_0", (33, 64)), ("q8_0", (1025, 256)), ("q4_k", (7, 768)),
+                ("q4_1", (70, 384)), ("q5_0", (9, 512)), ("q5_k", (33, 512)), ("q6_k", (17, 256)),
+                ("iq4_xs", (5, 512))]
+
+
+@pytest.mark.parametrize("fmt,shape", VERIFY_QUANT, ids=[f"{f}-{s[0]}x{s[1]}" for f, s in VERIFY_QUANT])
+@on_gpu
+def test_verify_gemv_rows_of_quantized_weights_are_the_decode_gemv(fmt, shape, rng):
+    """A 2..16-token product of a quantized weight (GEMVM_KERNEL "exact") runs the decode step's kernel a token a
+    block: each row is the 1-token product bit for bit, plain and fused with swiglu, at every verify bucket."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, (2 * n_out, n_in))
+    gp, weights = _param(fmt, raw, (2 * n_out, n_in))
+    lw = Lowering(weights)
+    x = cp.asarray(rng.standard_normal((16, n_in)).astype(np.float32))
+
+    def run(lower, rows: slice, width: int) -> np.ndarray:
+        y = cp.full((rows.stop - rows.start, width), np.nan, np.float32)
+        for step in lower(lw, None, [gp, x[rows]], [y], {}):
+            step()
+        return y.get()
+
+    one = np.concatenate([run(mm.lower_mul_mat, slice(t, t + 1), 2 * n_out) for t in range(16)])
+    one_sw = np.concatenate([run(mm.lower_mul_mat_swiglu, slice(t, t + 1), n_out) for t in range(16)])
+    for m in (2, 3, 8, 16):
+        np.testing.assert_array_equal(run(mm.lower_mul_mat, slice(0, m), 2 * n_out), one[:m], err_msg=f"{m} tokens")
+        np.testing.assert_array_equal(run(mm.lower_mul_mat_swiglu, slice(0, m), n_out), one_sw[:m],
+                                      err_msg=f"{m} tokens, fused")
+    _check_product(one, x.get(), dequantize(raw, fmt, (2 * n_out, n_in)))
+
+
 # rows: one, fewer than any block's, partial last blocks of every geometry (511, 1025, 33); row units: 1, 125,
 # 17, 73 and 256 (none a multiple of every geometry's lanes a row; 256 takes j4w8r2 four batches a lane)
 GEMVM_SHAPES = [(1, 8), (7, 1000), (511, 136), (1025, 584), (33, 2048)]

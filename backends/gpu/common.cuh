@@ -179,6 +179,16 @@ DEVICE float block_max(float v, float* scratch) {
         PDL_WAIT();    \
     } while (0)
 #endif
+// GEMV1_TOKEN_BLOCK(): the decode GEMVs (m == 1 kernels: gemv1v2, gemv1sw, gemv1v3, gemv_tc) serve a verify
+// call of m tokens on a grid of m times their blocks: block b runs row block bx = b / m for token b % m, so
+// each token's rows are computed exactly as a decode step computes them (the same code, lanes and order:
+// greedy speculative decoding then equals plain decoding bit for bit), and the m blocks of a row block run
+// side by side, reading its weight rows from DRAM about once and from L2 m times. Needs the kernel's X, Y,
+// n_in, n_out and m in scope; declares bx.
+#define GEMV1_TOKEN_BLOCK()                                    \
+    const int bx = (int)blockIdx.x / m;                        \
+    X += (long long)((int)blockIdx.x - bx * m) * n_in;         \
+    Y += (long long)((int)blockIdx.x - bx * m) * n_out
 // PDL_ENTRY_EARLY(early, READ): PDL_ENTRY for a kernel whose first loads are of graph Inputs (kv_len,
 // positions: the host copies them into their buffers before the graph is launched, and no kernel writes
 // them). Where `early` is set (the lowering sets it only when every pointer READ loads from is an Input

@@ -193,10 +193,10 @@ DEVICE void multiply_group(const Loads<T>& L, float (&acc)[T][2], int lane) {
 // T row tiles (16 rows each) a block, W warps splitting the groups; Y[row] for rows of the block's tiles.
 template <int T, int W>
 DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict__ S, const float* __restrict__ X,
-                         float* __restrict__ Y, int n_out, int n_in, int n_groups) {
+                         float* __restrict__ Y, int n_out, int n_in, int n_groups, int bx) {
     __shared__ float part[W][T * 16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_tiles = (n_out + 15) / 16, tile0 = blockIdx.x * T, nb = n_in / 32;
+    const int n_tiles = (n_out + 15) / 16, tile0 = bx * T, nb = n_in / 32;
     float acc[T][2];
 #pragma unroll
     for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = 0.0f;
@@ -243,9 +243,10 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
 #define DEFINE_GEMV_TC(T, W)                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * W) gemv_tc_q4_0_t##T##w##W(                                 \
         const u32x4* __restrict__ C, const unsigned* __restrict__ S, const float* __restrict__ X,                 \
-        float* __restrict__ Y, int n_out, int n_in, int n_groups) {                                               \
+        float* __restrict__ Y, int n_out, int n_in, int n_groups, int m) {                                        \
         PDL_ENTRY();                                                                                              \
-        gemv_tc_q4_0<T, W>(C, S, X, Y, n_out, n_in, n_groups);                                                    \
+        GEMV1_TOKEN_BLOCK();                                                                                      \
+        gemv_tc_q4_0<T, W>(C, S, X, Y, n_out, n_in, n_groups, bx);                                                \
     }
 FOR_EACH_GEMV_TC(DEFINE_GEMV_TC)
 

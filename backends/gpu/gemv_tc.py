@@ -1,10 +1,11 @@
-"""The m == 1 GEMV of q4_0 weights on tensor cores (kernels in gemv_tc.cu; CUDA sm_80 and later).
+"""The decode GEMV of q4_0 weights on tensor cores (kernels in gemv_tc.cu; CUDA sm_80 and later).
 
 mul_mat lowers a 1-token product of a 2-D q4_0 Param here where GEMV1_KERNEL["q4_0"] is "tc" (matmul.py) and the
-device has tensor cores; elsewhere (HIP, older GPUs) the f32 kernel serves it. The weight is repacked once per
-weight store (`repack_q4_0_tc`, on the device) into 16-row tiles of mma fragments, kept beside the ggml copy
-that prefill and the other kernels read. x keeps f32 accuracy (split into two f16 halves per block of 32, see
-gemv_tc.cu), so the result is within the same 1e-5 of sum |x||w| as the f32 kernel's.
+device has tensor cores, and a 2..16-token one too (a speculative verify call: matmul.decode_kernel_serves);
+elsewhere (HIP, older GPUs) the f32 kernel serves it. The weight is repacked once per weight store
+(`repack_q4_0_tc`, on the device) into 16-row tiles of mma fragments, kept beside the ggml copy that prefill and
+the other kernels read. x keeps f32 accuracy (split into two f16 halves per block of 32, see gemv_tc.cu), so the
+result is within the same 1e-5 of sum |x||w| as the f32 kernel's.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ def geometry_for(n_out: int, geometry: str | None = None) -> str:
 
 
 def steps(w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
-    """The launch of y2[0] = w @ x2[0] (x2: [1, n_in] f32, 16-byte aligned: matmul._gemv_steps stages it)."""
+    """The launch of y2 = x2 @ w^T (x2: [m, n_in] f32, 16-byte aligned: matmul._gemv_steps stages it), a token
+    of m in each of m blocks per row block (common.cuh GEMV1_TOKEN_BLOCK): each row is the 1-token kernel's."""
     n_out, n_in = w.shape
+    m = x2.shape[0]
     codes, scales = w.derived("q4_0_tc", repack)
     cfg = geometry_for(n_out, geometry)
     tiles, warps = GEOMETRIES[cfg]
-    return [Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles), 32 * warps,
-                   (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in))))]
+    return [Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles) * m, 32 * warps,
+                   (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)), i32(m)))]

@@ -433,7 +433,7 @@ FOR_EACH_FLOAT(DEFINE_GEMVM_SETS)
 // swiglu_split_f32 (so the fused op equals the two unfused kernels bit for bit).
 template <class F, int T, int G, int NR, int UN, bool SW = false>
 DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                         float* __restrict__ Y, int n_out, int n_in) {
+                         float* __restrict__ Y, int n_out, int n_in, int bx) {
     static_assert(T % G == 0 && G % 32 == 0, "groups are whole 32-lane parts");
     static_assert(!SW || (T / G) % 2 == 0, "a swiglu block holds gate/up pairs of groups");
     constexpr int GP = SW ? T / G / 2 : T / G;  // groups of outputs per block
@@ -443,7 +443,7 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     const float* tab = init_table<F>(tab_smem);
     const int lane = threadIdx.x % G, grp = threadIdx.x / G;
     const bool up = SW && grp % 2 == 1;
-    const int row0 = (blockIdx.x * GP + (SW ? grp / 2 : grp)) * NR;
+    const int row0 = (bx * GP + (SW ? grp / 2 : grp)) * NR;
     if (!SW && G <= 32 && row0 >= n_out) return;  // otherwise every thread reaches the __syncthreads below
     const u8* wr[NR];
 #pragma unroll
@@ -550,7 +550,8 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in);                                    \
+        GEMV1_TOKEN_BLOCK();                                                                               \
+        gemv1v2_impl<F, T, G, NR, UN>(W, row_bytes, X, Y, n_out, n_in, bx);                                \
     }
 // gemv1sw_<fmt>_<cfg>: the same groups for mul_mat_swiglu, in gate/up pairs; a configuration of one
 // group a block runs two (2T threads). matmul.py GEMV1_SW mirrors (threads, outputs per block).
@@ -559,7 +560,8 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, X, Y, n_out, n_in);          \
+        GEMV1_TOKEN_BLOCK();                                                                               \
+        gemv1v2_impl<F, (T == G ? 2 * T : T), G, NR, UN, true>(W, row_bytes, X, Y, n_out, n_in, bx);      \
     }
 #define DEFINE_GEMV1V2(name, F) \
     FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1SW_CFG, name, F)
@@ -642,14 +644,14 @@ struct S4_0 {
 
 template <class S, int NR>
 DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                           float* __restrict__ Y, int n_out, int n_in) {
+                           float* __restrict__ Y, int n_out, int n_in, int bx) {
     constexpr int G = GEMV3_THREADS / 32;              // 32-lane groups per block
     constexpr int CB = 32;                             // blocks per chunk: one per lane
     typedef RowChunks<S::BB, NR, CB> Rows;             // 68 / 36 aligned 16-byte pieces per row
     __shared__ F4 xs[CB * 9];                          // 8 F4 of x per block + 1 pad (bank shift)
     __shared__ U4 ws[G][NR][Rows::PIECES];
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * G + grp) * NR;
+    const int row0 = (bx * G + grp) * NR;
     // The next chunk's weight pieces are loaded into registers while this chunk is decoded from shared
     // memory (GEMV3_PREFETCH=1), so a group keeps two chunks of its rows in flight instead of one: at
     // 4096 rows only ~4 blocks of 8 rows reach each SM, too few bytes in flight to cover DRAM latency.
@@ -709,14 +711,14 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
 
 template <int NR>
 DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                         float* __restrict__ Y, int n_out, int n_in) {
+                         float* __restrict__ Y, int n_out, int n_in, int bx) {
     constexpr int G = GEMV3_THREADS / 32;
     constexpr int SB = 8;          // super-blocks per chunk (4 lanes each)
     constexpr int CH = SB * 256;   // x values per chunk
     __shared__ F4 xs[CH / 4 + CH / 64];  // 1 F4 pad per 64 values: lanes 64 values apart hit distinct banks
     __shared__ float xsum[CH / 32];      // sum of x per 32-value sub-block
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * G + grp) * NR;
+    const int row0 = (bx * G + grp) * NR;
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
@@ -808,14 +810,15 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
 // Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
 #define FOR_EACH_GEMV1_V3(M) \
     M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
-#define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in)
-#define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in)
-#define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in)
+#define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in, bx)
+#define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in, bx)
+#define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in, bx)
 #define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
         PDL_ENTRY();                                                                                      \
+        GEMV1_TOKEN_BLOCK();                                                                              \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)

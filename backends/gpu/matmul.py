@@ -169,7 +169,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
                 buf = lw.scratch(x2.shape)
                 steps.append(copy_launch(x2, buf, what="aligned x"))
                 x2 = buf
-            return steps + [Launch("matmul.cu", fused, cdiv(half, rows), threads,
+            return steps + [Launch("matmul.cu", fused, cdiv(half, rows) * token_blocks(fused, m), threads,
                                    (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(m, half),
                                     i32(half), i32(w.shape[1]), i32(m)))]
     both = lw.scratch(y.shape[:-1] + (2 * half,))
@@ -186,10 +186,11 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         buf = lw.scratch((m, n_in))
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
-    if m == 1 and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available():
+    if (m == 1 or decode_kernel_serves(w.dtype, n_in, m)) and GEMV1_KERNEL.get(w.dtype) == "tc" \
+            and gemv_tc.available():
         return steps + gemv_tc.steps(w, x2, y2)
     name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
-    steps.append(Launch("matmul.cu", name, cdiv(n_out, rows), threads,
+    steps.append(Launch("matmul.cu", name, cdiv(n_out, rows) * token_blocks(name, m), threads,
                         (w.raw, np.int64(_row_bytes(w.dtype, n_in)), x2, y2, i32(n_out), i32(n_in), i32(m))))
     return steps
 
@@ -209,6 +210,10 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
             elif cfg == "auto":
                 cfg = gemvm_auto(n_out, bucket)
             return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
+        if decode_kernel_serves(fmt, n_in, m):
+            name, threads, rows = gemv_kernel(fmt, n_out, n_in, 1, w_ptr, variant)
+            if token_blocks(name, m) > 1:
+                return name, threads, rows
         return f"gemv_{fmt}" if m <= GEMV_SMALL_TOKENS else f"gemv16_{fmt}", GEMV_THREADS, GEMV_ROWS_PER_BLOCK
     cfg = variant or short_float_rows(fmt, n_out, _row_bytes(fmt, n_in)) or GEMV1_KERNEL.get(fmt, "gemv1")
     if cfg == "tc":  # gemv_tc.cu's kernel is not a matmul.cu one: callers asking for one get the f32 kernel
@@ -221,6 +226,20 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
         return f"gemv1v3_{fmt}_{cfg[2:]}", threads, rows
     threads, rows = GEMV1_CONFIGS[cfg]
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
+
+
+def decode_kernel_serves(fmt: str, n_in: int, m: int) -> bool:
+    """Whether an m-token call (2..16) of a weight in `fmt` runs the decode step's own kernel on m times its
+    blocks (common.cuh GEMV1_TOKEN_BLOCK): GEMVM_KERNEL "exact" for the quantized formats, whose 2..16-token
+    gemv_<fmt> adds in another order than their tuned decode kernels. (Float rows of whole 8-value pieces take
+    gemvm_exact's geometry; where the decode step takes gemv1_<fmt>, gemv_<fmt> is already its order.)"""
+    return (GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS
+            and not (fmt in FLOATS and n_in % 8 == 0))
+
+
+def token_blocks(name: str, m: int) -> int:
+    """Blocks a row block takes: m for the decode kernels (GEMV1_TOKEN_BLOCK: a token a block), else 1."""
+    return m if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv_tc_")) else 1
 
 
 def gemvm_exact(fmt: str, n_out: int, n_in: int, w_ptr: int) -> str:
