@@ -254,7 +254,6 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
     DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) \
     DEFINE_GEMVM_M(name, F, 8, cfg, G, NR) DEFINE_GEMVM_M(name, F, 16, cfg, G, NR)
 #define DEFINE_GEMVM(name, F)                   \
-    DEFINE_GEMVM_CFG(name, F, g32r4, 32, 4)     \
     DEFINE_GEMVM_CFG(name, F, g64r4, 64, 4)     \
     DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)
 FOR_EACH_FLOAT(DEFINE_GEMVM)

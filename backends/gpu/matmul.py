@@ -45,7 +45,7 @@ GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 2  # 32-lane groups per block x GEMV_
 #   j<J>w<WB>r<NR> (gemvm_sets_impl): sets of J lanes owning NR rows, 32 / J sets a warp (reading the same x
 #   pieces), WB warps a block, a row's units over the J * WB lanes; j32w4r4 is bitwise g128r2.
 GEMVM_MAX_TOKENS = 16
-GEMVM_CONFIGS = {"g32r4": (128, 16), "g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j32w2r4": (64, 4), "j32w1r4": (32, 4),
+GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j32w2r4": (64, 4), "j32w1r4": (32, 4),
                  "j8w8r2": (256, 8), "j4w8r2": (256, 16), "j4w8r4": (256, 32)}
 # Qwen3-0.6B bf16, captured greedy verify graph at 2 / 4 / 8 tokens (H200, 2026-12-01; the same as
 # `profile_gpu_decode.py random:qwen3-0.6b --verify B --gemvm CFG`): g128r2 1,119 / 1,369 / 1,908 us, g64r4 1,240 /
