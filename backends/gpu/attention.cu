@@ -46,7 +46,7 @@ struct alignas(8) vh4 {  // four f16 as raw bits: 8-byte loads, converted after 
 // f16 -> f32 with the hardware conversion (one instruction, exact for every f16 value incl.
 // subnormals, inf and nan): the integer version in common.cuh costs ~8 instructions per element,
 // and the decode loop converts 2*d elements per K/V row at full memory bandwidth.
-#if defined(__HIPCC__)
+#if defined(__HIPCC__) || !defined(__CUDA_ARCH__)  // HIP, and the host build of the tests (_host_emulation.py)
 DEVICE float h2f(unsigned int h) { return (float)__builtin_bit_cast(_Float16, (u16)h); }
 #else
 DEVICE float h2f(unsigned int h) {
