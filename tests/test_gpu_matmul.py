@@ -596,14 +596,16 @@ def gemvm_host(tmp_path_factory):
     """The host build of matmul.cu: (shared library, run(kernel, cfg, fmt, raw, x, n_out, fused) -> y)."""
     import ctypes
 
-    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_SW, GEMVM_CONFIGS
+    from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_SW, GEMV_ROWS_PER_BLOCK, GEMV_THREADS, GEMVM_CONFIGS
 
     lib = host_emulation.build(tmp_path_factory.mktemp("gemvm_emu"), "matmul.cu", GEMVM_LAUNCHER,
                                ("-ffp-contract=off",))
 
     def run(kernel: str, raw: np.ndarray, x: np.ndarray, n_out: int, fused: bool = False) -> np.ndarray:
         cfg = kernel.rsplit("_", 1)[1]
-        if kernel.startswith("gemv1"):  # the decode step's gemv1v2_ / gemv1sw_ (fused: outputs a block)
+        if kernel.startswith(("gemv_", "gemv16_", "gemv1_")):  # gemv_impl: 4 groups of 32 lanes, 2 rows each
+            threads, rows = GEMV_THREADS, GEMV_ROWS_PER_BLOCK
+        elif kernel.startswith("gemv1"):  # the decode step's gemv1v2_ / gemv1sw_ (fused: outputs a block)
             threads, rows = (GEMV1_SW if fused else GEMV1_CONFIGS)[cfg]
         else:
             threads, rows = GEMVM_CONFIGS[cfg]
@@ -684,6 +686,26 @@ def test_verify_gemv_rows_are_the_decode_gemv_on_the_host(fmt, cfg, m, shape, ge
         np.testing.assert_array_equal(rows[t], one, err_msg=f"row {t}")
         one = gemvm_host(f"gemv1sw_{fmt}_{cfg}", raw, x[t:t + 1], n_out, fused=True)[0]
         np.testing.assert_array_equal(fused[t], one, err_msg=f"fused row {t}")
+
+
+@pytest.mark.parametrize("fmt,m,shape", [("bf16", 3, (7, 1000)), ("f32", 16, (33, 1030)), ("q4_0", 9, (9, 64)),
+                                         ("q8_0", 2, (5, 96))])
+def test_verify_gemv_rows_are_gemv1_rows_on_the_host(fmt, m, shape, gemvm_host, monkeypatch):
+    """Where the decode step takes gemv1_<fmt> (rows not of whole 16-byte pieces, or GEMV1_KERNEL set to "gemv1"),
+    an m-token call takes gemv_<fmt> / gemv16_<fmt>: the same lanes and order, each row bit for bit gemv1_'s."""
+    from graphir.backends.gpu import matmul as mm
+
+    monkeypatch.setattr(mm, "GEMV1_KERNEL", dict(mm.GEMV1_KERNEL, **{fmt: "gemv1"}))
+    rng = np.random.default_rng(shape[0] + m)
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, shape)
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    many = mm.gemv_kernel(fmt, n_out, n_in, m, 0)[0]
+    assert many == (f"gemv_{fmt}" if m <= mm.GEMV_SMALL_TOKENS else f"gemv16_{fmt}")
+    rows = gemvm_host(many, raw, x, n_out)
+    for t in range(m):
+        one = gemvm_host(f"gemv1_{fmt}", raw, x[t:t + 1], n_out)[0]
+        np.testing.assert_array_equal(rows[t], one, err_msg=f"row {t}")
 
 
 @pytest.mark.parametrize("fmt,shape", [("f32", (960, 576)), ("f32", (3072, 576)), ("f32", (49152, 576)),

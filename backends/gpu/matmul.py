@@ -209,7 +209,8 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
                 cfg = gemvm_exact(fmt, n_out, n_in, w_ptr)
             elif cfg == "auto":
                 cfg = gemvm_auto(n_out, bucket)
-            return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
+            if cfg is not None:
+                return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
         if decode_kernel_serves(fmt, n_in, m):
             name, threads, rows = gemv_kernel(fmt, n_out, n_in, 1, w_ptr, variant)
             if token_blocks(name, m) > 1:
@@ -242,13 +243,14 @@ def token_blocks(name: str, m: int) -> int:
     return m if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv_tc_")) else 1
 
 
-def gemvm_exact(fmt: str, n_out: int, n_in: int, w_ptr: int) -> str:
-    """The 2..16-token geometry whose rows are the decode step's GEMV rows bit for bit (GEMVM_KERNEL "exact")."""
+def gemvm_exact(fmt: str, n_out: int, n_in: int, w_ptr: int) -> str | None:
+    """The 2..16-token geometry whose rows are the decode step's GEMV rows bit for bit (GEMVM_KERNEL "exact"), or
+    None where the decode step takes gemv1_<fmt> (GEMV1_KERNEL set so): gemv_<fmt> then adds in its order."""
     name = gemv_kernel(fmt, n_out, n_in, 1, w_ptr)[0]
     cfg = name.rsplit("_", 1)[1]
-    if not name.startswith("gemv1v2_") or cfg not in GEMV1_CONFIGS:
-        raise BackendError(f"mul_mat: no 2..16-token GEMV adds a row as the decode step's {name} does")
-    return f"j32w{int(cfg[1:].split('r')[0]) // 32}r4"
+    if not name.startswith("gemv1v2_"):
+        return None
+    return f"j32w{int(cfg[1:].split('r')[0]) // 32}r4"  # g<G>r<NR>: the same G lanes a row
 
 
 def gemvm_auto(n_out: int, bucket: int) -> str:
