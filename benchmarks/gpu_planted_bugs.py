@@ -108,7 +108,7 @@ BUGS = [
      "X += (long long)((int)blockIdx.x - bx * m) * n_in;", "X += (long long)((int)blockIdx.x - bx * m) * n_out;",
      "tests/test_gpu_matmul.py", "quantized_weights_are"),
     ("the 2..16-token products of a quantized weight go back to gemv_<fmt> (the lowering)", "matmul.py",
-     'return (GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS', 'return (GEMVM_KERNEL == "never" and 1 < m',
+     'return GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS', 'return GEMVM_KERNEL == "never" and 1 < m',
      "tests/test_speculative.py", "gpu_verify_rows and q4_0"),
 ]
 

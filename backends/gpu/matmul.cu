@@ -36,7 +36,7 @@ DEVICE float dot4(const F4& a, const float* v) {
 // each its own chain, as gemv1v2_impl does for float rows: every float GEMV below (gemv_, gemvm,
 // gemvm_sets) then sums a row's units in the decode kernel's arithmetic, so a verify call's row of a
 // float weight is the decode step's value bit for bit where the geometry splits the row alike
-// (matmul.py gemvm_cfg; tests/test_speculative.py).
+// (matmul.py gemvm_exact; tests/test_speculative.py).
 template <bool FINAL>
 DEVICE void dot8(const F4& a, const F4& c, const float* v, float sl, float sh, float& acc) {
     if (FINAL) {

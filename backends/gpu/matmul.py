@@ -186,8 +186,7 @@ def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
         buf = lw.scratch((m, n_in))
         steps.append(copy_launch(x2, buf, what="aligned x"))
         x2 = buf
-    if (m == 1 or decode_kernel_serves(w.dtype, n_in, m)) and GEMV1_KERNEL.get(w.dtype) == "tc" \
-            and gemv_tc.available():
+    if (m == 1 or decode_kernel_serves(m)) and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available():
         return steps + gemv_tc.steps(w, x2, y2)
     name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows) * token_blocks(name, m), threads,
@@ -211,7 +210,7 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
                 cfg = gemvm_auto(n_out, bucket)
             if cfg is not None:
                 return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
-        if decode_kernel_serves(fmt, n_in, m):
+        if decode_kernel_serves(m):
             name, threads, rows = gemv_kernel(fmt, n_out, n_in, 1, w_ptr, variant)
             if token_blocks(name, m) > 1:
                 return name, threads, rows
@@ -229,13 +228,13 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     return f"gemv1v2_{fmt}_{cfg}", threads, rows
 
 
-def decode_kernel_serves(fmt: str, n_in: int, m: int) -> bool:
-    """Whether an m-token call (2..16) of a weight in `fmt` runs the decode step's own kernel on m times its
-    blocks (common.cuh GEMV1_TOKEN_BLOCK): GEMVM_KERNEL "exact" for the quantized formats, whose 2..16-token
-    gemv_<fmt> adds in another order than their tuned decode kernels. (Float rows of whole 8-value pieces take
-    gemvm_exact's geometry; where the decode step takes gemv1_<fmt>, gemv_<fmt> is already its order.)"""
-    return (GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS
-            and not (fmt in FLOATS and n_in % 8 == 0))
+def decode_kernel_serves(m: int) -> bool:
+    """Whether an m-token call (2..16) runs the decode step's own kernel on m times its blocks (common.cuh
+    GEMV1_TOKEN_BLOCK) where that kernel takes them (token_blocks): GEMVM_KERNEL "exact", for the quantized
+    formats, whose 2..16-token gemv_<fmt> adds in another order than their tuned decode kernels. (gemv_kernel
+    gives float rows of whole 8-value pieces gemvm_exact's geometry first; where the decode step takes
+    gemv1_<fmt>, gemv_<fmt> is already its order.)"""
+    return GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS
 
 
 def token_blocks(name: str, m: int) -> int:
