@@ -33,6 +33,9 @@ def probe(graph: Graph, rows: int) -> Graph:
     counts = Counter(n.name for n in nodes if n.name)
     extra = {n.name: n for n in nodes if n.name and counts[n.name] == 1 and not n.is_leaf and n.types is None
              and n.shape and n.shape[0] == rows and n.name not in graph.outputs}
+    for n in nodes:  # the results of a named multi-output op (the delta rule's output, say), as "name[i]"
+        if n.op == "item" and n.src[0].name and n.shape and n.shape[0] == rows:
+            extra.setdefault(f"{n.src[0].name}[{n.params['index']}]", n)
     return Graph({**graph.outputs, **extra}, graph.updates, graph.meta)
 
 

@@ -232,6 +232,9 @@ def verify_rows_and_decode_steps(model: Model, prompt: list[int], tokens: list[i
     model.reset()
     model.feed(prompt)
     rows = sp.verify(model, tokens, greedy=False)
+    if sp.keeps_states(model):  # the verify call moved the recurrent states past its tokens
+        model.reset()
+        model.feed(prompt)
     steps = np.stack([model.feed([t])[0] for t in tokens])  # n_past was left at the prompt's end
     return rows, steps
 
@@ -246,6 +249,19 @@ def test_cpu_pipeline_verify_rows_are_decode_steps_bitwise(quantized):
             rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
             assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
     assert max(sp.VERIFY_BUCKETS) <= attention.DECODE_MAX_QUERIES  # every row on the decode kernel
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
+def test_cpu_pipeline_recurrent_verify_rows_are_decode_steps_bitwise(dtype):
+    """Qwen3.5 as well: its gated output norm reads z, a column slice of the stacked qkv|z|beta|alpha rows,
+    which for several tokens is no 2-D view; the kernel takes [tokens, heads, d] (it took the numpy
+    reference before, 7e-8 from the decode step at ssm_gated)."""
+    target = load_cpu(RECURRENT, dtype=dtype)
+    tokens = prompt_of(16, seed=5)
+    for b in sp.VERIFY_BUCKETS:
+        for m in sorted({b // 2 + 1, b}):
+            rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
+            assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
 
 
 def test_opt_in_q8_activations_up_to_the_largest_verify_call_is_bitwise_too():

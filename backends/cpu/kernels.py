@@ -43,12 +43,15 @@ def rms_norm_mul(x, w, eps, out):
 
 @njit(**JIT)
 def rms_norm_mul_gate(x, w, z, eps, out):
-    """out = rms_norm(x) * w * silu(z), w broadcast over rows (Qwen3.5's gated output norm)."""
-    for r in range(x.shape[0]):
-        inv = _inv_rms(x[r], eps)
-        for i in range(x.shape[1]):
-            g = z[r, i]
-            out[r, i] = x[r, i] * inv * w[i] * (g / (np.float32(1.0) + np.exp(-g)))
+    """out = rms_norm(x) * w * silu(z) over the last axis of [n, heads, d] (Qwen3.5's gated output norm, per
+    head), w broadcast. 3-D so that z, a column slice of a stacked projection, needs no copy at any n: a
+    verify call's rows then take this kernel, as a decode step's do."""
+    for t in range(x.shape[0]):
+        for r in range(x.shape[1]):
+            inv = _inv_rms(x[t, r], eps)
+            for i in range(x.shape[2]):
+                g = z[t, r, i]
+                out[t, r, i] = x[t, r, i] * inv * w[i] * (g / (np.float32(1.0) + np.exp(-g)))
 
 
 @njit(**JIT)

@@ -80,6 +80,15 @@ def rows2d(a: np.ndarray) -> np.ndarray | None:
         return None
 
 
+def rows3d(a: np.ndarray) -> np.ndarray | None:
+    """[..., h, d] -> [rows, h, d] without copying (leading axes of 1 added below 3-D), or None."""
+    shape = (1,) * (3 - a.ndim) + a.shape
+    try:
+        return a.reshape(-1, *shape[-2:], copy=False)
+    except ValueError:
+        return None
+
+
 def _rows_axis0(a: np.ndarray) -> np.ndarray | None:
     """[n, ...] -> [n, rest] without copying, or None."""
     try:
@@ -218,7 +227,7 @@ def _rms_norm(n, ins, out, p):
 
 
 def _rms_norm_mul_gate(n, ins, out, p):
-    x, w, z, o = rows2d(val(ins[0])), val(ins[1]), rows2d(val(ins[2])), rows2d(out[0])
+    x, w, z, o = rows3d(val(ins[0])), val(ins[1]), rows3d(val(ins[2])), rows3d(out[0])
     if x is None or z is None or w.ndim != 1:
         return None
     eps = np.float32(p["eps"])
