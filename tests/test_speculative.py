@@ -124,27 +124,18 @@ def test_eos_ends_speculative_generation_like_plain(models):
         target.eos_ids = set()
 
 
-def check_speculative_equals_plain_up_to_near_ties(target: Model, drafter, k: int) -> None:
-    """40 greedy tokens with `drafter` drafting k at a time equal plain greedy decoding's, or part from them
-    at a near-tie of the plain path's top two logits (within 1e-4 relative)."""
-    prompt = prompt_of(9 + k, seed=k)
-    plain = list(target.generate(prompt, 40, stop_at_eos=False))
-    got = list(sp.generate(target, drafter, prompt, 40, draft_len=k, stop_at_eos=False))
-    i = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
-    if i is not None:
-        top2 = np.sort(target.logits(prompt + plain[:i])[-1])[-2:]
-        assert top2[1] - top2[0] < 1e-4 * abs(top2[1]), f"drafter {drafter!r}, k={k}: parts at token {i}"
-
-
 # ---------------------------------------------------------------- the gpu: verify rows are decode steps
 # A verify call's products take the decode step's arithmetic (matmul.py GEMVM_KERNEL "exact"): a float weight the
 # 2..16-token GEMV paired with the decode step's geometry (the same lanes sum the same units alike), a quantized one
 # the decode step's own kernel a token a block (common.cuh GEMV1_TOKEN_BLOCK); decode attention cuts each query's
 # keys into the splits of its own decode step (attention.cu split_len; n_split sized for one query). So its rows
 # are the decode steps' bit for bit. (The tiny presets' rows of 64 and 96 inputs take q4_0's tensor-core kernel and
-# the gemv1_ fallback; tests/test_gpu_matmul.py checks every quantized decode kernel's verify rows.)
+# the gemv1_ fallback; tests/test_gpu_matmul.py checks every quantized decode kernel's verify rows.) Qwen3.5 too:
+# a verify call runs its conv and delta rule through the decode step's token-loop kernels (recurrent.py, n <= 16
+# tokens), keeping the state after each token, so its rows are the decode steps' as well.
 GPU_TARGETS = [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"), ("random:gemma3-tiny", "f16"),
-               ("random:llama-tiny", "q4_0"), ("random:qwen3-tiny", "q8_0")]
+               ("random:llama-tiny", "q4_0"), ("random:qwen3-tiny", "q8_0"), ("random:qwen35-tiny", "f32"),
+               ("random:qwen35-tiny", "q4_0")]
 
 
 @pytest.mark.gpu
@@ -178,8 +169,10 @@ def test_gpu_greedy_speculative_equals_plain_greedy(spec, dtype):
     target = graphir.load(spec, backend="gpu", ctx=CTX, dtype=dtype)
     drafters = {"q8_0 copy": graphir.load(spec, backend="gpu", ctx=CTX, dtype="q8_0" if dtype != "q8_0" else "q4_0"),
                 "lookup": sp.PromptLookup(min_ngram=1)}
-    for name, drafter in drafters.items():  # drafts kept (so verify rows were used): llama-tiny f32's lookup kept 35
-        assert greedy_equals_plain(target, drafter, name) >= 16
+    kept = {name: greedy_equals_plain(target, drafter, name) for name, drafter in drafters.items()}
+    # the q8_0 copy's drafts were kept (so verify rows past the first were used); lookup keeps few on a random
+    # model (qwen35-tiny 2-3 on the cpu), equality is what it checks here
+    assert kept["q8_0 copy"] >= 16, kept
 
 
 # ---------------------------------------------------------------- SmolLM2 (its GGUF, cpu backend)
@@ -792,16 +785,6 @@ def test_a_recurrent_model_without_per_token_state_graphs_is_refused_clearly(mon
                                                  r"buffers.*builds no per-token state graphs"):
         sp.generate(qwen35, "lookup", [1, 2, 3], 4)
     assert len(list(qwen35.generate([1, 2, 3], 4, stop_at_eos=False))) == 4
-
-
-@pytest.mark.gpu
-@gpu_only
-def test_gpu_recurrent_greedy_speculative_equals_plain_greedy():
-    """Qwen3.5 on the gpu: tokens agree with plain greedy decoding, or part at a near-tie (its verify graph keeps
-    per-token states through other kernels than the decode step's)."""
-    target = load(RECURRENT, "gpu")
-    for drafter, k in ((load(RECURRENT, "gpu", dtype="q8_0"), 5), ("lookup", 3), (load("random:llama-tiny", "gpu"), 8)):
-        check_speculative_equals_plain_up_to_near_ties(target, drafter, k)
 
 
 @pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
