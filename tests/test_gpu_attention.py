@@ -144,7 +144,7 @@ def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
         case = Case(2, hq, 2, 128, 128, 1000, kvdtype, window)
         run = runner(case)
         if isinstance(run, RuleRunner):
-            assert run.kernels == [f"attn_decode_{kvdtype}_d128_g4", "attn_combine"], run.kernels
+            assert run.kernels == [f"attn_decode_walk_{kvdtype}_d128_g4", "attn_combine"], run.kernels  # 2 queries
         for kv_len in [1, 33, 129, 999, 1000]:
             q, k, v = case.data(rng, kv_len)
             pos = np.array([kv_len - 1, kv_len // 2], np.int32)
@@ -154,18 +154,21 @@ def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 @pytest.mark.parametrize("dk", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_every_class(runner, kvdtype, dk, group):
-    """Every attn_decode_<kv>_d<DK>_g<GB> kernel (each has its own R and NV), dv < d."""
-    rng = np.random.default_rng(dk + group)
+@pytest.mark.parametrize("n_q", [1, 7])
+def test_decode_every_class(runner, kvdtype, dk, group, n_q):
+    """Every attn_decode_<kv>_d<DK>_g<GB> kernel (each has its own R and NV), dv < d; with 7 queries its walk
+    twin (blocks walking several splits each)."""
+    rng = np.random.default_rng(dk + group + n_q)
     d, dv = dk, dk - 8
-    case = Case(1, 2 * group, 2, d, dv, 1025, kvdtype, 0)
+    case = Case(n_q, 2 * group, 2, d, dv, 1025, kvdtype, 0)
     run = runner(case)
     if isinstance(run, RuleRunner):
-        assert run.kernels == [f"attn_decode_{kvdtype}_d{dk}_g{group}", "attn_combine"], run.kernels
+        walk = "walk_" if n_q > 1 else ""
+        assert run.kernels == [f"attn_decode_{walk}{kvdtype}_d{dk}_g{group}", "attn_combine"], run.kernels
     for kv_len in [1, 511, 1025]:
         q, k, v = case.data(rng, kv_len)
         for p in (kv_len - 1, kv_len // 3):
-            pos = np.array([p], np.int32)
+            pos = np.clip(np.arange(p - n_q + 1, p + 1), 0, None).astype(np.int32)
             close(run(q, k, v, pos, kv_len), case.ref(q, k, v, pos, kv_len))
 
 
@@ -225,7 +228,7 @@ def test_head_shapes(runner, hq, hk, d, dv, n_q, kvdtype):
     case = Case(n_q, hq, hk, d, dv, 333, kvdtype, 0)
     run = runner(case)
     if isinstance(run, RuleRunner) and d % 4:  # `_any` for decode and prefill, one combine
-        assert run.kernels == (["attn_decode_" + kvdtype + "_any", "attn_combine"] if n_q == 1 else
+        assert run.kernels == (["attn_decode_" + kvdtype + "_any", "attn_combine"] if n_q == 1 else  # 70: prefill
                                ["attn_prefill_" + kvdtype + "_any"]), run.kernels
     for kv_len in [1, 150, 333]:
         q, k, v = case.data(rng, kv_len)

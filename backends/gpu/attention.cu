@@ -223,7 +223,7 @@ DEVICE void write_partials(const float (&m)[GB], const float (&l)[GB], const vf4
 // (the next row's loads are issued before this one is used). Same grid, split formula and
 // partials as attn_decode_tile; attn_combine merges either.
 template <typename KV, int GB, int NV, int T>
-DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+DEVICE void attn_decode_row(int s, const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
                             int p, int L, float* __restrict__ part_m,
                             float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
                             int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
@@ -232,7 +232,7 @@ DEVICE void attn_decode_row(const float* __restrict__ q, const KV* __restrict__ 
     constexpr int RG = ATTN_DECODE_THREADS / T;
 
     const int tid = threadIdx.x, t = tid % T, rg = tid / T;
-    const int s = blockIdx.x, qi = blockIdx.z;
+    const int qi = blockIdx.z;
     const int kvh = blockIdx.y / n_gch, gc = blockIdx.y % n_gch;
     const int G = hq / hk, h0 = kvh * G + gc * GB;
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
@@ -336,7 +336,7 @@ template <> struct TileRaw<u16, 1> { typedef vh4 type; };
 template <> struct TileRaw<u16, 2> { typedef vh8 type; };
 
 template <typename KV, int GB, int NV, int T, int R>
-DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
+DEVICE void attn_decode_tile(int s, const float* __restrict__ q, const KV* __restrict__ k, const KV* __restrict__ v,
                              int p, int L, float* __restrict__ part_m,
                              float* __restrict__ part_l, float* __restrict__ part_acc, int hq, int hk, int d, int dv,
                              int cap, int n_split, int min_chunk, float scale2, int window, int n_gch, int* errflag,
@@ -346,7 +346,7 @@ DEVICE void attn_decode_tile(const float* __restrict__ q, const KV* __restrict__
     constexpr int RG = ATTN_DECODE_THREADS / T, STEP = RG * R;
 
     const int tid = threadIdx.x, t = tid % T, rg = tid / T;
-    const int s = blockIdx.x, qi = blockIdx.z;
+    const int qi = blockIdx.z;
     const int kvh = blockIdx.y / n_gch, gc = blockIdx.y % n_gch;
     const int G = hq / hk, h0 = kvh * G + gc * GB;
     const int ng = G - gc * GB < GB ? G - gc * GB : GB;
@@ -709,28 +709,35 @@ ATTN_DEFINE_KV(f16, u16)
 // Measured on an H200 (2026-11-30, d128_g4, % of copy bandwidth at 1k/8k/32k): f16 R=2
 // 7.3/41.5/58.5, R=4 9.1/38.4/58.4, R=8 8.8/39.3/51.3; f32 R=1 13.5/52.1/78.2, R=2 16.9/53.1/85.6,
 // R=4 16.8/51.6/84.0. GB=1 and GB=8 keep the R chosen from registers (not measured).
-#define ATTN_DEFINE_TILE(KVNAME, KVT, DK, GB, NV, R, SUFFIX)                                                      \
+// Each shape class has two entry points: attn_decode_* (a decode step: block x is split x) and
+// attn_decode_walk_* (a verify call: gridDim.x < n_split, block x walks splits x, x + gridDim.x, ...), the
+// same body per split. A verify call's query thus keeps the decode step's splits and their arithmetic (its
+// partials are that step's bit for bit) in about one wave of blocks for all its queries, where a block a
+// split took n_q waves. The loop is kept out of the decode kernels: it costs them registers (ptxas, sm_90:
+// f32 d128_g4 143 -> 182, f16 d128_g4 128 -> 168, one resident block fewer per SM).
+#define ATTN_DECODE_PARAMS(KVT)                                                                                   \
+    const float *q, const KVT *k, const KVT *v, const int *pos, const int *kv_len, float *part_m, float *part_l, \
+        float *part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk, float scale2,       \
+        int window, int n_gch, int *errflag, int code, int early
+#define ATTN_DECODE_ARGS q, k, v, p, L, part_m, part_l, part_acc, hq, hk, d, dv, cap, n_split, min_chunk, scale2, \
+    window, n_gch, errflag, code
+#define ATTN_DEFINE_ENTRIES(KVNAME, KVT, SUFFIX, BODY)                                                            \
     extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
-        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
-        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
-        float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
+        ATTN_DECODE_PARAMS(KVT)) {                                                                                \
         int L, p;                                                                                                 \
         PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]));                                             \
-        attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>(q, k, v, p, L, part_m, part_l, part_acc, hq,          \
-                                                             hk, d, dv, cap, n_split, min_chunk, scale2, window,  \
-                                                             n_gch, errflag, code);                               \
-    }
-#define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NV, SUFFIX)                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_##KVNAME##SUFFIX(              \
-        const float* q, const KVT* k, const KVT* v, const int* pos, const int* kv_len, float* part_m,             \
-        float* part_l, float* part_acc, int hq, int hk, int d, int dv, int cap, int n_split, int min_chunk,       \
-        float scale2, int window, int n_gch, int* errflag, int code, int early) {                                 \
+        BODY(blockIdx.x, ATTN_DECODE_ARGS);                                                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATTN_DECODE_THREADS) attn_decode_walk_##KVNAME##SUFFIX(         \
+        ATTN_DECODE_PARAMS(KVT)) {                                                                                \
         int L, p;                                                                                                 \
         PDL_ENTRY_EARLY(early, (L = kv_len[0], p = pos[blockIdx.z]));                                             \
-        attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>(q, k, v, p, L, part_m, part_l, part_acc, hq, hk,          \
-                                                         d, dv, cap, n_split, min_chunk, scale2, window, n_gch,   \
-                                                         errflag, code);                                          \
+        for (int s = blockIdx.x; s < n_split; s += gridDim.x) BODY(s, ATTN_DECODE_ARGS);                          \
     }
+#define ATTN_DEFINE_TILE(KVNAME, KVT, DK, GB, NV, R, SUFFIX) \
+    ATTN_DEFINE_ENTRIES(KVNAME, KVT, SUFFIX, (attn_decode_tile<KVT, GB, NV, (DK) / (4 * (NV)), R>))
+#define ATTN_DEFINE_ROW(KVNAME, KVT, DK, GB, NV, SUFFIX) \
+    ATTN_DEFINE_ENTRIES(KVNAME, KVT, SUFFIX, (attn_decode_row<KVT, GB, NV, (DK) / (4 * (NV))>))
 //                                                      DK  GB NV
 #define ATTN_DEFINE_DECODE_KV(KVNAME, KVT, R1, R4, R8)                 \
     ATTN_DEFINE_TILE(KVNAME, KVT, 64, 1, 2, R1, _d64_g1)               \

@@ -12,7 +12,9 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
   computed on the device, so the work follows the actual context and splits past Ls exit at once.
   n_split is sized so that every block of one query's full context is resident at once (one wave:
   SMs x resident blocks of the decode kernel), the same for a verify call's queries, so that each
-  is its decode step bit for bit. The shape
+  is its decode step bit for bit; a verify call (n_q > 1) runs `attn_decode_walk_<kv><suffix>`, whose
+  blocks walk several of a query's splits each (`walk_blocks`), so its queries share about one wave
+  too. The shape
   classes take R rows per row group per step, loads of the next step overlapping this step's math
   (R per KV dtype and GQA class: the table at the end of attention.cu); `_any` one row at a time.
   H200, 2026-11-30, `bench_gpu_attention.py --variants`, %copy at 1k/8k/32k: f16 7.3/41.5/58.5, f32 16.9/53.1/85.6
@@ -165,15 +167,20 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
         target = resident_blocks(kernels.get(FILE, dname), DECODE_THREADS)
     # Splits a query are sized for one query whatever n_q is, and each query's split length follows its own
     # position (attention.cu split_len): a verify call's query is its decode step bit for bit, so greedy
-    # speculative decoding equals plain greedy decoding exactly. A 16-query call runs 16 of a decode step's
-    # waves at full context; before, its queries shared one wave (each split then 16 times longer).
+    # speculative decoding equals plain greedy decoding exactly. Its blocks walk several splits each
+    # (attn_decode_walk_*), so all its queries share about one wave, as a decode step's splits do.
     n_split = decode_splits(cap, hk * n_gch, target)
+    blocks_x = n_split
+    if n_q > 1:
+        dname = dname.replace("attn_decode_", "attn_decode_walk_")
+        walk_target = TARGET_BLOCKS or resident_blocks(kernels.get(FILE, dname), DECODE_THREADS)
+        blocks_x = walk_blocks(n_split, hk * n_gch * n_q, walk_target)
     part_m = lw.scratch((n_q * hq * n_split,))
     part_l = lw.scratch((n_q * hq * n_split,))
     part_acc = lw.scratch((n_q * hq * n_split * dv,))
     early = i32(inputs_early(n))
     return [
-        Launch(FILE, dname, (n_split, hk * n_gch, n_q), DECODE_THREADS,
+        Launch(FILE, dname, (blocks_x, hk * n_gch, n_q), DECODE_THREADS,
                (q, k, v, pos, kv_len, part_m, part_l, part_acc, *common, i32(n_split), i32(MIN_CHUNK), scale2,
                 i32(window), i32(n_gch), lw.errflag, code, early)),
         Launch(FILE, "attn_combine", (hq, n_q), COMBINE_THREADS,
@@ -292,6 +299,12 @@ def lower_flash_attn_bf16(lw: Lowering, n: Any, ins: list, outs: list, p: dict) 
     convert = Launch(TC_FILE, f"attn_kv_bf16_{kv}", (max(1, cdiv(hk * cap * dk // 8, KV_CONVERT_THREADS)), 2),
                      KV_CONVERT_THREADS, (k, v, kvb, kv_len, i32(cap), i32(hk), i32(d), i32(dv), i32(dk), i32(vec)))
     return [convert, attend]
+
+
+def walk_blocks(n_split: int, other_blocks: int, target_blocks: int) -> int:
+    """Blocks along the splits of a verify call's walk kernel: `other_blocks` (heads x queries) times it fill
+    about `target_blocks`; each walks n_split / it splits."""
+    return max(1, min(n_split, target_blocks // max(1, other_blocks)))
 
 
 def decode_splits(cap: int, blocks_per_split: int, target_blocks: int) -> int:
