@@ -144,7 +144,7 @@ def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
         case = Case(2, hq, 2, 128, 128, 1000, kvdtype, window)
         run = runner(case)
         if isinstance(run, RuleRunner):
-            assert run.kernels == [f"attn_decode_walk_{kvdtype}_d128_g4", "attn_combine"], run.kernels  # 2 queries
+            assert run.kernels == [f"attn_decode_{kvdtype}_d128_g4", "attn_combine"], run.kernels  # 2 queries
         for kv_len in [1, 33, 129, 999, 1000]:
             q, k, v = case.data(rng, kv_len)
             pos = np.array([kv_len - 1, kv_len // 2], np.int32)
@@ -154,16 +154,16 @@ def test_decode_tuned_shape(runner, monkeypatch, kvdtype, splits):
 @pytest.mark.parametrize("kvdtype", ["f32", "f16"])
 @pytest.mark.parametrize("dk", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("n_q", [1, 7])
+@pytest.mark.parametrize("n_q", [1, 9])
 def test_decode_every_class(runner, kvdtype, dk, group, n_q):
-    """Every attn_decode_<kv>_d<DK>_g<GB> kernel (each has its own R and NV), dv < d; with 7 queries its walk
-    twin (blocks walking several splits each)."""
+    """Every attn_decode_<kv>_d<DK>_g<GB> kernel (each has its own R and NV), dv < d; with 9 queries
+    (attention.WALK_MIN_QUERIES or more) its walk twin, blocks walking several splits each."""
     rng = np.random.default_rng(dk + group + n_q)
     d, dv = dk, dk - 8
     case = Case(n_q, 2 * group, 2, d, dv, 1025, kvdtype, 0)
     run = runner(case)
     if isinstance(run, RuleRunner):
-        walk = "walk_" if n_q > 1 else ""
+        walk = "walk_" if n_q >= attention.WALK_MIN_QUERIES else ""
         assert run.kernels == [f"attn_decode_{walk}{kvdtype}_d{dk}_g{group}", "attn_combine"], run.kernels
     for kv_len in [1, 511, 1025]:
         q, k, v = case.data(rng, kv_len)

@@ -12,7 +12,7 @@ is not a multiple of 4 (8 for most f16 decode classes) or K/V is not 16-byte ali
   computed on the device, so the work follows the actual context and splits past Ls exit at once.
   n_split is sized so that every block of one query's full context is resident at once (one wave:
   SMs x resident blocks of the decode kernel), the same for a verify call's queries, so that each
-  is its decode step bit for bit; a verify call (n_q > 1) runs `attn_decode_walk_<kv><suffix>`, whose
+  is its decode step bit for bit; a verify call of WALK_MIN_QUERIES or more runs `attn_decode_walk_<kv><suffix>`, whose
   blocks walk several of a query's splits each (`walk_blocks`), so its queries share about one wave
   too. The shape
   classes take R rows per row group per step, loads of the next step overlapping this step's math
@@ -70,6 +70,11 @@ LOG2E = 1.4426950408889634
 # 914.9, Qwen3-8B 4,598.8 / 4,537.0 / 4,515.9 / -, SmolLM2 f32 764.9 / 741.1 / 746.6 / 769.3.
 TARGET_BLOCKS: int | None = None
 MIN_CHUNK = 16
+# A verify call of this many queries or more runs the walk kernels (one wave of blocks walking splits); fewer
+# take a block a split. H200, Qwen3-0.6B, attention us a layer (block a split -> walk): 16 queries 17.4 -> 11.8
+# at 128 keys, 81.3 -> 76.7 at 2,000; 4 queries at 2,000 keys 22.3 -> 24.9 (the walk kernel keeps 2 blocks an
+# SM resident where the decode kernel keeps 3) (BENCHMARKS.md, twenty-first session).
+WALK_MIN_QUERIES = 8
 
 
 def _kv_name(a: Any) -> str:
@@ -171,7 +176,7 @@ def lower_flash_attn(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> li
     # (attn_decode_walk_*), so all its queries share about one wave, as a decode step's splits do.
     n_split = decode_splits(cap, hk * n_gch, target)
     blocks_x = n_split
-    if n_q > 1:
+    if n_q >= WALK_MIN_QUERIES:
         dname = dname.replace("attn_decode_", "attn_decode_walk_")
         walk_target = TARGET_BLOCKS or resident_blocks(kernels.get(FILE, dname), DECODE_THREADS)
         blocks_x = walk_blocks(n_split, hk * n_gch * n_q, walk_target)
