@@ -72,8 +72,9 @@ TARGET_BLOCKS: int | None = None
 MIN_CHUNK = 16
 # A verify call of this many queries or more runs the walk kernels (one wave of blocks walking splits); fewer
 # take a block a split. H200, Qwen3-0.6B, attention us a layer (block a split -> walk): 16 queries 17.4 -> 11.8
-# at 128 keys, 81.3 -> 76.7 at 2,000; 4 queries at 2,000 keys 22.3 -> 24.9 (the walk kernel keeps 2 blocks an
-# SM resident where the decode kernel keeps 3) (BENCHMARKS.md, twenty-first session).
+# at 128 keys, 81.3 -> 76.7 at 2,000; 8 queries 42.4 -> 43.3 at 2,000 keys, and SmolLM2 F32's 8-token verify
+# call at position 100 1.2 -> 1.1 ms; 2 and 4 queries at 2,000 keys 12.0 -> 14.7 and 22.3 -> 24.9 (the walk
+# kernel keeps 2 blocks an SM resident where the decode kernel keeps 3) (BENCHMARKS.md, twenty-first session).
 WALK_MIN_QUERIES = 8
 
 
