@@ -104,6 +104,22 @@ def test_matmul_matches_reference(name, n_out, n_in):
         check(y, x.astype(np.float64) @ wf.astype(np.float64).T)
 
 
+@pytest.mark.parametrize("name", ["f32", "bf16", "f16", "q4_k", "q6_k"])
+@pytest.mark.parametrize("n_out,n_in", [(7, 256), (130, 1536), (1025, 512)])
+def test_a_tokens_row_is_the_same_in_every_call(name, n_out, n_in):
+    """Row t of a call of 2..17 tokens (the few-token tiles up to 3 tokens, prefill tiles past them) is the 1-token
+    call of that token bit for bit: a speculative verify call's products are the decode steps'. Rows past a
+    multiple of 4 (7, 130, 1025) take the one-row loop."""
+    w, _ = weight(name, n_out, n_in)
+    x = np.random.default_rng(n_out + n_in).standard_normal((17, n_in)).astype(np.float32)
+    alone = np.concatenate([matmul(w, name, x[t:t + 1]) for t in range(17)])
+    for n_tok in (2, 3, 4, 5, 8, 16, 17):
+        got = matmul(w, name, x[:n_tok])
+        bad = [t for t in range(n_tok) if not np.array_equal(got[t], alone[t])]
+        diff = np.abs(got - alone[:n_tok]).max()
+        assert not bad, f"{n_tok} tokens: rows {bad} differ from 1-token calls, max {diff:.3g}"
+
+
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_get_rows(name):
     n_out, n_in = 37, 512

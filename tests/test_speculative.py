@@ -27,6 +27,7 @@ TINY = {"random:llama-tiny": "random:qwen3-tiny", "random:qwen3-tiny": "random:l
 # prompt lengths around the prefill buckets (8, 32, 128) and the context end; one per draft length
 PROMPT_LENGTHS = [1, 7, 8, 9, 31, 33, 127, 129]
 CTX = 176
+RECURRENT = "random:qwen35-tiny"  # the Gated DeltaNet hybrid: per-token states, a commit call
 
 
 def prompt_of(n: int, seed: int = 0) -> list[int]:
@@ -242,6 +243,21 @@ def test_cpu_pipeline_verify_rows_are_decode_steps_bitwise(quantized):
             rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
             assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
     assert max(sp.VERIFY_BUCKETS) <= attention.DECODE_MAX_QUERIES  # every row on the decode kernel
+
+
+@pytest.mark.parametrize("spec,dtype", [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"),
+                                        ("random:gemma3-tiny", "f16"), (RECURRENT, "f32")],
+                         ids=lambda v: v[7:] if v.startswith("random:") else v)
+def test_cpu_float_weights_verify_rows_are_decode_steps_bitwise(spec, dtype):
+    """Float weights too: every product of up to 16 tokens multiplies a token in the same 4-row x 2-token block (a
+    decode step's one token paired with itself, backends/cpu/matmul.py _dot), so a verify call's rows are the
+    decode steps' (the few-token loop summed 4 rows a token otherwise: rows 1e-7 apart from the first product)."""
+    target = load_cpu(spec, dtype=dtype)
+    tokens = prompt_of(16, seed=5)
+    for b in sp.VERIFY_BUCKETS:
+        for m in sorted({b // 2 + 1, b}):
+            rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
+            assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
@@ -595,9 +611,6 @@ def test_the_loop_reports_each_verify_outcome_to_the_drafter():
 
 
 # ---------------------------------------------------------------- recurrent models (Qwen3.5): per-token states
-RECURRENT = "random:qwen35-tiny"
-
-
 class ScriptedDrafter:
     """Proposes the plain greedy continuation with every `wrong`-th proposal corrupted: every acceptance
     length from 0 to k happens, whatever the model (a random tiny model rarely repeats itself for lookup)."""

@@ -10,11 +10,13 @@ How it works
 Quantized blocks are read directly; the whole weight is never dequantized. The work
 is split over threads (prange) by tiles of weight rows. A tile is dequantized into a
 small float32 buffer, then multiplied with the tokens:
-  * 1-3 tokens (decode): 4-row tiles (the buffer stays in L1); `_gemv` reads each
-    token once per 4 rows.
+  * 1-3 tokens (decode): 4-row tiles (the buffer stays in L1).
   * more tokens (prefill): tiles of about 128 KiB of float32 (L2), so each
-    dequantized block is reused by every token; `_tile` uses a 4-row x 2-token
-    register block, its inner loop over n_in vectorized to AVX2 FMAs.
+    dequantized block is reused by every token.
+Both multiply with `_dot`, a 4-row x 2-token register block whose inner loop over n_in
+vectorizes to FMAs; a decode step's one token is paired with itself, so each token's
+sums are the same whatever the call's token count (a speculative verify call's rows
+are the decode steps' bit for bit).
 Accumulation is float32 from float32 activations, so results match an f32
 dequantized reference to ~1e-6 of max|y|. The llama.cpp scheme (activations
 quantized to 8 bits per 32-block, integer block dot products) was measured 2x
@@ -92,52 +94,60 @@ def _tile_rows(n_out, n_tok, n_in, nth):
 
 
 @njit(fastmath=True, cache=True)
-def _gemv(buf, nr, x, y, r0):
-    """y[:, r0:r0+nr] = x @ buf[:nr].T for a few tokens, 4 rows at a time (each token read once per 4 rows)."""
-    n_tok, n_in = x.shape
+def _dot_octet(buf, nr, x, y, r0, g, t):
+    """y[t, r0+g : r0+g+8] = x[t] @ buf[g:g+8].T, rows past nr read as row nr - 1 and not written: 8 sums, as in
+    _dot's 4-row x 2-token block."""
+    xt = x[t]
+    last = nr - 1
+    b0 = buf[min(g, last)]
+    b1 = buf[min(g + 1, last)]
+    b2 = buf[min(g + 2, last)]
+    b3 = buf[min(g + 3, last)]
+    b4 = buf[min(g + 4, last)]
+    b5 = buf[min(g + 5, last)]
+    b6 = buf[min(g + 6, last)]
+    b7 = buf[min(g + 7, last)]
     f0 = np.float32(0.0)
-    g = 0
-    while g + 4 <= nr:
-        b0 = buf[g]
-        b1 = buf[g + 1]
-        b2 = buf[g + 2]
-        b3 = buf[g + 3]
-        o = r0 + g
-        for t in range(n_tok):
-            xt = x[t]
-            a0 = f0
-            a1 = f0
-            a2 = f0
-            a3 = f0
-            for i in range(n_in):
-                u = xt[i]
-                a0 += b0[i] * u
-                a1 += b1[i] * u
-                a2 += b2[i] * u
-                a3 += b3[i] * u
-            y[t, o] = a0
-            y[t, o + 1] = a1
-            y[t, o + 2] = a2
-            y[t, o + 3] = a3
-        g += 4
-    while g < nr:
-        br = buf[g]
-        for t in range(n_tok):
-            xt = x[t]
-            a0 = f0
-            for i in range(n_in):
-                a0 += br[i] * xt[i]
-            y[t, r0 + g] = a0
-        g += 1
+    a0 = f0
+    a1 = f0
+    a2 = f0
+    a3 = f0
+    a4 = f0
+    a5 = f0
+    a6 = f0
+    a7 = f0
+    for i in range(xt.shape[0]):
+        u = xt[i]
+        a0 += b0[i] * u
+        a1 += b1[i] * u
+        a2 += b2[i] * u
+        a3 += b3[i] * u
+        a4 += b4[i] * u
+        a5 += b5[i] * u
+        a6 += b6[i] * u
+        a7 += b7[i] * u
+    acc = (a0, a1, a2, a3, a4, a5, a6, a7)
+    for k in range(min(8, nr - g)):
+        y[t, r0 + g + k] = acc[k]
 
 
 @njit(fastmath=True, cache=True)
-def _tile(buf, nr, x, y, r0):
-    """y[:, r0:r0+nr] = x @ buf[:nr].T with a 4-row x 2-token register block."""
+def _dot(buf, nr, x, y, r0):
+    """y[:, r0:r0+nr] = x @ buf[:nr].T: token pairs in a 4-row x 2-token register block, a lone token (a decode
+    step's, an odd call's last) in an 8-row block, rows past the last multiple of 4 in 8-row blocks too.
+
+    Both blocks keep 8 sums in their inner loop, which fastmath lets LLVM split into vector partials the same way
+    for each: a token's sums never depend on how many tokens the call has, so a speculative verify call's rows
+    are the decode steps' bit for bit (tests/test_cpu_matmul.py). A 4-sum loop for few tokens was split otherwise."""
     n_tok, n_in = x.shape
     f0 = np.float32(0.0)
+    full = nr // 4 * 4
+    if n_tok == 1:
+        for g in range(0, nr, 8):
+            _dot_octet(buf, nr, x, y, r0, g, 0)
+        return
     g = 0
-    while g + 4 <= nr:
+    while g < full:
         b0 = buf[g]
         b1 = buf[g + 1]
         b2 = buf[g + 2]
@@ -180,11 +190,12 @@ def _tile(buf, nr, x, y, r0):
             y[t + 1, o + 3] = a13
             t += 2
         g += 4
-    if n_tok % 2:  # the odd last token, and rows past the last multiple of 4
-        _gemv(buf, nr // 4 * 4, x[n_tok - 1 :], y[n_tok - 1 :], r0)
-    if nr % 4:
-        g = nr // 4 * 4
-        _gemv(buf[g:], nr - g, x, y, r0 + g)
+    if n_tok % 2:
+        for g in range(0, full, 8):
+            _dot_octet(buf, full, x, y, r0, g, n_tok - 1)
+    if full < nr:
+        for t in range(n_tok):
+            _dot_octet(buf[full:], nr - full, x, y, r0 + full, 0, t)
 
 
 # --------------------------------------------------------------------------------------
@@ -398,9 +409,9 @@ def _kernel_{name}_{mode}(w, w16, x, y, ids, tab, kv, nth):
 
 _MODE_PARTS = {  # what differs between the modes: sizes, the dequantized tile's destination, the product
     "gemv": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="GEMV_ROWS", buf_cols="n_in", dst="buf",
-                 then="            _gemv(buf, nr, x, y, r0)"),
+                 then="            _dot(buf, nr, x, y, r0)"),
     "tile": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="_tile_rows(n_out, x.shape[0], n_in, nth)",
-                 buf_cols="n_in", dst="buf", then="            _tile(buf, nr, x, y, r0)"),
+                 buf_cols="n_in", dst="buf", then="            _dot(buf, nr, x, y, r0)"),
     "rows": dict(n_out="ids.shape[0]", n_in="y.shape[1]", rt="GEMV_ROWS", buf_cols="0", dst="y[r0:r0 + nr]",
                  then=""),
 }
@@ -468,7 +479,7 @@ def _compile(dtype: str, mode: str):
             # A cache entry numba cannot load (a truncated file, or one from another numba build):
             # drop this kernel's entries and compile afresh. (A second module name for this file can
             # no longer write one: backends/cpu/__init__.py makes `backends.cpu.*` the installed modules.)
-            for d in (_tile_rows, _gemv, _tile, globals()[f"_deq_{dtype}"], kernel):
+            for d in (_tile_rows, _dot, _dot_octet, globals()[f"_deq_{dtype}"], kernel):
                 d._cache.flush()
             kernel.compile(_signature())
     finally:
