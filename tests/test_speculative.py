@@ -125,6 +125,28 @@ def test_eos_ends_speculative_generation_like_plain(models):
         target.eos_ids = set()
 
 
+def assert_verify_rows_are_decode_steps(model: Model, n_prompt: int = 20) -> None:
+    """Every verify bucket, half full and full, after n_prompt tokens: its logits bit for bit the decode steps'."""
+    tokens = prompt_of(16, seed=5)
+    for b in sp.VERIFY_BUCKETS:
+        for m in sorted({b // 2 + 1, b}):
+            rows, steps = verify_rows_and_decode_steps(model, prompt_of(n_prompt), tokens[:m])
+            assert np.array_equal(rows, steps), \
+                f"prompt {n_prompt}, bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
+
+
+def verify_rows_and_decode_steps(model: Model, prompt: list[int], tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Logits [m, vocab] of `tokens` after `prompt`: one verify call's rows, and one decode step each."""
+    model.reset()
+    model.feed(prompt)
+    rows = sp.verify(model, tokens, greedy=False)
+    if sp.keeps_states(model):  # the verify call moved the recurrent states past its tokens
+        model.reset()
+        model.feed(prompt)
+    steps = np.stack([model.feed([t])[0] for t in tokens])  # n_past was left at the prompt's end
+    return rows, steps
+
+
 # ---------------------------------------------------------------- the gpu: verify rows are decode steps
 # A verify call's products take the decode step's arithmetic (matmul.py GEMVM_KERNEL "exact"): a float weight the
 # 2..16-token GEMV paired with the decode step's geometry (the same lanes sum the same units alike), a quantized one
@@ -152,13 +174,8 @@ def test_gpu_verify_rows_are_decode_steps_bitwise(spec, dtype, monkeypatch):
     monkeypatch.setattr(attention, "TARGET_BLOCKS", 64)  # n_split: 64 // (kv heads x head chunks)
     target = graphir.load(spec, backend="gpu", ctx=2048, dtype=dtype)
     assert target.passes == "gpu"
-    tokens = prompt_of(16, seed=5)
     for n in (20, 1150):
-        for b in sp.VERIFY_BUCKETS:
-            for m in sorted({b // 2 + 1, b}):
-                rows, steps = verify_rows_and_decode_steps(target, prompt_of(n), tokens[:m])
-                assert np.array_equal(rows, steps), \
-                    f"prompt {n}, bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
+        assert_verify_rows_are_decode_steps(target, n)
 
 
 @pytest.mark.gpu
@@ -221,56 +238,25 @@ def quantized(request):
     return load_cpu(spec, dtype=dtype), drafters
 
 
-def verify_rows_and_decode_steps(model: Model, prompt: list[int], tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Logits [m, vocab] of `tokens` after `prompt`: one verify call's rows, and one decode step each."""
-    model.reset()
-    model.feed(prompt)
-    rows = sp.verify(model, tokens, greedy=False)
-    if sp.keeps_states(model):  # the verify call moved the recurrent states past its tokens
-        model.reset()
-        model.feed(prompt)
-    steps = np.stack([model.feed([t])[0] for t in tokens])  # n_past was left at the prompt's end
-    return rows, steps
-
-
 def test_cpu_pipeline_verify_rows_are_decode_steps_bitwise(quantized):
     from graphir.backends.cpu import attention
 
     target, _ = quantized
-    tokens = prompt_of(16, seed=5)
-    for b in sp.VERIFY_BUCKETS:
-        for m in sorted({b // 2 + 1, b}):
-            rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
-            assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
+    assert_verify_rows_are_decode_steps(target)
     assert max(sp.VERIFY_BUCKETS) <= attention.DECODE_MAX_QUERIES  # every row on the decode kernel
 
 
 @pytest.mark.parametrize("spec,dtype", [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"),
-                                        ("random:gemma3-tiny", "f16"), (RECURRENT, "f32")],
+                                        ("random:gemma3-tiny", "f16"), (RECURRENT, "f32"), (RECURRENT, "q4_0"),
+                                        (RECURRENT, "q8_0")],
                          ids=lambda v: v[7:] if v.startswith("random:") else v)
-def test_cpu_float_weights_verify_rows_are_decode_steps_bitwise(spec, dtype):
-    """Float weights too: every product of up to 16 tokens multiplies a token in the same 4-row x 2-token block (a
-    decode step's one token paired with itself, backends/cpu/matmul.py _dot), so a verify call's rows are the
-    decode steps' (the few-token loop summed 4 rows a token otherwise: rows 1e-7 apart from the first product)."""
-    target = load_cpu(spec, dtype=dtype)
-    tokens = prompt_of(16, seed=5)
-    for b in sp.VERIFY_BUCKETS:
-        for m in sorted({b // 2 + 1, b}):
-            rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
-            assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
-
-
-@pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
-def test_cpu_pipeline_recurrent_verify_rows_are_decode_steps_bitwise(dtype):
-    """Qwen3.5 as well: its gated output norm reads z, a column slice of the stacked qkv|z|beta|alpha rows,
-    which for several tokens is no 2-D view; the kernel takes [tokens, heads, d] (it took the numpy
-    reference before, 7e-8 from the decode step at ssm_gated)."""
-    target = load_cpu(RECURRENT, dtype=dtype)
-    tokens = prompt_of(16, seed=5)
-    for b in sp.VERIFY_BUCKETS:
-        for m in sorted({b // 2 + 1, b}):
-            rows, steps = verify_rows_and_decode_steps(target, prompt_of(20), tokens[:m])
-            assert np.array_equal(rows, steps), f"bucket {b}, {m} tokens: max |diff| {np.abs(rows - steps).max():.3g}"
+def test_cpu_pipeline_float_and_recurrent_verify_rows_are_decode_steps_bitwise(spec, dtype):
+    """Float weights: every product sums a token in an 8-sum register block (a decode step's lone token over 8
+    rows, a verify call's token pairs over 4 rows: backends/cpu/matmul.py _dot), which LLVM vectorizes alike
+    (the few-token loop kept 4 sums a token before: rows 1e-7 apart from the first product on). Qwen3.5: its gated
+    output norm reads z, a column slice of the stacked qkv|z|beta|alpha rows, which for several tokens is no 2-D
+    view; the kernel takes [tokens, heads, d] (it took the numpy reference before, 7e-8 off at ssm_gated)."""
+    assert_verify_rows_are_decode_steps(load_cpu(spec, dtype=dtype))
 
 
 def test_opt_in_q8_activations_up_to_the_largest_verify_call_is_bitwise_too():
