@@ -26,12 +26,14 @@ ENTRY = re.compile(r"\{\s*(\\\s*)?(PDL_ENTRY\(\);|(int [\w, ]+;\s*(\\\s*)?)?PDL_
 
 
 def _kernel_bodies(text: str) -> list[tuple[str, str]]:
-    """(name, the first 200 characters after the opening brace) of every __global__ function."""
+    """(name, the first 200 characters after the opening brace, macro line breaks and runs of blanks made one
+    space) of every __global__ function."""
     out = []
     for m in re.finditer(r"__global__", text):
         head = text[m.end():text.index("{", m.end())]
-        name = re.findall(r"(\w+)\s*\(", head)
-        out.append((name[-1] if name else "?", text[text.index("{", m.end()):][:200]))
+        names = [n for n in re.findall(r"([\w#]+)\s*\(", head) if n != "__launch_bounds__" and not n.isupper()]
+        body = re.sub(r"\s+", " ", re.sub(r"\\\n", " ", text[text.index("{", m.end()):][:2000]))
+        out.append((names[0] if names else "?", body[:200]))
     return out
 
 
