@@ -1,6 +1,6 @@
 """Where a speculative verify call's rows part from the decode steps they stand for, tensor by tensor.
 
-    python benchmarks/verify_vs_decode.py MODEL [--backend gpu] [--dtype f32] [--prompt 20] [--tokens 5]
+    python benchmarks/verify_vs_decode.py MODEL [--backend gpu] [--dtype f32] [--passes auto] [--prompt 20] [--tokens 5]
 
 After a prompt, one verify call reads --tokens tokens (its bucket); then the same tokens run as decode
 steps from the same State. Both graphs (after the model's passes) are lowered again with every uniquely
@@ -55,11 +55,13 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--backend", default="gpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--passes", default="auto", help="the pass pipeline (graphir.load's passes=)")
     ap.add_argument("--prompt", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=5)
     ap.add_argument("--show", type=int, default=8, help="diverging tensors listed")
     args = ap.parse_args()
-    model = graphir.load(args.model, backend=args.backend, ctx=max(256, args.prompt + 64), dtype=args.dtype)
+    model = graphir.load(args.model, backend=args.backend, ctx=max(256, args.prompt + 64), dtype=args.dtype,
+                         passes=args.passes)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.config.n_vocab, args.prompt).tolist()
     tokens = rng.integers(0, model.config.n_vocab, args.tokens).tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import Counter
 
 import numpy as np
@@ -257,6 +258,29 @@ def test_cpu_pipeline_float_and_recurrent_verify_rows_are_decode_steps_bitwise(s
     output norm reads z, a column slice of the stacked qkv|z|beta|alpha rows, which for several tokens is no 2-D
     view; the kernel takes [tokens, heads, d] (it took the numpy reference before, 7e-8 off at ssm_gated)."""
     assert_verify_rows_are_decode_steps(load_cpu(spec, dtype=dtype))
+
+
+@pytest.mark.parametrize("passes,differ", [("auto", False), ("default", True)])
+def test_verify_vs_decode_names_where_rows_part(passes, differ, monkeypatch, capsys):
+    """benchmarks/verify_vs_decode.py on llama-tiny q4_0: the cpu pipeline's verify rows equal the decode steps in
+    every tensor; under `default` the decode step's repacked 4-bit GEMV and a verify call's tiles part at the first
+    product, which it names first."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "verify_vs_decode.py"
+    monkeypatch.setattr("sys.argv", [str(script), "random:llama-tiny", "--backend", "cpu", "--dtype", "q4_0",
+                                     "--passes", passes, "--tokens", "5"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    counts = re.search(r"compared (\d+) tensors bit for bit: (\d+) differ\n(.*)", out)
+    compared, n_differ, first = int(counts.group(1)), int(counts.group(2)), counts.group(3).split()
+    assert compared > 10, out
+    if differ:
+        assert n_differ > 0 and first[0] == "blk.0.attn_q+blk.0.attn_k+blk.0.attn_v", out
+        assert "logits differ" in out
+    else:
+        assert n_differ == 0 and "logits bitwise equal" in out, out
 
 
 def test_opt_in_q8_activations_up_to_the_largest_verify_call_is_bitwise_too():
