@@ -46,7 +46,7 @@ def run(model: graphir.Model, graph: Graph, inputs: dict, state: dict) -> dict[s
     missing = [n for n in graph.states if n.name not in state]
     if missing:  # per-token state rows of a recurrent verify graph
         state.update(getattr(backend, "new_state", new_state)(Graph({n.name: n for n in missing})))
-    program = backend.lower(graph, model.weights)
+    program = model.programs.get_program(graph, model.weights, model.backend, "")  # lowered once, replayed
     return {k: host(v) for k, v in program(model._slot_inputs(inputs), state).items()}
 
 

@@ -13,10 +13,10 @@ small float32 buffer, then multiplied with the tokens:
   * 1-3 tokens (decode): 4-row tiles (the buffer stays in L1).
   * more tokens (prefill): tiles of about 128 KiB of float32 (L2), so each
     dequantized block is reused by every token.
-Both multiply with `_dot`, a 4-row x 2-token register block whose inner loop over n_in
-vectorizes to FMAs; a decode step's one token is paired with itself, so each token's
-sums are the same whatever the call's token count (a speculative verify call's rows
-are the decode steps' bit for bit).
+Both multiply with `_dot`: token pairs in a 4-row x 2-token register block, a lone token
+(a decode step's) in an 8-row block; both keep 8 sums in an inner loop over n_in that
+vectorizes to FMAs alike, so each token's sums are the same whatever the call's token
+count (a speculative verify call's rows are the decode steps' bit for bit).
 Accumulation is float32 from float32 activations, so results match an f32
 dequantized reference to ~1e-6 of max|y|. The llama.cpp scheme (activations
 quantized to 8 bits per 32-block, integer block dot products) was measured 2x
@@ -80,7 +80,10 @@ SUPPORTED = tuple(_LAYOUT)
 _STORAGE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}
 
 MV_MAX_TOKENS = 3  # up to this many tokens take the GEMV path (measured crossover with the tiled path)
-GEMV_ROWS = 4  # rows per tile on the GEMV and get_rows paths (4 x n_in floats stay in L1)
+# rows per tile on the GEMV and get_rows paths (4 x n_in floats stay in L1). A decode step's 8-row block
+# (_dot_octet) then sums 4 rows twice; 8-row tiles, which would not, measured slower for SmolLM2 F32 decode
+# (2026-12-03, 4 rounds: 32.8-35.3 ms against 25.6-29.6 before _dot, where 4-row tiles gave 27.0-28.6)
+GEMV_ROWS = 4
 TILE_BYTES = 131072  # target float32 bytes of a prefill tile (L2-resident)
 
 
