@@ -224,7 +224,7 @@ def bench_gemvm_shape(cp, rng, fmt: str, rows: int, n_in: int, sw: bool, m: int,
     """{cfg: (us per call, bitwise equal to g128r2)} of gemvm<m> (gemvmsw<m> where sw: rows / 2 outputs)
     on one [rows, n_in] weight in rotated copies; every output checked against cuBLAS's f32 product."""
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, _row_bytes
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, GEMVM_TOKENS_A_BLOCK, _row_bytes, token_blocks
 
     # normal weights (bf16: the f32 values' top halves), generated on the device: make_raw's random bf16 bits
     # span 2^-127..2 and make nearly every sum independent of the order its terms are added in
@@ -250,12 +250,12 @@ def bench_gemvm_shape(cp, rng, fmt: str, rows: int, n_in: int, sw: bool, m: int,
     ys = [cp.zeros((m, n_out), np.float32) for _ in range(copies)]
     out: dict[str, tuple[float, bool]] = {}
     first: dict[str, np.ndarray] = {}
-    bucket = 1 << (m - 1).bit_length()
+    tokens = GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # a block's, as the verify call runs them
     for cfg in cfgs:
         threads, per_block = GEMVM_CONFIGS[cfg]
         per_block = per_block // 2 if sw else per_block
-        name = f"gemvm{'sw' if sw else ''}{bucket}_{fmt}_{cfg}"
-        steps = [Launch("matmul.cu", name, cdiv(n_out, per_block), threads,
+        name = f"gemvm{'sw' if sw else ''}{tokens}_{fmt}_{cfg}"
+        steps = [Launch("matmul.cu", name, cdiv(n_out, per_block) * token_blocks(name, m), threads,
                         (w, np.int64(rb), x, y, i32(n_out), i32(n_in), i32(m))) for w, y in zip(ws, ys)]
         for y in ys:
             y.fill(np.nan)

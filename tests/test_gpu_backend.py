@@ -75,8 +75,8 @@ def test_decode_gemv_geometry_follows_the_rows(fmt, shape, cfg):
     assert mm.gemv_kernel(fmt, n_out, n_in, 1, 0, "g128r1")[0] == f"gemv1v2_{fmt}_g128r1"
     cfg_m = {"g128r1": "j32w4r4", "g64r2": "j32w2r4", "g32r2": "j32w1r4"}[cfg]  # the same row split (exact)
     assert mm.gemv_kernel(fmt, n_out, n_in, 2, 0)[0] == f"gemvm2_{fmt}_{cfg_m}"  # two tokens: not the m == 1 rule
-    assert mm.gemv_kernel(fmt, n_out, n_in, 5, 0)[0] == f"gemvm8_{fmt}_{cfg_m}"
-    assert mm.gemv_kernel(fmt, n_out, n_in, 9, 0)[0] == f"gemvm16_{fmt}_{cfg_m}"
+    assert mm.gemv_kernel(fmt, n_out, n_in, 5, 0)[0] == f"gemvm4_{fmt}_{cfg_m}"  # 8-token bucket, 4 tokens a block
+    assert mm.gemv_kernel(fmt, n_out, n_in, 9, 0)[0] == f"gemvm8_{fmt}_{cfg_m}"
     # quantized: the decode step's own kernel, a token a block (GEMVM_KERNEL "exact": matmul.decode_kernel_serves);
     # where that is gemv1_<fmt> (rows not of whole 16-byte pieces), gemv16_<fmt>, which adds in its order
     for q in ("q4_0", "q4_1"):

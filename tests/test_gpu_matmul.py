@@ -337,7 +337,7 @@ def test_gemvm_variants(fmt, cfg, m, shape, rng, monkeypatch):
     x = rng.standard_normal((m, n_in)).astype(np.float32)
     y_dev = cp.full((m, n_out), np.nan, np.float32)
     steps = mm.lower_mul_mat(Lowering(weights), None, [gp, cp.asarray(x)], [y_dev], {})
-    assert steps[-1].name == f"gemvm{1 << (m - 1).bit_length()}_{fmt}_{cfg}"
+    assert steps[-1].name == f"gemvm{mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]}_{fmt}_{cfg}"
     for s in steps:
         s()
     _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
@@ -500,7 +500,7 @@ def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
     x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
     fused = cp.full((m, half), np.nan, np.float32)
     steps = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
-    bucket = 1 << (m - 1).bit_length()
+    bucket = mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # tokens a block
     assert [s.name for s in steps] == [f"gemvmsw{bucket}_{fmt}_{cfg}"]
     unfused = cp.full((m, half), np.nan, np.float32)
     monkeypatch.setattr(mm, "SW_MAX_BYTES", 0)
@@ -562,6 +562,12 @@ def test_gemvm_kernel_choice(monkeypatch):
     every 2..16-token call; "auto" takes GEMVM_AUTO's first geometry with enough blocks."""
     from graphir.backends.gpu import matmul as mm
 
+    # by default two token groups a row block from 4 tokens on (GEMVM_TOKENS_A_BLOCK)
+    assert [mm.gemv_kernel("bf16", 4096, 1024, m, 0)[0] for m in (2, 3, 8, 16)] == [
+        "gemvm2_bf16_j32w2r4", "gemvm2_bf16_j32w2r4", "gemvm4_bf16_j32w2r4", "gemvm8_bf16_j32w2r4"]
+    assert [mm.token_blocks(f"gemvm{b}_bf16_j32w2r4", m) for b, m in ((2, 2), (2, 3), (4, 8), (8, 16), (8, 9))] == [
+        1, 2, 2, 2, 2]
+    monkeypatch.setattr(mm, "GEMVM_TOKENS_A_BLOCK", {2: 2, 4: 4, 8: 8, 16: 16})
     assert mm.gemv_kernel("bf16", 4096, 1024, 16, 0) == ("gemvm16_bf16_j32w2r4", 64, 4)  # decode: g64r2
     assert mm.gemv_kernel("bf16", 1024, 1024, 2, 0) == ("gemvm2_bf16_j32w4r4", 128, 4)  # decode: g128r1
     monkeypatch.setattr(mm, "GEMVM_KERNEL", "j32w4r4")
@@ -596,6 +602,7 @@ def gemvm_host(tmp_path_factory):
     """The host build of matmul.cu: (shared library, run(kernel, cfg, fmt, raw, x, n_out, fused) -> y)."""
     import ctypes
 
+    from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.matmul import GEMV1_CONFIGS, GEMV1_SW, GEMV_ROWS_PER_BLOCK, GEMV_THREADS, GEMVM_CONFIGS
 
     lib = host_emulation.build(tmp_path_factory.mktemp("gemvm_emu"), "matmul.cu", GEMVM_LAUNCHER,
@@ -619,7 +626,8 @@ def gemvm_host(tmp_path_factory):
         y_buf = np.full(m * n_out + 2 * EMU_GUARD, EMU_SENTINEL, np.float32)
         y_buf[EMU_GUARD:EMU_GUARD + m * n_out] = np.nan
         ptr = lambda a: ctypes.c_void_p(a.ctypes.data + EMU_GUARD * a.itemsize)
-        lib.emu_gemv(ctypes.cast(getattr(lib, kernel), ctypes.c_void_p), ctypes.c_uint(-(-n_out // rows)),
+        grid = -(-n_out // rows) * mm.token_blocks(kernel, m)
+        lib.emu_gemv(ctypes.cast(getattr(lib, kernel), ctypes.c_void_p), ctypes.c_uint(grid),
                      ctypes.c_uint(threads), ptr(w_buf), ctypes.c_longlong(wb.shape[1]), ptr(x_buf), ptr(y_buf),
                      ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(m))
         assert (y_buf[:EMU_GUARD] == EMU_SENTINEL).all() and (y_buf[-EMU_GUARD:] == EMU_SENTINEL).all(), \
@@ -688,6 +696,27 @@ def test_verify_gemv_rows_are_the_decode_gemv_on_the_host(fmt, cfg, m, shape, ge
         np.testing.assert_array_equal(fused[t], one, err_msg=f"fused row {t}")
 
 
+# (fmt, geometry, m, tokens a block, (rows, n_in)): groups that divide m and groups that do not
+TOKEN_GROUP_CASES = [("f32", "j32w4r4", 16, 4, (33, 576)), ("bf16", "j32w2r4", 11, 4, (7, 1000)),
+                     ("f32", "j32w1r4", 16, 2, (5, 136)), ("bf16", "j4w8r2", 9, 8, (17, 2048)),
+                     ("f16", "g128r2", 7, 2, (9, 1000)), ("f32", "j8w8r2", 3, 2, (1, 8))]
+
+
+@pytest.mark.parametrize("fmt,cfg,m,sub,shape", TOKEN_GROUP_CASES)
+def test_gemvm_token_groups_on_the_host(fmt, cfg, m, sub, shape, gemvm_host):
+    """gemvm<sub> on cdiv(m, sub) times its blocks (GEMVM_TOKEN_GROUP; m not always a multiple of sub) gives an
+    m-token call's rows bit for bit as gemvm<bucket> computing all m tokens in one block, plain and fused."""
+    rng = np.random.default_rng(shape[0] + m)
+    n_out, n_in = shape
+    raw = _raw(rng, fmt, (2 * n_out, n_in))
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    bucket = 1 << (m - 1).bit_length()
+    for kind, rows, fused in (("gemvm", 2 * n_out, False), ("gemvmsw", n_out, True)):
+        whole = gemvm_host(f"{kind}{bucket}_{fmt}_{cfg}", raw, x, rows, fused)
+        grouped = gemvm_host(f"{kind}{sub}_{fmt}_{cfg}", raw, x, rows, fused)
+        np.testing.assert_array_equal(grouped, whole, err_msg=f"{kind}{sub} in groups vs {kind}{bucket}")
+
+
 @pytest.mark.parametrize("fmt,m,shape", [("bf16", 3, (7, 1000)), ("f32", 16, (33, 1030)), ("q4_0", 9, (9, 64)),
                                          ("q8_0", 2, (5, 96))])
 def test_verify_gemv_rows_are_gemv1_rows_on_the_host(fmt, m, shape, gemvm_host, monkeypatch):
@@ -720,11 +749,11 @@ def test_verify_gemv_pairs_with_the_decode_geometry(fmt, shape, monkeypatch):
     one = mm.gemv_kernel(fmt, n_out, n_in, 1, 0)[0]
     lanes = int(one.rsplit("_", 1)[1][1:].split("r")[0])
     for m in (2, 3, 8, 16):
-        bucket = 1 << (m - 1).bit_length()
-        assert mm.gemv_kernel(fmt, n_out, n_in, m, 0)[:2] == (f"gemvm{bucket}_{fmt}_j32w{lanes // 32}r4", lanes)
+        per_block = mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]
+        assert mm.gemv_kernel(fmt, n_out, n_in, m, 0)[:2] == (f"gemvm{per_block}_{fmt}_j32w{lanes // 32}r4", lanes)
     monkeypatch.setattr(mm, "GEMV1_KERNEL", dict(mm.GEMV1_KERNEL, **{fmt: "g32r4"}))
-    if mm.short_float_rows(fmt, n_out, mm._row_bytes(fmt, n_in)) is None:
-        assert mm.gemv_kernel(fmt, n_out, n_in, 4, 0)[0] == f"gemvm4_{fmt}_j32w1r4"  # follows a retuned table
+    if mm.short_float_rows(fmt, n_out, mm._row_bytes(fmt, n_in)) is None:  # follows a retuned table
+        assert mm.gemv_kernel(fmt, n_out, n_in, 16, 0)[0] == f"gemvm{mm.GEMVM_TOKENS_A_BLOCK[16]}_{fmt}_j32w1r4"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q4_0", "q8_0", "q4_k", "q6_k", "f32"])

@@ -173,18 +173,31 @@ FOR_EACH_FLOAT(DEFINE_GEMV)
 // (matmul.py routes the rest to gemv_<fmt>). gemvm<M>_<fmt>_<cfg>, cfg = g<G>r<NR> (matmul.py GEMVM_CONFIGS).
 #define GEMVM_THREADS 128
 
+// GEMVM_TOKEN_GROUP(M): gemvm<M> (either impl) serves a call of m > M tokens on cdiv(m, M) times its blocks:
+// block b runs row block bx = b / groups for tokens g M .. g M + M - 1 (g = b % groups), so the token groups of
+// a row block run side by side and read its weight rows from L2 after the first. A row's sum for a token does
+// not depend on the tokens beside it, so every row is the same bits as in the M-token kernel (and, for the
+// exact geometries, the decode step's). Needs X, Y, n_in, n_out and m in scope; declares bx, narrows m.
+#define GEMVM_TOKEN_GROUP(M)                                                     \
+    const int groups_ = (m + (M) - 1) / (M);                                     \
+    const int bx = (int)blockIdx.x / groups_;                                    \
+    const int t0_ = ((int)blockIdx.x - bx * groups_) * (M);                      \
+    X += (long long)t0_ * n_in;                                                  \
+    Y += (long long)t0_ * n_out;                                                 \
+    m = m - t0_ < (M) ? m - t0_ : (M)
+
 // SW (mul_mat_swiglu, gemvmsw<M>_<fmt>_<cfg>): W holds 2 * n_out rows, gate rows then up rows; a group's
 // first NR / 2 rows are gate rows, its last NR / 2 the same outputs' up rows, and only
 // Y[t, o] = silu(gate) * up is stored, in elementwise.cu's swiglu_halves_f32 expression.
 template <class F, int M, int G, int NR, bool SW = false>
 DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                       float* __restrict__ Y, int n_out, int n_in, int m) {
+                       float* __restrict__ Y, int n_out, int n_in, int m, int bx) {
     static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
     static_assert(!SW || NR % 2 == 0, "a swiglu group reads gate/up row pairs");
     constexpr int GROUPS = GEMVM_THREADS / G, OUT = SW ? NR / 2 : NR;  // outputs a group
     __shared__ float part[GROUPS][G / 32][NR][M];
     const int lane = threadIdx.x % G, grp = threadIdx.x / G;
-    const int row0 = (blockIdx.x * GROUPS + grp) * OUT;  // every thread reaches the barrier below
+    const int row0 = (bx * GROUPS + grp) * OUT;  // every thread reaches the barrier below
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
@@ -242,13 +255,15 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemvm_impl<F, M, G, NR>(W, row_bytes, X, Y, n_out, n_in, m);                                       \
+        GEMVM_TOKEN_GROUP(M);                                                                              \
+        gemvm_impl<F, M, G, NR>(W, row_bytes, X, Y, n_out, n_in, m, bx);                                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMVM_THREADS) gemvmsw##M##_##name##_##cfg(               \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y,  \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemvm_impl<F, M, G, NR, true>(W, row_bytes, X, Y, n_out, n_in, m);                                 \
+        GEMVM_TOKEN_GROUP(M);                                                                              \
+        gemvm_impl<F, M, G, NR, true>(W, row_bytes, X, Y, n_out, n_in, m, bx);                             \
     }
 #define DEFINE_GEMVM_CFG(name, F, cfg, G, NR)                                   \
     DEFINE_GEMVM_M(name, F, 2, cfg, G, NR) DEFINE_GEMVM_M(name, F, 4, cfg, G, NR) \
@@ -299,7 +314,7 @@ DEVICE void set_sum_scatter(float* v, int lane) {
 
 template <class F, int M, int J, int WB, int NR, int UNB, bool SW = false>
 DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
-                            float* __restrict__ Y, int n_out, int n_in, int m) {
+                            float* __restrict__ Y, int n_out, int n_in, int m, int bx) {
     static_assert(F::FLOAT && F::QK == 8 && F::UPB == 1, "float rows of 8-value units");
     static_assert(J >= 1 && J <= 32 && (J & (J - 1)) == 0, "sets of 1..32 lanes, a power of two");
     static_assert(!SW || NR % 2 == 0, "a swiglu set reads gate/up row pairs");
@@ -309,7 +324,7 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
     constexpr int UN = UNB / (NR * F::BB) > 0 ? UNB / (NR * F::BB) : 1;  // units a batch
     __shared__ float part[WB][C][S * L];  // [warp][sum c of a lane][set, lane slot]: each store one wavefront
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, set = lane / J;
-    const int row0 = (blockIdx.x * S + set) * OUT;  // every thread reaches the barrier below
+    const int row0 = (bx * S + set) * OUT;  // every thread reaches the barrier below
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {  // rows past the end repeat the last row (read, never stored)
@@ -370,7 +385,7 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
             for (int k = 0; k < WB; ++k) u += part[k][cu][iu];
             s = s / (1.0f + expf(-s)) * u;
         }
-        const int row = (blockIdx.x * S + st) * OUT + r;
+        const int row = (bx * S + st) * OUT + r;
         if (t < m && row < n_out) Y[(long long)t * n_out + row] = s;
     }
 }
@@ -381,13 +396,15 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemvm_sets_impl<F, M, J, WB, NR, UNB>(W, row_bytes, X, Y, n_out, n_in, m);                         \
+        GEMVM_TOKEN_GROUP(M);                                                                              \
+        gemvm_sets_impl<F, M, J, WB, NR, UNB>(W, row_bytes, X, Y, n_out, n_in, m, bx);                     \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * WB, 16 / WB) gemvmsw##M##_##name##_##cfg(            \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                      \
         PDL_ENTRY();                                                                                       \
-        gemvm_sets_impl<F, M, J, WB, NR, UNB, true>(W, row_bytes, X, Y, n_out, n_in, m);                   \
+        GEMVM_TOKEN_GROUP(M);                                                                              \
+        gemvm_sets_impl<F, M, J, WB, NR, UNB, true>(W, row_bytes, X, Y, n_out, n_in, m, bx);               \
     }
 #define DEFINE_GEMVM_SETS_CFG(name, F, cfg, J, WB, NR, UNB)                                                \
     DEFINE_GEMVM_SETS_M(name, F, 2, cfg, J, WB, NR, UNB) DEFINE_GEMVM_SETS_M(name, F, 4, cfg, J, WB, NR, UNB) \

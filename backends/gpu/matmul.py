@@ -63,6 +63,16 @@ GEMVM_CONFIGS = {"g64r4": (128, 8), "g128r2": (128, 2), "j32w4r4": (128, 4), "j3
 # weights (tests/test_speculative.py). "auto": gemvm_auto's pick per shape and bucket; a cfg name:
 # that geometry everywhere (benchmarks; rows then differ from the decode step's in the last bits).
 GEMVM_KERNEL = "exact"
+# Tokens a gemvm block computes, by the call's bucket (2, 4, 8, 16 tokens): a call of more runs gemvm<that> on
+# cdiv(m, it) times its blocks (matmul.cu GEMVM_TOKEN_GROUP), each row the same bits, so the exact geometries stay
+# the decode step's. Two token groups a row block put twice the blocks on the SMs for the same weight bytes from
+# DRAM (the second group reads them from L2). H200, 2026-12-03, captured verify call (`profile_gpu_decode.py MODEL
+# --verify B`), us at 16 / 8 / 4 / 2 tokens a block (as many of them as the call has): SmolLM2 F32 at 300 keys,
+# 16-token call 1,750 / 1,453 / 1,407 / 1,589, 8-token 1,133 / 1,063 / 1,061, 4-token 873 / 822; Qwen3-0.6B bf16
+# at 128 keys, 16-token 2,717 / 2,214 / 2,372 / 2,594, 8-token 1,678 / 1,552 / 1,698. The decode step's own kernel
+# a token a block (GEMV1_TOKEN_BLOCK, as quantized weights take) was slower still: SmolLM2 16 / 8 / 4-token calls
+# 2,799 / 1,663 / 1,088, Qwen3-0.6B 16 / 8 4,021 / 2,307.
+GEMVM_TOKENS_A_BLOCK = {2: 2, 4: 2, 8: 4, 16: 8}
 # "auto" (a guess from instruction counts; measured above: not better than j32w4r4 on Qwen3-0.6B, and not
 # g128r2's order): the first geometry of GEMVM_AUTO whose grid has at
 # least the blocks beside it. j4w8r4 (32-row blocks, 64 FMAs a lane per 16-byte x load) for vocabulary-sized
@@ -202,7 +212,7 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     rows not whole 8-value pieces; unaligned rows for the wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
-            bucket = 1 << (m - 1).bit_length()  # gemvm2 / gemvm4 / gemvm8 / gemvm16
+            bucket = GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # gemvm2 / gemvm4 / gemvm8 / gemvm16
             cfg = GEMVM_KERNEL
             if cfg == "exact":
                 cfg = gemvm_exact(fmt, n_out, n_in, w_ptr)
@@ -238,8 +248,13 @@ def decode_kernel_serves(m: int) -> bool:
 
 
 def token_blocks(name: str, m: int) -> int:
-    """Blocks a row block takes: m for the decode kernels (GEMV1_TOKEN_BLOCK: a token a block), else 1."""
-    return m if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv_tc_")) else 1
+    """Blocks a row block takes: m for the decode kernels (GEMV1_TOKEN_BLOCK: a token a block), cdiv(m, M) for
+    gemvm<M> (GEMVM_TOKEN_GROUP: M tokens a block), else 1."""
+    if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv_tc_")):
+        return m
+    if name.startswith("gemvm"):
+        return cdiv(m, int(name.removeprefix("gemvmsw").removeprefix("gemvm").split("_")[0]))
+    return 1
 
 
 def gemvm_exact(fmt: str, n_out: int, n_in: int, w_ptr: int) -> str | None:
