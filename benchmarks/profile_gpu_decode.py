@@ -95,16 +95,7 @@ def main() -> None:
             ("captured graph alone (launch+sync)", graph_us)]
     if pdl.enabled():  # the same step captured again with each kernel waiting for the last to end
         rows.append(("  the same graph without PDL", recaptured_us(program, model._state, graph_only, args.tokens)))
-    for variant in filter(None, args.defines.split(";")):
-        variant, _, fileset = variant.partition("@")
-        defines, files = tuple(variant.split(",")), define_files(fileset or args.define_files)
-        where = f" in {fileset}" if fileset else ""
-        rows.append((f"  kernels with -D{' -D'.join(defines)}{where}",
-                     recaptured_us(program, model._state, graph_only, args.tokens, defines, True, files)))
-        if pdl.enabled():
-            rows.append(("    and without PDL",
-                         recaptured_us(program, model._state, graph_only, args.tokens, defines, False, files)))
-    recaptured_us(program, model._state, graph_only, 1, pdl_on=True)  # back to the shipped kernels
+    rows += variant_rows(program, model._state, graph_only, args)
     steps = len(program._steps)
     print(f"model {args.model}: decode step = {steps} kernels, captured (programmatic dependent launch: "
           f"{'on' if pdl.enabled() else 'off'}); context {n}")
@@ -188,10 +179,30 @@ def profile_verify(args) -> None:
     rows = [("verify() whole call", per_call_us(lambda: sp.verify(model, tokens, greedy=True), args.tokens))]
     if program.captured:
         rows.append(("captured graph alone (launch+sync)", per_call_us(graph_alone(program), args.tokens)))
+        rows += variant_rows(program, model._state, graph_alone(program), args)
     for what, us in rows:
         print(f"{what:<34} {us:9.1f} us")
     if args.kernels:
         kernel_table(program, args.kernels)
+
+
+def variant_rows(program, state, graph_only, args) -> list[tuple[str, float]]:
+    """(label, us) of the captured Program with each --defines variant's kernels (and without PDL, where it is
+    on), then the shipped kernels bound again."""
+    from graphir.backends.gpu import pdl
+
+    rows = []
+    for variant in filter(None, args.defines.split(";")):
+        variant, _, fileset = variant.partition("@")
+        defines, files = tuple(variant.split(",")), define_files(fileset or args.define_files)
+        where = f" in {fileset}" if fileset else ""
+        rows.append((f"  kernels with -D{' -D'.join(defines)}{where}",
+                     recaptured_us(program, state, graph_only, args.tokens, defines, True, files)))
+        if pdl.enabled():
+            rows.append(("    and without PDL", recaptured_us(program, state, graph_only, args.tokens, defines, False,
+                                                              files)))
+    recaptured_us(program, state, graph_only, 1, pdl_on=True)  # back to the shipped kernels
+    return rows
 
 
 def define_files(spec: str) -> tuple[str, ...]:

@@ -550,7 +550,7 @@ def test_gemvm_configs_mirror_the_kernel_source():
 
     src = (kernels.KERNEL_DIR / "matmul.cu").read_text()
     old = re.findall(r"DEFINE_GEMVM_CFG\(name, F, (g\d+r\d+), (\d+), (\d+)\)", src)
-    sets = re.findall(r"X\(name, F, (j\d+w\d+r\d+), (\d+), (\d+), (\d+), \d+\)", src)
+    sets = re.findall(r"X\(name, F, (j\d+w\d+r\d+), (\d+), (\d+), (\d+), \w+\)", src)
     want = {cfg: (128, 128 // int(g) * int(nr)) for cfg, g, nr in old}
     want |= {cfg: (32 * int(wb), 32 // int(j) * int(nr)) for cfg, j, wb, nr in sets}
     assert mm.GEMVM_CONFIGS == want

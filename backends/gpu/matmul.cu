@@ -413,10 +413,16 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
 // block 32 / J * NR). ptxas (nvcc 13.0, sm_90), 16-token kernels, bf16 / f32: j32w4r4 128 / 128 registers,
 // j8w8r2 and j4w8r2 112 / 122, j4w8r4 128 / 128, no spills in any. j4w8r2: weights of many rows; j8w8r2:
 // twice the blocks for fewer rows; j4w8r4: 64 FMAs a lane per 16-byte x load (vocabulary-sized weights).
+// GEMVM_UNB: the exact geometries' (j32) weight bytes a lane loads before using any (UNB above); 64 gives one unit
+// at NR 4 for every float format, so a lane with two units of a row (SmolLM2's down rows: 192 units over 128 lanes)
+// waits for its loads twice. A measurement switch (profile_gpu_decode.py --verify B --defines GEMVM_UNB=256).
+#ifndef GEMVM_UNB
+#define GEMVM_UNB 64
+#endif
 #define FOR_EACH_GEMVM_SETS_CFG(X, name, F) \
-    X(name, F, j32w4r4, 32, 4, 4, 64)      \
-    X(name, F, j32w2r4, 32, 2, 4, 64)      \
-    X(name, F, j32w1r4, 32, 1, 4, 64)      \
+    X(name, F, j32w4r4, 32, 4, 4, GEMVM_UNB) \
+    X(name, F, j32w2r4, 32, 2, 4, GEMVM_UNB) \
+    X(name, F, j32w1r4, 32, 1, 4, GEMVM_UNB) \
     X(name, F, j8w8r2, 8, 8, 2, 64)        \
     X(name, F, j4w8r2, 4, 8, 2, 64)        \
     X(name, F, j4w8r4, 4, 8, 4, 64)
