@@ -2,26 +2,19 @@
 
     python benchmarks/gpu_planted_bugs.py [N ...]      # all bugs, or only the numbered ones
 
-Each bug is one textual edit of a kernel source (an off-by-one, a dropped eps, a swapped stride), applied to
-a copy of this tree laid out as installed (backends/ and models/ inside graphir/) under /tmp; the tests
-named with it then run against the copy, with its own graph cache (compiled kernels are keyed on their
-source). A line per bug: CAUGHT (the tests failed), MISSED (they passed: the tests cannot see this bug),
-NOT RUN (every test skipped: no GPU) or the pytest exit status; the script exits 1 if any bug was not
-caught. An edit whose text is no longer in the source stops the script: update the bug with the kernel.
+Each bug is one textual edit of a kernel source in backends/gpu (an off-by-one, a dropped eps, a swapped stride),
+planted and tested by planted.py (beside this script): a line per bug, CAUGHT, MISSED or NOT RUN (no GPU).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planted import run  # noqa: E402  (beside this script)
 
-# (what, kernel source, text, its buggy replacement, test files, pytest -k)
+# (what, kernel source in backends/gpu, text, its buggy replacement, test files, pytest -k)
 BUGS = [
     ("add_rms_norm_mul register kernel drops eps", "norm.cu",
      "const float inv = 1.0f / sqrtf(ss / (float)ncols + eps);\n#pragma unroll",
@@ -120,43 +113,8 @@ BUGS = [
 ]
 
 
-def planted_tree(i: int, source: str, old: str, new: str) -> Path:
-    """This tree copied to /tmp/graphir_plant<i>, laid out as installed, with one edit in backends/gpu/source."""
-    d = Path(f"/tmp/graphir_plant{i}")
-    shutil.rmtree(d, ignore_errors=True)
-    skip = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".snap*", ".whl", ".gpu_carry", "*.egg-info",
-                                  ".pytest_cache", ".ruff_cache")
-    shutil.copytree(ROOT, d, ignore=skip)
-    for pkg in ("backends", "models"):
-        if not (d / "graphir" / pkg).exists():
-            shutil.copytree(d / pkg, d / "graphir" / pkg)
-    for base in (d, d / "graphir"):
-        p = base / "backends" / "gpu" / source
-        text = p.read_text()
-        if text.count(old) != 1:
-            sys.exit(f"bug {i}: its text occurs {text.count(old)} times in backends/gpu/{source}, not once")
-        p.write_text(text.replace(old, new))
-    return d
-
-
 def main() -> None:
-    only = set(sys.argv[1:])
-    missed = 0
-    for i, (what, source, old, new, tests, k) in enumerate(BUGS):
-        if only and str(i) not in only:
-            continue
-        d = planted_tree(i, source, old, new)
-        t0 = time.time()
-        path = os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))  # the copy's graphir first
-        env = dict(os.environ, PYTHONPATH=path, GRAPHIR_CACHE_DIR=f"{d}/.cache")  # kernels: keyed on their source
-        r = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider {tests} -k '{k}'", shell=True,
-                           cwd=d, env=env, capture_output=True, text=True)
-        last = (r.stdout.strip().splitlines() or ["?"])[-1]
-        ran = " passed" in last or " failed" in last  # all skipped (no GPU) proves nothing
-        verdict = {1: "CAUGHT", 0: "MISSED"}.get(r.returncode, f"pytest exit {r.returncode}") if ran else "NOT RUN"
-        print(f"{i}: {verdict:7s} {what}: {last} ({time.time() - t0:.0f} s)", flush=True)
-        missed += verdict not in ("CAUGHT", "NOT RUN")
-    sys.exit(1 if missed else 0)
+    run([(what, f"backends/gpu/{source}", *rest) for what, source, *rest in BUGS], set(sys.argv[1:]))
 
 
 if __name__ == "__main__":

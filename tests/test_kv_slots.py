@@ -181,6 +181,17 @@ def test_a_gather_by_a_const_and_a_const_length_bound_are_caught():
     assert "attn_const_len" in problems[1] and "KV length bound const" in problems[1]
 
 
+def test_a_kv_view_one_row_short_of_the_pool_is_caught():
+    """The view rule at its edge: rows 0..POOL-2 or 1..POOL-1 of the pool (one row short) are a build-time extent; a
+    view of every row is not."""
+    written = g.set_rows(g.state("k_pool", (POOL, 2, 4)), g.input("x", (3, 2, 4)), g.input("idx", (3,), "i32"))
+    views = {name: g.rows(written, start=start, count=count, name=name)
+             for name, start, count in (("k_short", 0, POOL - 1), ("k_late", 1, POOL - 1), ("k_whole", 0, POOL))}
+    problems = kv_bound_problems(graphir.Graph(views))
+    assert sorted(p.split("'")[1] for p in problems) == ["k_late", "k_short"], problems
+    assert all(f"spans {POOL - 1} of its {POOL} rows" in p for p in problems)
+
+
 def test_bad_slot_maps_fail_clearly_and_leave_the_cache_usable():
     plain, slotted = models("cpu")
     tokens = np.random.default_rng(7).integers(0, plain.config.n_vocab, CTX).tolist()

@@ -187,3 +187,16 @@ def test_a_graph_structure_is_passed_once(monkeypatch):
     assert runs == ["default"]
     assert model.programs.passed(model.graph("decode"), "default") is model.programs.passed(model._graph(1), "default")
     assert runs == ["default"]
+
+
+def test_one_graph_under_two_pipelines_gets_each_pipelines_result(tiny, monkeypatch):
+    """The passed-graph cache keys on the pipeline too: one structure passed under two pipelines, in either order,
+    gives each its own result (a shared entry would lower one pipeline's graph under the other's name)."""
+    monkeypatch.setenv("GRAPHIR_NO_GRAPH_CACHE", "1")  # the in-memory cache alone
+    graph = tiny.graph("decode")
+    fused = lambda gr: any(n.op == "add_rms_norm_mul" for n in gr.nodes())  # noqa: E731
+    for first, second in (("default", "dce"), ("dce", "default")):
+        cache = ProgramCache()
+        results = {first: cache.passed(graph, first), second: cache.passed(graph, second)}
+        assert fused(results["default"]) and not fused(results["dce"]), (first, second)
+
