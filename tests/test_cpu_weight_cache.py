@@ -111,6 +111,16 @@ def test_changed_deriving_code_misses(tmp_path, monkeypatch):
     assert len(list(weight_cache.cache_root().glob("*/*"))) == 1
 
 
+def test_every_module_that_repacks_kept_weights_is_in_the_code_hash():
+    """An edit to a module that derives kept weights must miss the entries it derived: each backends/cpu module
+    defining a `repack` is hashed into the entries' key (code_hash), and the hash moves with its bytes."""
+    from pathlib import Path
+
+    here = Path(weight_cache.__file__).parent
+    derivers = {p.name for p in here.glob("*.py") if "\ndef repack(" in p.read_text()}
+    assert {"gemv_q8x.py", "gemv_repacked.py"} <= derivers <= set(weight_cache._CODE)
+
+
 def test_a_corrupt_entry_is_derived_again(tmp_path):
     write_file(tmp_path / "m.bin", 0)
     stored(tmp_path / "m.bin")
