@@ -224,7 +224,7 @@ def bench_gemvm_shape(cp, rng, fmt: str, rows: int, n_in: int, sw: bool, m: int,
     """{cfg: (us per call, bitwise equal to g128r2)} of gemvm<m> (gemvmsw<m> where sw: rows / 2 outputs)
     on one [rows, n_in] weight in rotated copies; every output checked against cuBLAS's f32 product."""
     from graphir.backends.gpu.launch import Launch, cdiv, i32
-    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, GEMVM_TOKENS_A_BLOCK, _row_bytes, token_blocks
+    from graphir.backends.gpu.matmul import GEMVM_CONFIGS, _row_bytes, gemvm_block_tokens, token_blocks
 
     # normal weights (bf16: the f32 values' top halves), generated on the device: make_raw's random bf16 bits
     # span 2^-127..2 and make nearly every sum independent of the order its terms are added in
@@ -250,7 +250,7 @@ def bench_gemvm_shape(cp, rng, fmt: str, rows: int, n_in: int, sw: bool, m: int,
     ys = [cp.zeros((m, n_out), np.float32) for _ in range(copies)]
     out: dict[str, tuple[float, bool]] = {}
     first: dict[str, np.ndarray] = {}
-    tokens = GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # a block's, as the verify call runs them
+    tokens = gemvm_block_tokens(m)  # a block's, as the verify call runs them
     for cfg in cfgs:
         threads, per_block = GEMVM_CONFIGS[cfg]
         per_block = per_block // 2 if sw else per_block

@@ -337,7 +337,7 @@ def test_gemvm_variants(fmt, cfg, m, shape, rng, monkeypatch):
     x = rng.standard_normal((m, n_in)).astype(np.float32)
     y_dev = cp.full((m, n_out), np.nan, np.float32)
     steps = mm.lower_mul_mat(Lowering(weights), None, [gp, cp.asarray(x)], [y_dev], {})
-    assert steps[-1].name == f"gemvm{mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]}_{fmt}_{cfg}"
+    assert steps[-1].name == f"gemvm{mm.gemvm_block_tokens(m)}_{fmt}_{cfg}"
     for s in steps:
         s()
     _check_product(y_dev.get(), x, dequantize(raw, fmt, shape))
@@ -500,7 +500,7 @@ def test_mul_mat_swiglu_verify_kernel(fmt, cfg, m, shape, rng, monkeypatch):
     x = cp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
     fused = cp.full((m, half), np.nan, np.float32)
     steps = mm.lower_mul_mat_swiglu(lw, None, [gp, x], [fused], {})
-    bucket = mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # tokens a block
+    bucket = mm.gemvm_block_tokens(m)  # tokens a block
     assert [s.name for s in steps] == [f"gemvmsw{bucket}_{fmt}_{cfg}"]
     unfused = cp.full((m, half), np.nan, np.float32)
     monkeypatch.setattr(mm, "SW_MAX_BYTES", 0)
@@ -749,7 +749,7 @@ def test_verify_gemv_pairs_with_the_decode_geometry(fmt, shape, monkeypatch):
     one = mm.gemv_kernel(fmt, n_out, n_in, 1, 0)[0]
     lanes = int(one.rsplit("_", 1)[1][1:].split("r")[0])
     for m in (2, 3, 8, 16):
-        per_block = mm.GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]
+        per_block = mm.gemvm_block_tokens(m)
         assert mm.gemv_kernel(fmt, n_out, n_in, m, 0)[:2] == (f"gemvm{per_block}_{fmt}_j32w{lanes // 32}r4", lanes)
     monkeypatch.setattr(mm, "GEMV1_KERNEL", dict(mm.GEMV1_KERNEL, **{fmt: "g32r4"}))
     if mm.short_float_rows(fmt, n_out, mm._row_bytes(fmt, n_in)) is None:  # follows a retuned table

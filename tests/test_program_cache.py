@@ -199,4 +199,3 @@ def test_one_graph_under_two_pipelines_gets_each_pipelines_result(tiny, monkeypa
         cache = ProgramCache()
         results = {first: cache.passed(graph, first), second: cache.passed(graph, second)}
         assert fused(results["default"]) and not fused(results["dce"]), (first, second)
-

@@ -212,14 +212,14 @@ def gemv_kernel(fmt: str, n_out: int, n_in: int, m: int, w_ptr: int,
     rows not whole 8-value pieces; unaligned rows for the wide-load formats) fall back to gemv1_<fmt>."""
     if m != 1:
         if m <= GEMVM_MAX_TOKENS and fmt in FLOATS and n_in % 8 == 0:
-            bucket = GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]  # gemvm2 / gemvm4 / gemvm8 / gemvm16
+            per_block = gemvm_block_tokens(m)  # gemvm2 / gemvm4 / gemvm8
             cfg = GEMVM_KERNEL
             if cfg == "exact":
                 cfg = gemvm_exact(fmt, n_out, n_in, w_ptr)
             elif cfg == "auto":
-                cfg = gemvm_auto(n_out, bucket)
+                cfg = gemvm_auto(n_out, 1 << (m - 1).bit_length())
             if cfg is not None:
-                return f"gemvm{bucket}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
+                return f"gemvm{per_block}_{fmt}_{cfg}", *GEMVM_CONFIGS[cfg]
         if decode_kernel_serves(m):
             name, threads, rows = gemv_kernel(fmt, n_out, n_in, 1, w_ptr, variant)
             if token_blocks(name, m) > 1:
@@ -245,6 +245,11 @@ def decode_kernel_serves(m: int) -> bool:
     gives float rows of whole 8-value pieces gemvm_exact's geometry first; where the decode step takes
     gemv1_<fmt>, gemv_<fmt> is already its order.)"""
     return GEMVM_KERNEL == "exact" and 1 < m <= GEMV_MAX_TOKENS
+
+
+def gemvm_block_tokens(m: int) -> int:
+    """Tokens a gemvm block computes for an m-token call (2..16): GEMVM_TOKENS_A_BLOCK of its bucket."""
+    return GEMVM_TOKENS_A_BLOCK[1 << (m - 1).bit_length()]
 
 
 def token_blocks(name: str, m: int) -> int:
