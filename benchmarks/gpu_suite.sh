@@ -34,6 +34,7 @@ fi
 [ -z "$QUICK" ] && run planted-bugs python3 benchmarks/gpu_planted_bugs.py
 run launch-floor python3 benchmarks/bench_gpu_launch_floor.py
 run persistent-probe python3 benchmarks/bench_gpu_persistent_probe.py
+run megakernel-probe python3 benchmarks/bench_gpu_megakernel_probe.py
 run bench-gemv python3 benchmarks/bench_gpu_gemv.py ${QUICK:+--quick}
 run bench-gemv-q8x python3 benchmarks/bench_gpu_gemv.py --q8x --formats q4_0,q8_0 ${QUICK:+--quick}
 run bench-attention python3 benchmarks/bench_gpu_attention.py ${QUICK:+--quick}
