@@ -23,7 +23,7 @@ random:qwen3-0.6b --kernels 0`. Exits non-zero when a check fails (gpu_suite.sh 
 Measured (one H200, 2026-12-03, BENCHMARKS.md twenty-third session): 855-884 us a step at position 128
 (32 % of the bytes at copy bandwidth), against the backend's captured step of 814 us at context 195 (258
 kernels): not faster. A stage's work is 1.2-2.7 us a block, but handing its output to the next stage costs
-2.7-4.1 us (the last writer's words to every block's complete view), five hand-offs a layer: the same order as
+2.4-4.1 us (the last writer's words to every block's complete view), five hand-offs a layer: the same order as
 the PDL kernel boundaries they replace. The weight stream is not the limit (every layer reading layer 0's
 weights from L2: 828 us).
 """
