@@ -193,6 +193,20 @@ def test_gguf_wrong_shape(tmp_path):
         graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, arrays)))
 
 
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_transposed_tensor_is_refused(tmp_path, fmt):
+    # The config's dimensions in the other order ([n_in, n_out] for [n_out, n_in]): as many elements, the same
+    # sizes, and still not the tensor the graph multiplies by.
+    arrays = tiny_arrays()
+    name = "blk.1.ffn_down.weight"
+    n_out, n_in = arrays[name].shape
+    assert n_out != n_in
+    arrays[name] = np.ascontiguousarray(arrays[name].T)
+    with raises(LoadError, name, f"[{n_in}, {n_out}]", f"expects [{n_out}, {n_in}]"):
+        graphir.load(str(hf_dir(tmp_path, arrays=arrays) if fmt == "hf" else
+                         write_gguf(tmp_path / "m.gguf", TINY, arrays)))
+
+
 def test_gguf_rope_scaling_refused(tmp_path):
     arrays = tiny_arrays()
     arrays["rope_freqs.weight"] = np.ones(TINY.head_dim // 2, np.float32)
