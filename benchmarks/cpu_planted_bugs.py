@@ -155,6 +155,13 @@ BUGS = [
      "models/family.py",
      "if tuple(w.shape) != shape:", "if sorted(w.shape) != sorted(shape):",
      "tests/test_api_errors.py", "shape or transposed"),
+    ("a Gemma 3 GGUF's sliding layers take the global rope base (freq_base, not freq_base_swa)", "models/gemma3.py",
+     'rope_theta_local=float(key("rope.freq_base_swa", 10_000.0))',
+     'rope_theta_local=float(key("rope.freq_base", 10_000.0))',
+     "tests/test_gemma3.py", "gguf"),
+    ("a Gemma 3 GGUF's linear rope scaling multiplies positions by the factor, not 1 / factor", "models/gemma3.py",
+     "rope_freq_scale=1.0 / factor,", "rope_freq_scale=factor,",
+     "tests/test_gemma3.py", "gguf"),
 ]
 
 

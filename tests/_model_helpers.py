@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -29,10 +30,14 @@ def permute_for_norm_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, c: LlamaConfig, tensors: Mapping[str, np.ndarray], arch: str | None = None,
-               skip_keys: tuple[str, ...] = ()) -> Path:
-    """A GGUF with llama.cpp's metadata keys for `c` (prefix `arch`, default c.arch) and f32/f16 `tensors`."""
+               skip_keys: tuple[str, ...] = (), extra: Mapping[str, Any] | None = None) -> Path:
+    """A GGUF with llama.cpp's metadata keys for `c` (prefix `arch`, default c.arch) and f32/f16 `tensors`;
+    `extra` adds more keys under the prefix (bool, int: uint32, float: float32, str, or a list: an array)."""
     arch = arch or c.arch
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra or {}).items():
+        add = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, str: w.add_string, list: w.add_array}
+        add[type(value)](f"{arch}.{key}", value)
     keys = {
         "context_length": (c.context_length, w.add_uint32),
         "embedding_length": (c.d_model, w.add_uint32),

@@ -14,10 +14,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _model_helpers import write_gguf  # noqa: E402
 from graphir.models import gemma3  # noqa: E402
+from graphir.models.loader import load_hf  # noqa: E402
 
 import graphir  # noqa: E402
 from graphir.errors import LoadError  # noqa: E402
+from graphir.quant import dequantize  # noqa: E402
 
 IDS = [2, 17, 201, 5, 99, 64, 3, 150, 42, 7, 250]  # 11 tokens: longer than the window of 4
 
@@ -68,6 +71,23 @@ def test_tiny_hf_models_match_transformers(tmp_path, variant):
     ours = graphir.load(str(tmp_path), backend="reference", passes="")
     c = ours.config
     assert c.sliding.count(False) == (1 if variant == "tied" else 2) and c.sliding_window < len(IDS)
+    assert_close(ours.logits(IDS), hf_logits(hf, IDS))
+
+
+def test_gguf_with_llama_cpp_metadata_matches_transformers(tmp_path):
+    """The tiny model's tensors written as a GGUF with the keys llama.cpp's converter writes (two rope bases,
+    linear scaling on the global layers, a per-layer sliding pattern, the final soft-cap), against transformers
+    on the HF original. query_pre_attn_scalar is head_dim: llama.cpp's 1 / sqrt(head_dim) with no scale key."""
+    rope = VARIANTS["softcap-linear-rope"]["rope_parameters"]
+    hf = tiny_hf(tmp_path / "hf", **{**VARIANTS["softcap-linear-rope"], "query_pre_attn_scalar": 16})
+    c, weights, _ = load_hf(tmp_path / "hf")  # our names and norm convention: llama.cpp's for Gemma 3
+    tensors = {n: dequantize(w.data, w.dtype, w.shape) for n, w in weights.items()}
+    extra = {"attention.sliding_window": 3, "attention.sliding_window_pattern": list(c.sliding),
+             "rope.freq_base_swa": rope["sliding_attention"]["rope_theta"], "rope.scaling.type": "linear",
+             "rope.scaling.factor": rope["full_attention"]["factor"], "final_logit_softcapping": 2.0}
+    path = write_gguf(tmp_path / "m.gguf", c, tensors, extra=extra)
+    ours = graphir.load(str(path), backend="reference", passes="")
+    assert ours.config.sliding == c.sliding and ours.config.sliding.count(False) == 2
     assert_close(ours.logits(IDS), hf_logits(hf, IDS))
 
 
