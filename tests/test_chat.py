@@ -100,6 +100,26 @@ def test_two_turn_chat_reuses_the_kv_cache(smollm2):
     assert smollm2.conversation.last_prefill == n_prompt
 
 
+def test_chat_edited_part_way_replies_as_a_fresh_run():
+    """A turn whose prompt shares only a prefix with the cached conversation (an edited message) must not
+    keep the cache past the fork: its reply equals a fresh model's, and it reads the whole prompt."""
+    m = graphir.load("random:llama-tiny", backend="reference", passes="", ctx=97)
+    m.tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+    m.chat([{"role": "user", "content": "Hi there, how are you today?"}], max_new_tokens=7)
+    edited = [{"role": "user", "content": "Hi there, who are you, then?"}]
+    prompt = m.tokenizer.encode(render(m.tokenizer.chat_template, edited), add_bos=False)
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, m.conversation.cached, strict=False)) if a != b)
+    assert 0 < shared < m.n_past  # the fork is part way into the cache
+    m.chat(edited, max_new_tokens=7)
+    got, read = list(m.conversation.cached), m.conversation.last_prefill
+    fresh = graphir.load("random:llama-tiny", backend="reference", passes="", ctx=97)
+    fresh.tokenizer.chat_template = m.tokenizer.chat_template
+    fresh.chat(edited, max_new_tokens=7)
+    assert got == fresh.conversation.cached and got[:len(prompt)] == prompt
+    assert read == len(prompt)
+
+
 def test_cli_chat_one_turn(smollm2):
     from click.testing import CliRunner
 
