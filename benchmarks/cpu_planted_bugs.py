@@ -171,6 +171,17 @@ BUGS = [
      "graphir/chat.py",
      "if keep == 0 or keep < m.n_past:", "if keep == 0:",
      "tests/test_chat.py", "chat and not slow"),
+    ("a model is padded if its graph has any row write (a recurrent model's conv and delta states take the pads)",
+     "graphir/api.py",
+     'return all(n.op != "assign" for n in graph.nodes())', 'return any(n.op == "set_rows" for n in graph.nodes())',
+     "tests/test_qwen35.py tests/test_cpu_short_prompts.py", "not gpu"),
+    ("a padded last call may run past the KV slot pool (pad room from ctx, not the KV capacity)", "graphir/api.py",
+     "padded = self._plan(n, self.kv_capacity - self.n_past)", "padded = self._plan(n, self.config.ctx - self.n_past)",
+     "tests/test_kv_slots.py tests/test_cpu_short_prompts.py", "not gpu"),
+    ("a sentencepiece stream re-decodes each piece without the token before it (loses the spaces)",
+     "models/tokenizer.py",
+     "self._prefix, self._read = self._read, len(self._ids)", "self._prefix = self._read = len(self._ids)",
+     "tests/test_tokenizer.py", ""),
 ]
 
 
