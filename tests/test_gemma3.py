@@ -139,6 +139,13 @@ def test_gguf_config_defaults_to_every_sixth_layer_global():
     assert c.sliding == (True,) * 5 + (False, True) and c.attn_scale == 0.25 and c.tied_embeddings
 
 
+@pytest.mark.parametrize("period", [1, 2, 3, 7, 8])
+def test_gguf_pattern_period_sets_the_global_layers(period):
+    # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1 (the n-th, 2n-th, ... are global)
+    c = gemma3.config_from_gguf({**GGUF_MD, "gemma3.attention.sliding_window_pattern": period}, TENSORS, "m.gguf")
+    assert c.sliding == tuple(il % period < period - 1 for il in range(7))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"gemma3.attention.sliding_window": None}, "missing metadata key gemma3.'attention.sliding_window'"),
     ({"gemma3.attention.sliding_window": 0}, "gemma3.attention.sliding_window = 0 must be an int >= 1"),
