@@ -186,6 +186,11 @@ BUGS = [
      "models/gemma3.py",
      "return layer_pattern(n_layers, int(v))", "return layer_pattern(n_layers)",
      "tests/test_gemma3.py", "gguf"),
+    ("a Gemma 3 27B GGUF scales its queries by 1 / sqrt(head_dim), not llama.cpp's 1 / sqrt(d_model / n_heads)",
+     "models/gemma3.py",
+     "scale = 1.0 / math.sqrt(d_model / n_heads if n_layers == _BIG_27B_LAYERS else head_dim)",
+     "scale = 1.0 / math.sqrt(head_dim)",
+     "tests/test_gemma3.py", "gguf"),
 ]
 
 

@@ -139,6 +139,18 @@ def test_gguf_config_defaults_to_every_sixth_layer_global():
     assert c.sliding == (True,) * 5 + (False, True) and c.attn_scale == 0.25 and c.tied_embeddings
 
 
+@pytest.mark.parametrize("layers, d_model, heads, head_dim, query_pre_attn_scalar", [
+    (62, 5376, 32, 128, 168),  # 27B: HF's query_pre_attn_scalar is d_model / n_heads, not head_dim
+    (48, 3840, 16, 256, 256),  # 12B
+])
+def test_gguf_query_scale_is_the_hf_models(layers, d_model, heads, head_dim, query_pre_attn_scalar):
+    # llama.cpp's GGUFs carry no attention.scale; the scale must still be the HF model's 1 / sqrt(query_pre_attn_scalar)
+    md = {**GGUF_MD, "gemma3.block_count": layers, "gemma3.embedding_length": d_model,
+          "gemma3.attention.head_count": heads, "gemma3.attention.key_length": head_dim}
+    c = gemma3.config_from_gguf(md, {"token_embd.weight": Info((262208, d_model))}, "m.gguf")
+    assert c.attn_scale == pytest.approx(query_pre_attn_scalar ** -0.5, rel=1e-12)
+
+
 @pytest.mark.parametrize("period", [1, 2, 3, 7, 8])
 def test_gguf_pattern_period_sets_the_global_layers(period):
     # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1 (the n-th, 2n-th, ... are global)
