@@ -288,6 +288,23 @@ def test_gguf_names_and_tiled_value_heads_match_transformers(hf_model, loaded, t
     assert_close(Runner(gconfig, gweights, backend="cpu", passes="default").feed(IDS), hf_logits(hf_model, IDS))
 
 
+def test_gguf_per_layer_head_counts_are_the_attention_layers(hf_model, loaded, tmp_path):
+    """Hybrid GGUFs may store the head counts per layer, 0 on the DeltaNet layers: the config takes the
+    attention layers' counts, as from the scalar keys."""
+    config, weights = loaded
+    path = tmp_path / "tiny-qwen35.gguf"
+    write_qwen35_gguf(path, config, weights)
+    f = GGUFFile(path)
+    attends = [t == "full_attention" for t in hf_model.config.layer_types] + [True]  # + the MTP block
+    assert not attends[0] and any(attends[:-1])
+    md = dict(f.metadata)
+    for key in ("qwen35.attention.head_count", "qwen35.attention.head_count_kv"):
+        md[key] = [int(md[key]) if a else 0 for a in attends]
+    got = qwen35.config_from_gguf(md, f.tensors, f.label)
+    assert got == qwen35.config_from_gguf(f.metadata, f.tensors, f.label)
+    assert (got.n_heads, got.n_kv_heads) == (hf_model.config.num_attention_heads, hf_model.config.num_key_value_heads)
+
+
 def test_hf_names_of_the_multimodal_checkpoint():
     assert qwen35.hf_to_param_name("model.language_model.layers.2.linear_attn.in_proj_qkv.weight") == \
         "blk.2.attn_qkv.weight"
