@@ -1,5 +1,6 @@
-"""Plant plausible bugs in the cpu backend, the passes and the speculative loop, and check that the tests catch
-each one (the cpu counterpart of gpu_planted_bugs.py; no GPU needed).
+"""Plant plausible bugs in the cpu backend, the passes, the speculative loop, sampling, the reference ops, the model
+builders and loaders (HF, GGUF metadata, quant codecs, the weight shape check), prefill padding, the tokenizer and
+chat, and check that the tests catch each one (the cpu counterpart of gpu_planted_bugs.py; no GPU needed).
 
     python benchmarks/cpu_planted_bugs.py [N ...]      # all bugs, or only the numbered ones
 
