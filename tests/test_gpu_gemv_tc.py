@@ -349,3 +349,16 @@ def test_tc_kernel_on_the_host_keeps_f32_accuracy(tc_host, rng):
     wd, xd = dequantize(raw, "q4_0", shape).astype(np.float64), x[0].astype(np.float64)
     err, bound = np.abs(y[0] - wd @ xd), 4e-6 * (np.abs(wd) @ np.abs(xd))
     assert (err <= bound).all(), f"{(err / bound).max():.2f}x the bound"
+
+
+def test_geometry_tables_pick_by_row_tiles():
+    """geometry_for: a name is taken as is; "auto" and a written table give the first entry whose row tiles the
+    product has (16 rows a tile), so a sweep (profile_gpu_decode.py --gemv1 "q4_0=tc@t4w4:4096/t1w8:0") times
+    the shapes it means to."""
+    from graphir.backends.gpu.gemv_tc import geometry_for
+
+    table = "t4w4:4096/t2w4:512/t1w8:0"
+    assert [geometry_for(n, table) for n in (1, 16 * 511, 16 * 511 + 1, 16 * 4095, 16 * 4096, 151936)] == \
+        ["t1w8", "t1w8", "t2w4", "t2w4", "t4w4", "t4w4"]
+    assert geometry_for(151936, "auto") == "t4w4" and geometry_for(4096, "auto") == "t1w8"
+    assert geometry_for(151936, "t2w16") == "t2w16"

@@ -43,6 +43,11 @@
 // Groups a warp loads ahead of the one it multiplies (codes, scales and x). H200, 2026-12-03, bench_gpu_gemv.py --tc
 // (% of copy bandwidth at 4096x4096 / 12288x4096 / 4096x12288 / 151936x4096, each shape's best geometry): depth 1
 // 40.5 / 62.5 / 63.2 / 93.6, depth 2 (80-127 registers) 37.0 / 58.6 / 59.4 / 87.6.
+// Bulk copies instead (cp.async.bulk of whole 8-group chunks into a ring of shared-memory slots, a producer warp,
+// mbarrier waits; 38-48 registers, the first 36 KiB of every tile requested at once) were slower at every shape:
+// 32.7 / 43.9 / 48.7 / 65.7 % for 8 consumer warps against t1w8's 38.8 / 54.8 / 54.2 / 69.4, and Qwen3-0.6B
+// q4_0's captured step 782-832 us against 712 (BENCHMARKS.md, twenty-fourth session): bytes in flight are not
+// what holds the 4,096-row products.
 #define GEMV_TC_PREFETCH 1
 #endif
 

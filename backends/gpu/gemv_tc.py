@@ -55,9 +55,14 @@ def repack(w: GpuParam) -> tuple[Any, Any]:
 
 
 def geometry_for(n_out: int, geometry: str | None = None) -> str:
+    """The geometry of an n_out-row product: a GEOMETRIES name, or the first of a table whose row tiles it has:
+    "auto" (AUTO) or one written as "t4w4:4096/t2w4:512/t1w8:0" (for measurements: profile_gpu_decode.py --gemv1)."""
     cfg = geometry or GEOMETRY
-    if cfg == "auto":
-        cfg = next(c for c, tiles in AUTO if cdiv(n_out, 16) >= tiles)
+    table = AUTO if cfg == "auto" else None
+    if ":" in cfg:
+        table = tuple((c, int(tiles)) for c, tiles in (part.split(":") for part in cfg.split("/")))
+    if table:
+        cfg = next(c for c, tiles in table if cdiv(n_out, 16) >= tiles)
     return cfg
 
 
