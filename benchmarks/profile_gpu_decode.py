@@ -64,8 +64,9 @@ def main() -> None:
     ap.add_argument("--target-blocks", default="", help="decode attention's TARGET_BLOCKS values (its grid at full "
                     "context; 0: one wave, the shipped None) to time the captured step at too, e.g. '264,528,0'")
     ap.add_argument("--gemv1", default="", help="m == 1 GEMV choices (backends/gpu/matmul.py GEMV1_KERNEL) to time "
-                    "the captured step with too, e.g. 'q4_0=v3r4+tc+tc@t2w8+tc@t4w4:4096/t1w8:0' (tc@TABLE: the geometry by "
-                    "row tiles, as backends/gpu/gemv_tc.py geometry_for reads it; each lowers the step again)")
+                    "the captured step with too, e.g. 'q4_0=v3r4+tc+tc@t2w8+tc@t4w4:4096/t1w8:0' (tc@TABLE: the "
+                    "geometry by row tiles, as backends/gpu/gemv_tc.py geometry_for reads it; each lowers the step "
+                    "again)")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
