@@ -67,6 +67,9 @@ def main() -> None:
                     "the captured step with too, e.g. 'q4_0=v3r4+tc+tc@t2w8+tc@t4w4:4096/t1w8:0' (tc@TABLE: the "
                     "geometry by row tiles, as backends/gpu/gemv_tc.py geometry_for reads it; each lowers the step "
                     "again)")
+    ap.add_argument("--tc-swiglu", default="", help="q4_0's fused gate|up + swiglu kernel choices (backends/gpu/"
+                    "gemv_tc.py SW_GEOMETRY) to time the captured step with too, e.g. 'auto+t2w16+off' (off: the "
+                    "plain product, then swiglu_halves_f32)")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
@@ -112,6 +115,14 @@ def main() -> None:
                         args.tokens)
     if args.gemv1:
         sweep_gemv1(model, settings, args.gemv1, args.tokens)
+    if args.tc_swiglu:
+        from graphir.backends.gpu import gemv_tc
+
+        def set_sw(v: str) -> None:
+            gemv_tc.SW_GEOMETRY = None if v == "off" else v
+
+        sweep(model, settings, "gemv_tc.SW_GEOMETRY", set_sw, args.tc_swiglu.split("+"), gemv_tc.SW_GEOMETRY or "off",
+              args.tokens)
 
     if args.kernels:
         kernel_table(program, args.kernels)

@@ -20,7 +20,7 @@ import ctypes
 import _host_emulation as host_emulation
 import numpy as np
 import pytest
-from test_gpu_matmul import _check_product, _param, on_gpu
+from test_gpu_matmul import _check_product, _check_swiglu, _param, on_gpu
 
 from graphir.quant import dequantize, random_quantized
 
@@ -290,6 +290,7 @@ def tc_host(tmp_path_factory):
                                prelude=HOST_HELPERS)
 
     def run(cfg: str, raw: np.ndarray, x: np.ndarray, n_out: int):
+        """cfg "sw_t2w<W>": gemv_tc_sw_q4_0_t2w<W> over the raw [gate; up] rows, y [m, n_out / 2]."""
         n_in = x.shape[-1]
         tiles, groups = -(-n_out // 16), -(-n_in // GROUP)
         codes = np.full((tiles, groups, 32, 8), 0xDEADBEEF, np.uint32)
@@ -299,17 +300,21 @@ def tc_host(tmp_path_factory):
         lib.emu_repack(ctypes.c_uint(-(-tiles * groups * 32 // REPACK_THREADS)), ctypes.c_uint(REPACK_THREADS),
                        ptr(wb), ctypes.c_longlong(wb.shape[1]), ptr(codes), ptr(scales), ctypes.c_int(n_out),
                        ctypes.c_int(n_in), ctypes.c_int(groups))
-        t, w = GEOMETRIES[cfg]
+        sw = cfg.startswith("sw_")
+        name = f"gemv_tc_sw_q4_0_{cfg[3:]}" if sw else f"gemv_tc_q4_0_{cfg}"
+        t, w = (2, int(cfg.rpartition("w")[2])) if sw else GEOMETRIES[cfg]
+        n_y = n_out // 2 if sw else n_out  # rows of y: the kernel's n_out
+        blocks = n_y // 16 if sw else -(-tiles // t)
         m = x.size // n_in
         xs = np.ascontiguousarray(x.reshape(-1), np.float32)
-        y = np.full(m * n_out + 8, np.nan, np.float32)
-        y[m * n_out:] = -7.25  # a write past the rows changes one
+        y = np.full(m * n_y + 8, np.nan, np.float32)
+        y[m * n_y:] = -7.25  # a write past the rows changes one
         ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
-        kernel = ctypes.cast(getattr(lib, f"gemv_tc_q4_0_{cfg}"), ctypes.c_void_p)
-        lib.emu_gemv_tc(kernel, ctypes.c_uint(-(-tiles // t) * m), ctypes.c_uint(32 * w), ptr(codes), ptr(scales),
-                        ptr(xs), ptr(y), ctypes.c_int(n_out), ctypes.c_int(n_in), ctypes.c_int(groups), ctypes.c_int(m))
-        assert (y[m * n_out:] == -7.25).all(), f"gemv_tc_q4_0_{cfg} wrote past its {m} x {n_out} outputs"
-        return y[:m * n_out].reshape(m, n_out), codes, scales
+        kernel = ctypes.cast(getattr(lib, name), ctypes.c_void_p)
+        lib.emu_gemv_tc(kernel, ctypes.c_uint(blocks * m), ctypes.c_uint(32 * w), ptr(codes), ptr(scales),
+                        ptr(xs), ptr(y), ctypes.c_int(n_y), ctypes.c_int(n_in), ctypes.c_int(groups), ctypes.c_int(m))
+        assert (y[m * n_y:] == -7.25).all(), f"{name} wrote past its {m} x {n_y} outputs"
+        return y[:m * n_y].reshape(m, n_y), codes, scales
 
     return run
 
@@ -349,6 +354,90 @@ def test_tc_kernel_on_the_host_keeps_f32_accuracy(tc_host, rng):
     wd, xd = dequantize(raw, "q4_0", shape).astype(np.float64), x[0].astype(np.float64)
     err, bound = np.abs(y[0] - wd @ xd), 4e-6 * (np.abs(wd) @ np.abs(xd))
     assert (err <= bound).all(), f"{(err / bound).max():.2f}x the bound"
+
+
+# (half, n_in, tokens): one tile pair; the tiny presets' d_ff (96: 6 pairs); Qwen3-0.6B's gate|up (384 tiles: t1w8's
+# W); 1536 tiles (Qwen3-8B's count: t2w4's W) at a short row; a verify call of 3 and of 16 tokens.
+SW_CASES = [(16, 64, 1), (96, 160, 1), (3072, 1024, 1), (12288, 128, 1), (96, 4128, 3), (32, 256, 16)]
+
+
+@pytest.mark.parametrize("half,n_in,m", SW_CASES, ids=[f"{h}x{k}-m{m}" for h, k, m in SW_CASES])
+@tc_only
+@on_gpu
+def test_mul_mat_swiglu_fused_on_tensor_cores_is_the_unfused_path_bitwise(half, n_in, m, rng, monkeypatch):
+    """mul_mat_swiglu of a q4_0 [gate; up] weight runs one gemv_tc_sw launch whose rows equal the plain tc product
+    then swiglu_halves_f32 bit for bit (gemv_tc.SW_GEOMETRY None), and the f64 formula within the products' bound."""
+    import cupy as cp
+    from graphir.backends.gpu import gemv_tc
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
+    wshape = (2 * half, n_in)
+    raw = random_quantized(rng, "q4_0", wshape)
+    gp, weights = _param("q4_0", raw, wshape)
+    x = cp.asarray(np.concatenate([_x(rng, n_in) for _ in range(m)]))
+    got = {}
+    for sw in ("auto", None):
+        monkeypatch.setattr(gemv_tc, "SW_GEOMETRY", sw)
+        y = cp.full((m, half), np.nan, np.float32)
+        steps = mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, x], [y], {})
+        for s in steps:
+            s()
+        got[sw] = [s.name for s in steps], y.get()
+    warps = gemv_tc.GEOMETRIES[gemv_tc.geometry_for(2 * half)][1]
+    assert got["auto"][0] == [f"gemv_tc_sw_q4_0_t2w{warps}"]
+    assert got[None][0] == [f"gemv_tc_q4_0_{gemv_tc.geometry_for(2 * half)}", "swiglu_halves_f32"]
+    np.testing.assert_array_equal(got["auto"][1].view(np.uint32), got[None][1].view(np.uint32))
+    if m == 1:  # _x's blocks span 1e-30..1e6: silu saturates, so the formula's check takes ordinary x
+        x1 = rng.standard_normal((1, n_in)).astype(np.float32)
+        monkeypatch.setattr(gemv_tc, "SW_GEOMETRY", "auto")
+        y = cp.full((1, half), np.nan, np.float32)
+        for s in mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, cp.asarray(x1)], [y], {}):
+            s()
+        _check_swiglu(y.get(), x1, dequantize(raw, "q4_0", wshape))
+
+
+@tc_only
+@on_gpu
+def test_mul_mat_swiglu_halves_off_tile_take_the_unfused_path(rng, monkeypatch):
+    """Gate and up rows that do not fill whole 16-row tiles (half 40) cannot pair tiles: plain product, swiglu."""
+    import cupy as cp
+    from graphir.backends.gpu import matmul as mm
+    from graphir.backends.gpu.launch import Lowering
+
+    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
+    wshape = (80, 256)
+    raw = random_quantized(rng, "q4_0", wshape)
+    gp, weights = _param("q4_0", raw, wshape)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    y = cp.full((1, 40), np.nan, np.float32)
+    steps = mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, cp.asarray(x)], [y], {})
+    assert [s.name for s in steps][-1] == "swiglu_halves_f32"
+    for s in steps:
+        s()
+    _check_swiglu(y.get(), x, dequantize(raw, "q4_0", wshape))
+
+
+def _swiglu_f32(both: np.ndarray) -> np.ndarray:
+    """silu(gate) * up over [gate | up] rows in f32, elementwise.cu's expression."""
+    half = both.shape[-1] // 2
+    with np.errstate(over="ignore"):
+        g, u = both[..., :half], both[..., half:]
+        return (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+
+
+@pytest.mark.parametrize("w,m,shape", [(8, 1, (32, 160)), (4, 2, (64, 384)), (16, 3, (96, 1056))])
+def test_tc_swiglu_kernel_on_the_host(w, m, shape, tc_host, rng):
+    """gemv_tc_sw_q4_0_t2w<W> pairs gate tile i with up tile i + half / 16: its outputs are silu(gate) * up of the
+    plain kernel's rows (same W: the same sums), for every token of a verify-sized call."""
+    raw = random_quantized(rng, "q4_0", shape)
+    x = np.concatenate([_x(rng, shape[1]) for _ in range(m)])
+    plain = tc_host(f"t1w{w}", raw, x, shape[0])[0]
+    fused = tc_host(f"sw_t2w{w}", raw, x, shape[0])[0]
+    want = _swiglu_f32(plain)
+    assert fused.shape == want.shape
+    np.testing.assert_allclose(fused, want, rtol=1e-6, atol=1e-37)
 
 
 def test_geometry_tables_pick_by_row_tiles():

@@ -154,11 +154,11 @@ struct Loads {
 
 template <int T>
 DEVICE void load_group(Loads<T>& L, const u32x4* __restrict__ C, const unsigned* __restrict__ S,
-                       const float* __restrict__ X, int tile0, int n_tiles, int grp, int n_groups, int nb,
+                       const float* __restrict__ X, int tile0, int stride, int n_tiles, int grp, int n_groups, int nb,
                        int lane) {
 #pragma unroll
     for (int i = 0; i < T; ++i) {
-        const int tile = min(tile0 + i, n_tiles - 1);  // tiles past the end: read the last one, never stored
+        const int tile = min(tile0 + i * stride, n_tiles - 1);  // tiles past the end: read the last one, never stored
         const long long at = ((long long)tile * n_groups + grp) * 32 + lane;
         L.c0[i] = C[2 * at];
         L.c1[i] = C[2 * at + 1];
@@ -196,12 +196,19 @@ DEVICE void multiply_group(const Loads<T>& L, float (&acc)[T][2], int lane) {
 }
 
 // T row tiles (16 rows each) a block, W warps splitting the groups; Y[row] for rows of the block's tiles.
-template <int T, int W>
+// SW (mul_mat_swiglu; T == 2): the weight holds 2 n_out rows, gate rows then up rows (n_out % 16 == 0); the block's
+// tiles are gate tile bx and up tile bx + n_out / 16, and Y[row] = silu(gate) * up in elementwise.cu's
+// swiglu_halves_f32 expression. A row's sum depends only on W (each tile's groups run in the same warps and order
+// whatever T and the tile's partner are), so the fused rows equal t<T'>w<W>'s product then swiglu_halves_f32 bit for
+// bit; the swiglu launch goes.
+template <int T, int W, bool SW = false>
 DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict__ S, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in, int n_groups, int bx) {
+    static_assert(!SW || T == 2, "a swiglu block holds a gate tile and its up tile");
     __shared__ float part[W][T * 16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_tiles = (n_out + 15) / 16, tile0 = bx * T, nb = n_in / 32;
+    const int n_tiles = SW ? 2 * (n_out / 16) : (n_out + 15) / 16, tile0 = SW ? bx : bx * T, nb = n_in / 32;
+    const int stride = SW ? n_out / 16 : 1;
     float acc[T][2];
 #pragma unroll
     for (int i = 0; i < T; ++i) acc[i][0] = acc[i][1] = 0.0f;
@@ -210,14 +217,16 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
     Loads<T> buf[D + 1];
 #pragma unroll
     for (int k = 0; k < D; ++k)
-        if (warp + k * W < n_groups) load_group<T>(buf[k], C, S, X, tile0, n_tiles, warp + k * W, n_groups, nb, lane);
+        if (warp + k * W < n_groups)
+            load_group<T>(buf[k], C, S, X, tile0, stride, n_tiles, warp + k * W, n_groups, nb, lane);
     for (int grp = warp; grp < n_groups; grp += (D + 1) * W) {
 #pragma unroll
         for (int k = 0; k <= D; ++k) {
             const int gk = grp + k * W;
             if (gk < n_groups) {
                 if (gk + D * W < n_groups)
-                    load_group<T>(buf[(k + D) % (D + 1)], C, S, X, tile0, n_tiles, gk + D * W, n_groups, nb, lane);
+                    load_group<T>(buf[(k + D) % (D + 1)], C, S, X, tile0, stride, n_tiles, gk + D * W, n_groups, nb,
+                                  lane);
                 multiply_group<T>(buf[k], acc, lane);
             }
         }
@@ -234,7 +243,14 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
         }
     }
     __syncthreads();
-    if (threadIdx.x < T * 16) {
+    if (SW && threadIdx.x < 16) {
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) gate += part[w][threadIdx.x];
+#pragma unroll
+        for (int w = 0; w < W; ++w) up += part[w][16 + threadIdx.x];
+        Y[bx * 16 + threadIdx.x] = gate / (1.0f + expf(-gate)) * up;
+    } else if (!SW && threadIdx.x < T * 16) {
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < W; ++w) s += part[w][threadIdx.x];
@@ -254,6 +270,18 @@ DEVICE void gemv_tc_q4_0(const u32x4* __restrict__ C, const unsigned* __restrict
         gemv_tc_q4_0<T, W>(C, S, X, Y, n_out, n_in, n_groups, bx);                                                \
     }
 FOR_EACH_GEMV_TC(DEFINE_GEMV_TC)
+
+// gemv_tc_sw_q4_0_t2w<W>: mul_mat_swiglu's fused kernel (SW above); n_out is the half (gate rows = up rows = Y's row).
+#define FOR_EACH_GEMV_TC_SW(M) M(4) M(8) M(16)
+#define DEFINE_GEMV_TC_SW(W)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * W) gemv_tc_sw_q4_0_t2w##W(                                  \
+        const u32x4* __restrict__ C, const unsigned* __restrict__ S, const float* __restrict__ X,                 \
+        float* __restrict__ Y, int n_out, int n_in, int n_groups, int m) {                                        \
+        PDL_ENTRY();                                                                                              \
+        GEMV1_TOKEN_BLOCK();                                                                                      \
+        gemv_tc_q4_0<2, W, true>(C, S, X, Y, n_out, n_in, n_groups, bx);                                          \
+    }
+FOR_EACH_GEMV_TC_SW(DEFINE_GEMV_TC_SW)
 
 // ggml q4_0 rows (18-byte blocks: f16 d, then 16 bytes: element i's code in the low nibble of byte i, element
 // i + 16's in the high nibble) -> the layout above. One thread per (tile, group, lane): 8 code words, 1 scale word.

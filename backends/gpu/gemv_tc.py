@@ -28,6 +28,11 @@ GEOMETRY = "auto"
 # (256) t2w16 63.2 (45.7). Below 512 tiles t1w8: Qwen3-0.6B q4_0's captured step (profile_gpu_decode.py --gemv1,
 # one call) 715.2 us with every GEMV at t1w8, 748.6 at t2w8, 764.7 with the small ones at t2w16 (f32 kernel 749.2).
 AUTO = (("t4w4", 4096), ("t2w4", 512), ("t1w8", 0))
+# mul_mat_swiglu's fused kernel (gemv_tc_sw_q4_0_t2w<W>, FOR_EACH_GEMV_TC_SW): "auto" takes the W of the plain
+# product's geometry, so the fused rows are that product's then swiglu_halves_f32 bit for bit; "t2w<W>" a given
+# one; None keeps the plain product and the swiglu launch (for measurements).
+SW_GEOMETRY: str | None = "auto"
+SW_WARPS = (4, 8, 16)
 GROUP = 128  # columns a group: 4 q4_0 blocks
 REPACK_THREADS = 256
 
@@ -76,3 +81,21 @@ def steps(w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
     tiles, warps = GEOMETRIES[cfg]
     return [Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles) * m, 32 * warps,
                    (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)), i32(m)))]
+
+
+def sw_serves(w: GpuParam) -> bool:
+    """Whether sw_steps can fuse silu(gate) * up into w's product: gate and up rows in whole 16-row tiles."""
+    return SW_GEOMETRY is not None and w.shape[0] % 32 == 0
+
+
+def sw_steps(w: GpuParam, x2: Any, y2: Any) -> list:
+    """The launch of y2 = silu(x2 @ gate^T) * (x2 @ up^T), w = [gate; up] (2 half rows, half % 16 == 0), x2 [m, n_in]
+    f32 16-byte aligned, y2 [m, half]: the plain product's tiles in gate/up pairs, a token of m in each of m blocks."""
+    n_rows, n_in = w.shape
+    half, m = n_rows // 2, x2.shape[0]
+    codes, scales = w.derived("q4_0_tc", repack)
+    warps = GEOMETRIES[geometry_for(n_rows)][1] if SW_GEOMETRY == "auto" else int(SW_GEOMETRY.rpartition("w")[2])
+    if warps not in SW_WARPS:
+        raise ValueError(f"gemv_tc.SW_GEOMETRY {SW_GEOMETRY!r}: no gemv_tc_sw_q4_0_t2w{warps} (warps {SW_WARPS})")
+    return [Launch("gemv_tc.cu", f"gemv_tc_sw_q4_0_t2w{warps}", (half // 16) * m, 32 * warps,
+                   (codes, scales, x2, y2, i32(half), i32(n_in), i32(n_groups(n_in)), i32(m)))]

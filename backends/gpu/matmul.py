@@ -162,6 +162,10 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
     m = math.prod(x.shape[:-1])
     if m == 0 or half == 0:
         return []
+    if (isinstance(w, GpuParam) and len(w.shape) == 2 and x.dtype == np.float32 and _tc_serves(w, m)
+            and gemv_tc.sw_serves(w)):
+        x2, steps = _aligned_x(lw, x.reshape(m, w.shape[1]))
+        return steps + gemv_tc.sw_steps(w, x2, y.reshape(m, half))
     if (isinstance(w, GpuParam) and len(w.shape) == 2 and m <= GEMVM_MAX_TOKENS and x.dtype == np.float32
             and w.shape[0] * _row_bytes(w.dtype, w.shape[1]) <= SW_MAX_BYTES):
         _check_fmt(w.dtype, "mul_mat_swiglu")
@@ -174,11 +178,7 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
         else:
             fused = None
         if fused:
-            x2, steps = x.reshape(m, w.shape[1]), []
-            if x2.data.ptr % 16:
-                buf = lw.scratch(x2.shape)
-                steps.append(copy_launch(x2, buf, what="aligned x"))
-                x2 = buf
+            x2, steps = _aligned_x(lw, x.reshape(m, w.shape[1]))
             return steps + [Launch("matmul.cu", fused, cdiv(half, rows) * token_blocks(fused, m), threads,
                                    (w.raw, np.int64(_row_bytes(w.dtype, w.shape[1])), x2, y.reshape(m, half),
                                     i32(half), i32(w.shape[1]), i32(m)))]
@@ -188,15 +188,24 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
                            (both, y, np.int64(m * half), i32(half)))]
 
 
+def _aligned_x(lw: Lowering, x2: Any) -> tuple[Any, list]:
+    """x2, or a 16-byte aligned copy of it and the copy's launch: the GEMVs read x with 16-byte loads."""
+    if x2.data.ptr % 16 == 0:
+        return x2, []
+    buf = lw.scratch(x2.shape)
+    return buf, [copy_launch(x2, buf, what="aligned x")]
+
+
+def _tc_serves(w: GpuParam, m: int) -> bool:
+    """Whether gemv_tc.py's tensor-core kernel takes this product of m tokens (a decode step or a verify call)."""
+    return (m == 1 or decode_kernel_serves(m)) and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available()
+
+
 def _gemv_steps(lw: Lowering, w: GpuParam, x2: Any, y2: Any) -> list:
     m, n_in = x2.shape
     n_out = w.shape[0]
-    steps: list = []
-    if x2.data.ptr % 16:  # the GEMV reads x with 16-byte loads: stage it in an aligned buffer
-        buf = lw.scratch((m, n_in))
-        steps.append(copy_launch(x2, buf, what="aligned x"))
-        x2 = buf
-    if (m == 1 or decode_kernel_serves(m)) and GEMV1_KERNEL.get(w.dtype) == "tc" and gemv_tc.available():
+    x2, steps = _aligned_x(lw, x2)
+    if _tc_serves(w, m):
         return steps + gemv_tc.steps(w, x2, y2)
     name, threads, rows = gemv_kernel(w.dtype, n_out, n_in, m, w.raw.data.ptr)
     steps.append(Launch("matmul.cu", name, cdiv(n_out, rows) * token_blocks(name, m), threads,
