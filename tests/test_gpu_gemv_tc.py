@@ -69,6 +69,15 @@ def _run(rng, shape, cfg, monkeypatch, x=None):
     return y.get(), x, dequantize(raw, "q4_0", shape), gp
 
 
+def _tc_weight(rng, shape, monkeypatch):
+    """(raw q4_0 rows, their GpuParam, the weight store) with GEMV1_KERNEL["q4_0"] = "tc"."""
+    from graphir.backends.gpu import matmul as mm
+
+    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
+    raw = random_quantized(rng, "q4_0", shape)
+    return (raw, *_param("q4_0", raw, shape))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
 @pytest.mark.parametrize("cfg", _geometries())
 @tc_only
@@ -150,10 +159,8 @@ def test_unaligned_x_is_staged_and_steps_replay(rng, monkeypatch):
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
 
-    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
     shape = (77, 512)
-    raw = random_quantized(rng, "q4_0", shape)
-    gp, weights = _param("q4_0", raw, shape)
+    raw, gp, weights = _tc_weight(rng, shape, monkeypatch)
     base = cp.zeros(513, np.float32)
     x_dev = base[1:].reshape(1, 512)
     y = cp.zeros((1, 77), np.float32)
@@ -372,10 +379,8 @@ def test_mul_mat_swiglu_fused_on_tensor_cores_is_the_unfused_path_bitwise(half, 
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
 
-    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
     wshape = (2 * half, n_in)
-    raw = random_quantized(rng, "q4_0", wshape)
-    gp, weights = _param("q4_0", raw, wshape)
+    raw, gp, weights = _tc_weight(rng, wshape, monkeypatch)
     x = cp.asarray(np.concatenate([_x(rng, n_in) for _ in range(m)]))
     got = {}
     for sw in ("auto", None):
@@ -406,10 +411,8 @@ def test_mul_mat_swiglu_halves_off_tile_take_the_unfused_path(rng, monkeypatch):
     from graphir.backends.gpu import matmul as mm
     from graphir.backends.gpu.launch import Lowering
 
-    monkeypatch.setitem(mm.GEMV1_KERNEL, "q4_0", "tc")
     wshape = (80, 256)
-    raw = random_quantized(rng, "q4_0", wshape)
-    gp, weights = _param("q4_0", raw, wshape)
+    raw, gp, weights = _tc_weight(rng, wshape, monkeypatch)
     x = rng.standard_normal((1, 256)).astype(np.float32)
     y = cp.full((1, 40), np.nan, np.float32)
     steps = mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, cp.asarray(x)], [y], {})
