@@ -110,6 +110,12 @@ BUGS = [
     ("a verify GEMV's second token group writes its rows one token early (GEMVM_TOKEN_GROUP)", "matmul.cu",
      "Y += (long long)t0_ * n_out;", "Y += (long long)(t0_ - (t0_ > 0)) * n_out;",
      "tests/test_speculative.py", "gpu_verify_rows"),
+    ("the fused tensor-core gate|up + swiglu reads the gate sums as the up sums", "gemv_tc.cu",
+     "up += part[w][16 + threadIdx.x];", "up += part[w][threadIdx.x];",
+     "tests/test_gpu_gemv_tc.py", "swiglu"),
+    ("the fused tensor-core gate|up + swiglu pairs gate tile i with up tile i - 1", "gemv_tc.cu",
+     "const int stride = SW ? n_out / 16 : 1;", "const int stride = SW ? n_out / 16 - 1 : 1;",
+     "tests/test_gpu_gemv_tc.py", "swiglu"),
 ]
 
 
