@@ -45,6 +45,10 @@ CACHE_DEPENDS = ("prefetch.py",)  # compiled into the decode kernels
 
 JIT = dict(cache=True, fastmath=True, nogil=True)
 EXACT = dict(cache=True, nogil=True)  # bit manipulation of f16 (fast-math must not assume away inf/nan)
+# Cold compile time (issue 13: SmolLM2's decode_attention_d64_g3 is on a first run's path): helpers called from
+# compiled code only build no CPython or C wrapper (each is a function of its own to lower and optimize), and scalar
+# min / max are written as comparisons (each is a numba overload, every signature of it a function compiled apart).
+HELPER = dict(JIT, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 
 CHUNK = 256  # keys per task at most: the scores of a chunk (q heads x 1 KB) stay in L1/L2
 MIN_TASKS = 8  # split short contexts too, so that 2 threads get even shares
@@ -80,32 +84,40 @@ def make_scratch(n_q: int, hq: int, hk: int, d: int, dv: int, capacity: int, f16
                          np.empty((threads, CHUNK), np.int32), np.empty((threads, 4, heads, dv), np.float32))
 
 
-@njit(**JIT)
+@njit(**HELPER)
 def _splits(length, capacity_splits):
     """Chunks of a query whose keys end at `length`: none longer than CHUNK, at least MIN_TASKS. The query's
     own count, whatever the call's other queries: a verify call's row then sums its keys in the chunks of a
     decode step at its position, and equals it bit for bit (with 16-bit x, q16-activations, a last-bit
     difference here grew to 2e-3 in SmolLM2's logits: greedy speculative output could leave plain decoding's)."""
     by_length = (length + CHUNK - 1) // CHUNK
-    return max(1, min(capacity_splits, max(by_length, MIN_TASKS)))
+    n = MIN_TASKS if MIN_TASKS > by_length else by_length
+    n = capacity_splits if capacity_splits < n else n
+    return n if n > 1 else 1
 
 
-@njit(**JIT)
+@njit(**HELPER)
 def _key_range(p, length, window):
     """Keys [start, stop) query position p sees: causal, within kv_len, within the window if any."""
-    stop = min(length, p + 1)
-    start = max(0, p - window + 1) if window > 0 else 0
-    return start, max(start, stop)
+    stop = p + 1 if p + 1 < length else length
+    start = 0
+    if window > 0 and p - window + 1 > 0:
+        start = p - window + 1
+    return start, stop if stop > start else start
 
 
-@njit(**JIT)
+# _task's copy, inlined in numba's IR: one library fewer to compile for the decode kernel (prefill calls the original)
+_key_range_inlined = njit(inline="always", **JIT)(_key_range.py_func)
+
+
+@njit(**HELPER)
 def _task(task, splits, pos, length, window, capacity_splits):
     """(query, chunk index, first key, end key) of a task; an empty chunk has j0 == j1. `splits`: the most
     chunks of any query (the call's length); query t has its own, _splits of its last key, and no more."""
     c = task % splits
     t = task // splits
-    start, stop = _key_range(pos[t], length, window)
-    own = _splits(min(length, pos[t] + 1), capacity_splits)
+    start, stop = _key_range_inlined(pos[t], length, window)
+    own = _splits(pos[t] + 1 if pos[t] + 1 < length else length, capacity_splits)
     if c >= own:
         return t, c, start, start
     return t, c, start + (stop - start) * c // own, start + (stop - start) * (c + 1) // own
@@ -168,14 +180,15 @@ def exp_parts(z):
     return p, (np.int32(k) + np.int32(127)) << np.int32(23)
 
 
-@njit(**JIT)
+@njit(**HELPER)
 def _exp_in_place(x, top, pow2_bits, pow2):
     """x[j] = exp(x[j] - top) for x[j] <= top, returns the sum; pow2_bits / pow2: one scratch row as
     int32 / f32. libm's expf is a call per element; exp_parts keeps both loops vectorized (SmolLM2 at
     4096 keys: ~2.8 ms of exp a token with expf, 1 thread)."""
     n = x.shape[0]
     for j in range(n):
-        x[j], pow2_bits[j] = exp_parts(max(x[j] - top, np.float32(-87.0)))  # e^-87: 2^k stays a normal f32
+        z = x[j] - top
+        x[j], pow2_bits[j] = exp_parts(np.float32(-87.0) if np.float32(-87.0) > z else z)  # e^-87: 2^k stays normal
     total = np.float32(0.0)
     for j in range(n):
         e = x[j] * pow2[j]
@@ -184,13 +197,7 @@ def _exp_in_place(x, top, pow2_bits, pow2):
     return total
 
 
-@njit(**JIT)
-def _mark_empty(sum_, t, c):
-    for h in range(sum_.shape[1]):
-        sum_[t, h, c] = 0.0  # a chunk with keys has a sum >= 1 (its max term is exp(0))
-
-
-@njit(**JIT)
+@njit(**HELPER)
 def _merge(max_, sum_, acc, splits, out):
     """out[t, h] = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c over the chunks with keys; a query
     with no key gets 0. (Emptiness is read from the sums, not from -inf maxima: fast-math assumes no inf.)"""
@@ -202,7 +209,8 @@ def _merge(max_, sum_, acc, splits, out):
             top, seen = np.float32(0.0), False
             for c in range(splits):
                 if sum_[t, h, c] > 0.0:
-                    top = max_[t, h, c] if not seen else max(top, max_[t, h, c])
+                    x = max_[t, h, c]
+                    top = x if not seen or x > top else top
                     seen = True
             if not seen:
                 continue
@@ -230,16 +238,17 @@ def _make_kernel(d: int, block: int, f16: bool):
     contents, which must be plain constants (a captured dispatcher pickles differently in every
     process, so every process would compile again); its helpers are module globals."""
 
-    def decode_attention(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, pow2_bits, v_rows, out):
+    def decode_attention(q, k, v, pos, kv_len, scale, window, max_, sum_, acc, scores, pow2_bits, pow2, v_rows, out):
         """flash_attn for a few queries over a cache k, v [capacity, hk, d]; see the module doc."""
         hq, hk = q.shape[1], k.shape[1]
         group = hq // hk
-        length = kv_len[0]
+        length = np.int64(kv_len[0])
         splits = _splits(length, max_.shape[2])
         for task in prange(q.shape[0] * splits):
-            t, c, j0, j1 = _task(task, splits, pos, length, window, max_.shape[2])
+            t, c, j0, j1 = _task(np.int64(task), splits, pos, length, window, max_.shape[2])
             if j1 <= j0:
-                _mark_empty(sum_, t, c)
+                for h in range(sum_.shape[1]):
+                    sum_[t, h, c] = 0.0  # a chunk with keys has a sum >= 1 (its max term is exp(0))
                 continue
             me = numba.get_thread_id()
             s, vw = scores[me], v_rows[me]
@@ -252,7 +261,9 @@ def _make_kernel(d: int, block: int, f16: bool):
                     kv, last = kr[kh], kh * group + group - 1
                     for g0 in range(0, group, block):  # past the group's end: its last head again
                         h0 = kh * group + g0
-                        h1, h2, h3 = min(h0 + 1, last), min(h0 + 2, last), min(h0 + 3, last)
+                        h1 = h0 + 1 if h0 + 1 < last else last
+                        h2 = h0 + 2 if h0 + 2 < last else last
+                        h3 = h0 + 3 if h0 + 3 < last else last
                         q0, q1, q2, q3 = qt[h0], qt[h1], qt[h2], qt[h3]
                         a0 = a1 = a2 = a3 = np.float32(0.0)
                         for i in range(d):
@@ -278,9 +289,9 @@ def _make_kernel(d: int, block: int, f16: bool):
                 sh = s[h]
                 m = sh[0]  # not -inf: fast-math assumes no infinities
                 for j in range(1, n):
-                    m = max(m, sh[j])
+                    m = sh[j] if sh[j] > m else m
                 max_[t, h, c] = m
-                sum_[t, h, c] = _exp_in_place(sh[:n], m, pow2_bits[me], pow2_bits[me].view(np.float32))
+                sum_[t, h, c] = _exp_in_place(sh[:n], m, pow2_bits[me], pow2[me])
                 for i in range(d):
                     at[h, c, i] = 0.0
             # each V row once, in address order, into every q head's sum; f32 rows 4 at a time, a quarter
@@ -315,7 +326,7 @@ def _make_kernel(d: int, block: int, f16: bool):
 
     name = f"decode_attention{'_f16' if f16 else ''}_d{d}_g{block}"
     decode_attention.__name__ = decode_attention.__qualname__ = name
-    return njit(parallel=True, **JIT)(decode_attention)
+    return njit(parallel=True, no_cfunc_wrapper=True, **JIT)(decode_attention)
 
 
 BLOCKS = (1, 2, 3, 4)  # q heads scored together: min(group, 4); numba compiles only the ones used
@@ -352,8 +363,8 @@ def bind_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, kv
     sc = make_scratch(q.shape[0], q.shape[1], k.shape[1], k.shape[2], v.shape[2], k.shape[0], f16)
     kv = (k.view(np.uint16), v.view(np.uint16)) if f16 else (k, v)
     kernel = KERNELS[k.shape[2], min(q.shape[1] // k.shape[1], BLOCKS[-1]), f16]
-    return kernel, (q, *kv, pos, kv_len, scale, window, sc.max_, sc.sum_, sc.acc, sc.scores, sc.pow2_bits, sc.v_rows,
-                    out)
+    return kernel, (q, *kv, pos, kv_len, scale, window, sc.max_, sc.sum_, sc.acc, sc.scores, sc.pow2_bits,
+                    sc.pow2_bits.view(np.float32), sc.v_rows, out)
 
 
 def supports(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
