@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--tc-swiglu", default="", help="q4_0's fused gate|up + swiglu kernel choices (backends/gpu/"
                     "gemv_tc.py SW_GEOMETRY) to time the captured step with too, e.g. 'auto+t2w16+off' (off: the "
                     "plain product, then swiglu_halves_f32)")
+    ap.add_argument("--sw-max-mib", default="", help="backends/gpu/matmul.py SW_MAX_BYTES values in MiB to time the "
+                    "captured step with too, e.g. '32+0' (0: every gate|up product but q4_0's on tensor cores unfused)")
     args = ap.parse_args()
     if args.gemvm:
         from graphir.backends.gpu import matmul
@@ -115,6 +117,14 @@ def main() -> None:
                         args.tokens)
     if args.gemv1:
         sweep_gemv1(model, settings, args.gemv1, args.tokens)
+    if args.sw_max_mib:
+        from graphir.backends.gpu import matmul
+
+        def set_limit(v: str) -> None:
+            matmul.SW_MAX_BYTES = int(v) << 20
+
+        sweep(model, settings, "matmul.SW_MAX_BYTES (MiB)", set_limit, args.sw_max_mib.split("+"),
+              str(matmul.SW_MAX_BYTES >> 20), args.tokens)
     if args.tc_swiglu:
         from graphir.backends.gpu import gemv_tc
 
