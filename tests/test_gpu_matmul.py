@@ -776,43 +776,6 @@ def test_mul_mat_swiglu_formats(fmt, m, rng):
     _check_swiglu(got, x, dequantize(raw, fmt, wshape))
 
 
-# (fmt, the v3 geometry, tokens, (half, n_in)): outputs that end inside a block (77, 33, 40), a verify call of 3
-# and of 2 tokens, Qwen3-0.6B's gate|up rows (3072 a half).
-V3_SW_CASES = [("q8_0", "v3r2", 1, (77, 256)), ("q8_0", "v3r4", 3, (1536, 1024)), ("q4_k", "v3r4", 1, (40, 512)),
-               ("q4_k", "v3r2", 2, (3072, 1024)), ("q4_0", "v3r4", 1, (33, 4128))]
-
-
-@pytest.mark.parametrize("fmt,cfg,m,shape", V3_SW_CASES,
-                         ids=[f"{f}-{c}-m{m}-{s[0]}x{s[1]}" for f, c, m, s in V3_SW_CASES])
-@on_gpu
-def test_mul_mat_swiglu_v3_twin_is_the_unfused_path_bitwise(fmt, cfg, m, shape, rng, monkeypatch):
-    """gemv1v3sw_<fmt>_<cfg> (half a block's groups read the up rows of the other half's outputs): bit for bit the
-    plain v3 GEMV then swiglu_halves_f32 (the op lowered above SW_MAX_BYTES), and the f64 formula within its bound."""
-    import cupy as cp
-    from graphir.backends.gpu import matmul as mm
-    from graphir.backends.gpu.launch import Lowering
-
-    monkeypatch.setitem(mm.GEMV1_KERNEL, fmt, cfg)
-    half, n_in = shape
-    wshape = (2 * half, n_in)
-    raw = _raw(rng, fmt, wshape)
-    gp, weights = _param(fmt, raw, wshape)
-    x = rng.standard_normal((m, n_in)).astype(np.float32)
-    got = {}
-    for limit in (1 << 30, 0):
-        monkeypatch.setattr(mm, "SW_MAX_BYTES", limit)
-        y = cp.full((m, half), np.nan, np.float32)
-        steps = mm.lower_mul_mat_swiglu(Lowering(weights), None, [gp, cp.asarray(x)], [y], {})
-        for s in steps:
-            s()
-        got[limit] = [s.name for s in steps], y.get()
-    (fused_names, fused), (plain_names, plain) = got[1 << 30], got[0]
-    assert fused_names == [f"gemv1v3sw_{fmt}_{cfg[2:]}"]
-    assert plain_names == [f"gemv1v3_{fmt}_{cfg[2:]}", "swiglu_halves_f32"]
-    np.testing.assert_array_equal(fused.view(np.uint32), plain.view(np.uint32))
-    _check_swiglu(fused, x, dequantize(raw, fmt, wshape))
-
-
 @on_gpu
 def test_mul_mat_swiglu_large_weight_takes_the_plain_gemv(rng, monkeypatch):
     """Above SW_MAX_BYTES the product goes through the plain GEMV and swiglu_halves_f32: the same

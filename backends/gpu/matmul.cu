@@ -665,48 +665,11 @@ struct S4_0 {
     }
 };
 
-// SW (mul_mat_swiglu, gemv1v3sw_<fmt>_<cfg>): W holds 2 * n_out rows, gate rows then up rows. The block's first
-// G / 2 groups read the gate rows of its outputs and the others the same outputs' up rows, each group exactly as
-// a plain group reads its rows (a row's sum does not depend on which group holds it); the up sums meet the gate
-// sums in shared memory and Y[o] = silu(gate) * up is stored in elementwise.cu's swiglu_halves_f32 expression, so
-// the fused op equals the plain GEMV then that kernel bit for bit, in one launch.
-template <bool SW>
-DEVICE int gemv3_row0(int bx, int grp, int nr) {
-    constexpr int G = GEMV3_THREADS / 32;
-    return SW ? (bx * (G / 2) + grp % (G / 2)) * nr : (bx * G + grp) * nr;
-}
-
-template <bool SW>
-DEVICE const u8* gemv3_rows(const u8* W, long long row_bytes, int grp, int n_out) {  // the group's half of W
-    return SW && grp >= GEMV3_THREADS / 64 ? W + (long long)n_out * row_bytes : W;
-}
-
-template <int NR, bool SW>
-DEVICE void gemv3_store(const float (&acc)[NR], int lane, int grp, int row0, int n_out, float* __restrict__ Y) {
-    constexpr int G = GEMV3_THREADS / 32;
-    __shared__ float up_sums[SW ? G / 2 : 1][NR];
-    float s[NR];
-#pragma unroll
-    for (int r = 0; r < NR; ++r) s[r] = sum32(acc[r]);
-    if constexpr (SW) {
-        if (lane == 0 && grp >= G / 2) {
-#pragma unroll
-            for (int r = 0; r < NR; ++r) up_sums[grp - G / 2][r] = s[r];
-        }
-        __syncthreads();
-        if (lane == 0 && grp < G / 2) {
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
-                if (row0 + r < n_out) Y[row0 + r] = s[r] / (1.0f + expf(-s[r])) * up_sums[grp][r];
-        }
-    } else if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-            if (row0 + r < n_out) Y[row0 + r] = s[r];
-    }
-}
-
-template <class S, int NR, bool SW = false>
+// A mul_mat_swiglu twin of these kernels (gemv1v3sw: half a block's groups reading the up rows of the other half's
+// outputs, silu(gate) * up stored; rows bitwise the plain kernel's then swiglu_halves_f32) was built and measured
+// slower: Qwen3-0.6B q8_0's captured step 883.4 / 886.3 us fused against 840.7 / 843.8 us with the two launches
+// (H200, 2026-12-04, profile_gpu_decode.py --sw-max-mib "32+0+32+0"; BENCHMARKS.md, twenty-fourth session).
+template <class S, int NR>
 DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                            float* __restrict__ Y, int n_out, int n_in, int bx) {
     constexpr int G = GEMV3_THREADS / 32;              // 32-lane groups per block
@@ -715,8 +678,7 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
     __shared__ F4 xs[CB * 9];                          // 8 F4 of x per block + 1 pad (bank shift)
     __shared__ U4 ws[G][NR][Rows::PIECES];
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int row0 = gemv3_row0<SW>(bx, grp, NR);
-    W = gemv3_rows<SW>(W, row_bytes, grp, n_out);
+    const int row0 = (bx * G + grp) * NR;
     // The next chunk's weight pieces are loaded into registers while this chunk is decoded from shared
     // memory (GEMV3_PREFETCH=1), so a group keeps two chunks of its rows in flight instead of one: at
     // 4096 rows only ~4 blocks of 8 rows reach each SM, too few bytes in flight to cover DRAM latency.
@@ -767,19 +729,23 @@ DEVICE void gemv1v3_staged(const u8* __restrict__ W, long long row_bytes, const 
             }
         }
     }
-    gemv3_store<NR, SW>(acc, lane, grp, row0, n_out, Y);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const float s = sum32(acc[r]);
+        if (lane == 0 && row0 + r < n_out) Y[row0 + r] = s;
+    }
 }
 
-template <int NR, bool SW = false>
+template <int NR>
 DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X,
                          float* __restrict__ Y, int n_out, int n_in, int bx) {
+    constexpr int G = GEMV3_THREADS / 32;
     constexpr int SB = 8;          // super-blocks per chunk (4 lanes each)
     constexpr int CH = SB * 256;   // x values per chunk
     __shared__ F4 xs[CH / 4 + CH / 64];  // 1 F4 pad per 64 values: lanes 64 values apart hit distinct banks
     __shared__ float xsum[CH / 32];      // sum of x per 32-value sub-block
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    const int row0 = gemv3_row0<SW>(bx, grp, NR);
-    W = gemv3_rows<SW>(W, row_bytes, grp, n_out);
+    const int row0 = (bx * G + grp) * NR;
     const u8* wr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) wr[r] = W + (long long)(row0 + r < n_out ? row0 + r : n_out - 1) * row_bytes;
@@ -861,29 +827,26 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
             }
         }
     }
-    gemv3_store<NR, SW>(acc, lane, grp, row0, n_out, Y);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const float s = sum32(acc[r]);
+        if (lane == 0 && row0 + r < n_out) Y[row0 + r] = s;
+    }
 }
 
-// Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it); the SW twins store half as many outputs.
+// Rows per block = GEMV3_THREADS / 32 * NR (matmul.py GEMV1_V3 mirrors it).
 #define FOR_EACH_GEMV1_V3(M) \
     M(q8_0, r2, 2) M(q8_0, r4, 4) M(q4_0, r2, 2) M(q4_0, r4, 4) M(q4_k, r2, 2) M(q4_k, r4, 4)
-#define GEMV1V3_BODY_q8_0(NR, SW) gemv1v3_staged<S8_0, NR, SW>(W, row_bytes, X, Y, n_out, n_in, bx)
-#define GEMV1V3_BODY_q4_0(NR, SW) gemv1v3_staged<S4_0, NR, SW>(W, row_bytes, X, Y, n_out, n_in, bx)
-#define GEMV1V3_BODY_q4_k(NR, SW) gemv1v3_q4_k<NR, SW>(W, row_bytes, X, Y, n_out, n_in, bx)
+#define GEMV1V3_BODY_q8_0(NR) gemv1v3_staged<S8_0, NR>(W, row_bytes, X, Y, n_out, n_in, bx)
+#define GEMV1V3_BODY_q4_0(NR) gemv1v3_staged<S4_0, NR>(W, row_bytes, X, Y, n_out, n_in, bx)
+#define GEMV1V3_BODY_q4_k(NR) gemv1v3_q4_k<NR>(W, row_bytes, X, Y, n_out, n_in, bx)
 #define DEFINE_GEMV1V3(name, cfg, NR)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3_##name##_##cfg(                   \
         const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
         int n_out, int n_in, int m) {                                                                     \
         PDL_ENTRY();                                                                                      \
         GEMV1_TOKEN_BLOCK();                                                                              \
-        GEMV1V3_BODY_##name(NR, false);                                                                   \
-    }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV3_THREADS) gemv1v3sw_##name##_##cfg(                 \
-        const u8* __restrict__ W, long long row_bytes, const float* __restrict__ X, float* __restrict__ Y, \
-        int n_out, int n_in, int m) {                                                                     \
-        PDL_ENTRY();                                                                                      \
-        GEMV1_TOKEN_BLOCK();                                                                              \
-        GEMV1V3_BODY_##name(NR, true);                                                                    \
+        GEMV1V3_BODY_##name(NR);                                                                          \
     }
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
 

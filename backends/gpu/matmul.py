@@ -154,10 +154,9 @@ SW_MAX_BYTES = 32 << 20
 
 def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -> list:
     """mul_mat_swiglu(w, x): one kernel that stores silu(gate) * up from its gate and up sums where the
-    decode GEMV has a swiglu twin: q4_0 on tensor cores (gemv_tc_sw, gemv_tc.sw_serves: any size); otherwise up
-    to SW_MAX_BYTES, at m == 1 a gemv1v2 geometry (gemv1sw_<fmt>_<cfg>) or a v3 kernel (gemv1v3sw_<fmt>_<cfg>),
-    at 2..16 tokens of a float weight gemvm (gemvmsw<M>_<fmt>_<cfg>); else the stacked product into scratch
-    (mul_mat's own path) and swiglu_halves_f32 over it. Each fused kernel's rows are that path's bit for bit."""
+    weight is at most SW_MAX_BYTES and its decode GEMV has a swiglu twin: at m == 1 a gemv1v2 geometry
+    (gemv1sw_<fmt>_<cfg>), at 2..16 tokens of a float weight gemvm (gemvmsw<M>_<fmt>_<cfg>); otherwise the
+    stacked product into scratch (mul_mat's own path) and swiglu_halves_f32 over it."""
     w, x, y = ins[0], ins[1], outs[0]
     half = y.shape[-1]
     m = math.prod(x.shape[:-1])
@@ -174,8 +173,6 @@ def lower_mul_mat_swiglu(lw: Lowering, n: Any, ins: list, outs: list, p: dict) -
         if name.startswith("gemv1v2_"):
             fused = name.replace("gemv1v2_", "gemv1sw_", 1)
             threads, rows = GEMV1_SW[name.rsplit("_", 1)[1]]
-        elif name.startswith("gemv1v3_"):
-            fused, rows = name.replace("gemv1v3_", "gemv1v3sw_", 1), rows // 2  # half the groups read up rows
         elif name.startswith("gemvm"):
             fused, rows = name.replace("gemvm", "gemvmsw", 1), rows // 2  # outputs a block: half its rows
         else:
@@ -267,7 +264,7 @@ def gemvm_block_tokens(m: int) -> int:
 def token_blocks(name: str, m: int) -> int:
     """Blocks a row block takes: m for the decode kernels (GEMV1_TOKEN_BLOCK: a token a block), cdiv(m, M) for
     gemvm<M> (GEMVM_TOKEN_GROUP: M tokens a block), else 1."""
-    if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv1v3sw_", "gemv_tc_")):
+    if name.startswith(("gemv1v2_", "gemv1sw_", "gemv1v3_", "gemv_tc_")):
         return m
     if name.startswith("gemvm"):
         return cdiv(m, int(name.removeprefix("gemvmsw").removeprefix("gemvm").split("_")[0]))
