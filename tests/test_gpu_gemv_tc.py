@@ -199,12 +199,14 @@ def test_geometries_mirror_the_kernel_source():
     import re
 
     from graphir.backends.gpu import kernels
-    from graphir.backends.gpu.gemv_tc import GEOMETRIES
+    from graphir.backends.gpu.gemv_tc import GEOMETRIES, SW_WARPS
 
     text = (kernels.KERNEL_DIR / "gemv_tc.cu").read_text()
     line = re.search(r"#define FOR_EACH_GEMV_TC\(M\) (.*)", text).group(1)
     pairs = re.findall(r"M\((\d+), (\d+)\)", line)
     assert {f"t{t}w{w}": (int(t), int(w)) for t, w in pairs} == GEOMETRIES
+    sw_line = re.search(r"#define FOR_EACH_GEMV_TC_SW\(M\) (.*)", text).group(1)
+    assert tuple(int(w) for w in re.findall(r"M\((\d+)\)", sw_line)) == SW_WARPS
 
 
 def test_auto_geometry_covers_every_size():
