@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,14 @@ def convert_weights(weights: Weights, dtype: str) -> Weights:
     if dtype not in FLOAT and dtype not in QUANTIZED:
         raise LoadError(f"dtype {dtype!r} is not a weight type (use one of {', '.join(FLOAT + QUANTIZED)})")
     out = Weights(source=f"{weights.source} as {dtype}")
+    block = DTYPES[dtype].block
+    unblocked = []  # matrices whose rows are long enough for blocks but not a whole number of them
     for name, w in weights.items():
         # norms, and rows that are not whole blocks (a [C, 4] conv kernel), stay f32
-        blocked = len(w.shape) >= 2 and w.shape[-1] % DTYPES[dtype].block == 0
+        blocked = len(w.shape) >= 2 and w.shape[-1] % block == 0
         target = "f32" if dtype in QUANTIZED and not blocked else dtype
+        if target != dtype and len(w.shape) >= 2 and w.shape[-1] > block:
+            unblocked.append(f"{name} ({w.shape[-1]} columns)")
         if w.dtype == target:
             out.add(name, w)
             continue
@@ -70,6 +75,10 @@ def convert_weights(weights: Weights, dtype: str) -> Weights:
         except GraphirError as e:
             raise LoadError(f"{weights.source}: tensor {name!r} cannot be converted to {target}: {e}") from None
         out.add(name, Weight(target, tuple(w.shape), data))
+    if unblocked:  # said once, so that a model asked for as q4_0 that is mostly f32 does not pass unnoticed
+        print(f"graphir: {weights.source}: {len(unblocked)} matrices stay f32, not {dtype}: their rows are not whole "
+              f"{block}-value blocks ({', '.join(unblocked[:3])}{', ...' if len(unblocked) > 3 else ''})",
+              file=sys.stderr)
     return out
 
 

@@ -115,3 +115,17 @@ def test_awkward_sizes_match_transformers(saved, backend):
         err = float(np.abs(got[i] - want[i]).max()) / scale
         what = "prefill" if i < PROMPT else "decode step"
         assert err <= REL, f"{family} on {backend}: {what} at position {i}: max |diff| {err:.3g} of max |logit|"
+
+
+def test_quantizing_rows_that_are_not_whole_blocks_says_so(saved, capsys):
+    """A quantized dtype keeps a matrix whose rows are not whole blocks (72 columns for q8_0's 32) in f32, and says
+    so once on stderr instead of reporting a q8_0 model that is mostly f32; whole-block matrices are quantized."""
+    family, path, ids, want = saved
+    model = graphir.load(str(path), backend="reference", dtype="q8_0")
+    kept = {n for n, w in model.weights.items() if len(w.shape) == 2 and w.shape[-1] % 32}
+    err = capsys.readouterr().err
+    assert kept and all(model.weights[n].dtype == "f32" for n in kept)
+    assert "matrices stay f32, not q8_0: their rows are not whole 32-value blocks" in err, err
+    assert err.count("matrices stay f32") == 1
+    whole = [n for n, w in model.weights.items() if len(w.shape) == 2 and w.shape[-1] % 32 == 0]
+    assert all(model.weights[n].dtype == "q8_0" for n in whole)

@@ -162,9 +162,15 @@ GPU_TARGETS = [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"), ("ra
                ("random:qwen35-tiny", "q4_0")]
 
 
+# The tiny presets' rows (64 and 96 inputs) give each lane of a 2..16-token float GEMV at most one 8-value unit, so
+# the order in which a lane adds its units never shows there: Qwen3-0.6B's rows of 1,024 and 3,072 inputs take
+# several a lane (gpu_planted_bugs.py 23, adding a unit's two halves one after the other, passed every tiny case).
+GPU_VERIFY_TARGETS = GPU_TARGETS + [("random:qwen3-0.6b", "bf16")]
+
+
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("spec,dtype", GPU_TARGETS, ids=lambda v: v[7:] if v.startswith("random:") else v)
+@pytest.mark.parametrize("spec,dtype", GPU_VERIFY_TARGETS, ids=lambda v: v[7:] if v.startswith("random:") else v)
 def test_gpu_verify_rows_are_decode_steps_bitwise(spec, dtype, monkeypatch):
     """Every verify bucket, half full and full, after a short prompt and after 1150 keys: with few attention splits
     (n_split <= 64) a split there holds more than MIN_CHUNK keys, and the verify call's keys 1151.. cross 1152, a
