@@ -56,3 +56,70 @@ def test_family_dtype_pipeline_equals_reference(backend, spec, dtype, passes):
     what = ["prefill 45", "decode 1", "decode 2", "decode 3", "decode 4", "3-token call", "fresh 1-token prefill"]
     for w, a, b in zip(what, got, want):
         assert_rel_close(a, b, rel, f"{backend} {spec} dtype={dtype} passes={passes}: {w}")
+
+
+# ---------------------------------------------------------------- every weight type, rows wide enough for K-quants
+# The presets' rows (64 and 96 inputs) hold no 256-value super-block, so above q4_k, q5_k, q6_k and iq4_xs would stay
+# f32 (models/loader.py convert_weights); and q4_1, q5_0, q5_1 are not in DTYPES. Tiny HF models with 256-wide rows
+# take every type, and Qwen3.5's (DeltaNet projections, 256 x 256 heads) too.
+WIDE = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=128, max_position_embeddings=128, rms_norm_eps=1e-6)
+K_QUANTS = ["q4_k", "q5_k", "q6_k", "iq4_xs"]
+ALL_QUANTIZED = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", *K_QUANTS]
+
+
+def _wide_hf(family: str, path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**WIDE, num_hidden_layers=2))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            **WIDE, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=1, linear_num_value_heads=2))
+    with torch.no_grad():  # unit-ish scale; Qwen3.5's decay parameters keep HF's init
+        for name, p in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.1 * torch.randn_like(p) + 1.0 if p.ndim == 1 else
+                        torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen35"])
+def wide(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"wide-{request.param}")
+    _wide_hf(request.param, path)
+    return str(path)
+
+
+def _wide_model(path: str, dtype: str, backend: str):
+    """The model at `path` with every matrix as `dtype`: converted by graphir's quantizer where it has one (as
+    `graphir.load(dtype=)` does), else (the K-quants and iq4_xs, which only GGUF files bring) random valid blocks."""
+    if dtype not in K_QUANTS:
+        return graphir.load(path, backend=backend, passes="default", dtype=dtype, ctx=64)
+    from graphir.api import Model
+    from graphir.quant import random_quantized
+    from graphir.weights import Weight, Weights
+
+    f32 = graphir.load(path, backend="reference", ctx=64)
+    rng = np.random.default_rng(7)
+    weights = Weights(source=f"{path} as random {dtype}")
+    for name, w in f32.weights.items():
+        quantize = len(w.shape) == 2 and w.shape[-1] % 256 == 0
+        weights.add(name, Weight(dtype, w.shape, random_quantized(rng, dtype, w.shape)) if quantize else w)
+    return Model(f32.config, weights, f32.tokenizer, backend=backend, passes="default", eos_ids=f32.eos_ids,
+                 source=weights.source)
+
+
+@pytest.mark.parametrize("dtype", ALL_QUANTIZED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_weight_type_equals_reference(backend, wide, dtype):
+    model = _wide_model(wide, dtype, backend)
+    matrices = [w for n, w in model.weights.items() if len(w.shape) == 2 and "ssm_conv" not in n]
+    assert matrices and all(w.dtype == dtype for w in matrices), {w.dtype for w in matrices}
+    ref = _wide_model(wide, dtype, "reference")
+    ref.prefill_buckets, ref.call_cost = model.prefill_buckets, model.call_cost
+    what = ["prefill 45", "decode 1", "decode 2", "decode 3", "decode 4", "3-token call", "fresh 1-token prefill"]
+    for w, a, b in zip(what, _calls(model), _calls(ref)):
+        assert_rel_close(a, b, REL, f"{backend} {wide} dtype={dtype}: {w}")
