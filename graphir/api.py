@@ -472,7 +472,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         weights = presets.random_weights(config, dtype or preset_dtype if direct else preset_dtype)
         if not direct:
             weights = loader.convert_weights(weights, dtype)
-        tok = presets.ByteTokenizer()
+        tok = presets.ByteTokenizer(config.n_vocab)
         if config.n_vocab < tok.vocab_size:
             raise LoadError(f"{spec}: vocab {config.n_vocab} is smaller than the byte tokenizer's {tok.vocab_size}")
         config = loader.with_ctx(config, min(config.context_length, loader.DEFAULT_MAX_CTX))

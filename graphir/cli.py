@@ -274,6 +274,12 @@ def _load_options(backend_help: str, passes_help: str, ctx_holds: str) -> Callab
     return add
 
 
+def _dtype_option(fn: Callable) -> Callable:
+    return click.option("--dtype", default=None,
+                        help="convert the weights on load, e.g. q4_0 (the project's quantizer) or bf16  [default: as "
+                             "stored]")(fn)
+
+
 def _threads_option(fn: Callable) -> Callable:
     return click.option("--threads", type=click.IntRange(min=1), default=None,
                         help="cpu backend kernel threads  [default: auto: all of numba's pool while the machine is "
@@ -293,18 +299,21 @@ def _tp_option(fn: Callable) -> Callable:
 @_load_options(backend_help="default: auto (gpu when CuPy sees a device, else cpu); reference for `example`",
                passes_help="pass pipeline applied before lowering ('' for none; see `graphir passes`)",
                ctx_holds="prompt included")
+@_dtype_option
 @_threads_option
 @_draft_options
 @_tp_option
 def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-            backend: str | None, pipeline: str, ctx: int | None, threads: int | None, draft: str | None,
-            draft_len: int | None, tp: int) -> None:
+            backend: str | None, pipeline: str, ctx: int | None, dtype: str | None, threads: int | None,
+            draft: str | None, draft_len: int | None, tp: int) -> None:
     """Generate text: stream it to stdout, progress and timings to stderr.
 
     MODEL `example` runs the built-in 2-layer example graph instead: random weights,
     prompt bytes as token ids, greedy decoding, and a summary of the logits.
     """
     if model == "example":
+        if dtype:
+            raise click.UsageError("--dtype needs a model: the example graph draws its own f32 weights")
         if draft:
             raise click.UsageError("--draft needs a model: the example graph has no tokenizer to share")
         _run_example(prompt, n, seed or 0, backend or "reference")
@@ -321,8 +330,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     click.echo(f"loading {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
     t0 = time.perf_counter()
     # --threads only when given: without it load() leaves the thread setting as it is (auto)
-    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, **({"threads": threads} if threads else {}),
-                  **({"tp": tp} if tp > 1 else {}))
+    lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, dtype=dtype,
+                  **({"threads": threads} if threads else {}), **({"tp": tp} if tp > 1 else {}))
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
@@ -369,8 +378,10 @@ def _speculative_line(st: Any, draft: str | None, draft_len: int) -> str:
 @_load_options(backend_help="default: auto (gpu when CuPy sees a device, else cpu)",
                passes_help="pass pipeline applied before lowering ('' for none)",
                ctx_holds="the whole conversation included")
+@_dtype_option
 def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, temperature: float, top_k: int,
-             top_p: float, seed: int | None, backend: str | None, pipeline: str, ctx: int | None) -> None:
+             top_p: float, seed: int | None, backend: str | None, pipeline: str, ctx: int | None,
+             dtype: str | None) -> None:
     """Talk to MODEL with its own chat template: one turn with -p, else read turns from stdin until EOF.
 
     The conversation stays in the KV cache, so each turn reads only its new tokens.
@@ -379,7 +390,7 @@ def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, tempera
     pipeline = resolve_pipeline(pipeline, backend)
     _check_runnable(model)
     click.echo(f"loading {model} on {backend} (passes {pipeline or '(none)'}) ...", err=True)
-    lm = _api().load(model, backend=backend, passes=pipeline, ctx=ctx)
+    lm = _api().load(model, backend=backend, passes=pipeline, ctx=ctx, dtype=dtype)
     if lm.tokenizer is None or not getattr(lm.tokenizer, "chat_template", None):
         raise CliError(f"{model}: no chat template in the model's files; use `graphir run` for raw completion")
     messages = [{"role": "system", "content": system}] if system else []
@@ -594,8 +605,7 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="also write the numbers (and machine, date, command) to this JSON file")
 @_threads_option
-@click.option("--dtype", default=None,
-              help="convert the weights on load, e.g. q4_0 (the project's quantizer) or bf16  [default: as stored]")
+@_dtype_option
 @_draft_options
 @_tp_option
 def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int, decode: int, repeats: int,

@@ -218,6 +218,8 @@ _QUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "q5_1": _q_q5_1,
     "q8_0": _q_q8_0,
 }
+# the types `quantize` makes (graphir.load(dtype=) converts to these); K-quants and iq4_xs are only read from GGUF files
+CONVERTIBLE = ("f32", "f16", "bf16", *_QUANT)
 
 # For random_quantized, per type: byte offset of the f16 scale d; the largest |code x sub-scale|
 # product d multiplies (d = target / product gives values up to about `target`); byte offset of

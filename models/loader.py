@@ -17,7 +17,7 @@ from typing import Any
 from graphir.dtypes import DTYPES, FLOAT, QUANTIZED
 from graphir.errors import GraphirError, LoadError
 from graphir.gc_pause import gc_paused
-from graphir.quant import dequantize, quantize
+from graphir.quant import CONVERTIBLE, dequantize, quantize
 from graphir.weights import Weight, Weights
 
 from . import registry
@@ -60,25 +60,35 @@ def convert_weights(weights: Weights, dtype: str) -> Weights:
         raise LoadError(f"dtype {dtype!r} is not a weight type (use one of {', '.join(FLOAT + QUANTIZED)})")
     out = Weights(source=f"{weights.source} as {dtype}")
     block = DTYPES[dtype].block
-    unblocked = []  # matrices whose rows are long enough for blocks but not a whole number of them
+    kept: list[tuple[str, int]] = []  # matrices left f32: (name, columns)
+    converted = 0
     for name, w in weights.items():
         # norms, and rows that are not whole blocks (a [C, 4] conv kernel), stay f32
         blocked = len(w.shape) >= 2 and w.shape[-1] % block == 0
         target = "f32" if dtype in QUANTIZED and not blocked else dtype
-        if target != dtype and len(w.shape) >= 2 and w.shape[-1] > block:
-            unblocked.append(f"{name} ({w.shape[-1]} columns)")
+        if len(w.shape) >= 2:
+            if target == dtype:
+                converted += 1
+            else:
+                kept.append((name, w.shape[-1]))
         if w.dtype == target:
             out.add(name, w)
             continue
+        if target not in CONVERTIBLE:
+            raise LoadError(f"{weights.source}: tensor {name!r} is {w.dtype}, and graphir has no quantizer for "
+                            f"{target} ({target} weights are read from GGUF files as they are); convert to one of "
+                            f"{', '.join(CONVERTIBLE)}")
         try:
             data = quantize(dequantize(w.data, w.dtype, w.shape), target)
         except GraphirError as e:
             raise LoadError(f"{weights.source}: tensor {name!r} cannot be converted to {target}: {e}") from None
         out.add(name, Weight(target, tuple(w.shape), data))
-    if unblocked:  # said once, so that a model asked for as q4_0 that is mostly f32 does not pass unnoticed
-        print(f"graphir: {weights.source}: {len(unblocked)} matrices stay f32, not {dtype}: their rows are not whole "
-              f"{block}-value blocks ({', '.join(unblocked[:3])}{', ...' if len(unblocked) > 3 else ''})",
-              file=sys.stderr)
+    # Said once, so that a model asked for as q4_0 that is mostly f32 does not pass unnoticed; a short conv kernel
+    # left f32 beside converted projections is the expected case and says nothing.
+    if kept and (not converted or any(cols > block for _, cols in kept)):
+        names = ", ".join(f"{n} ({cols} columns)" for n, cols in kept[:3]) + (", ..." if len(kept) > 3 else "")
+        print(f"graphir: {weights.source}: {len(kept)} matrices stay f32, not {dtype}: their rows are not whole "
+              f"{block}-value blocks ({names})", file=sys.stderr)
     return out
 
 

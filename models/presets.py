@@ -27,13 +27,18 @@ def random_weights(config: Any, dtype: str = "f32", seed: int = 0) -> Weights:
 
 
 class ByteTokenizer:
-    """Bytes as ids 0-255, then <|bos|> = 256 and <|eos|> = 257; the interface of models.tokenizer.Tokenizer."""
+    """Bytes as ids 0-255, then <|bos|> = 256 and <|eos|> = 257; the interface of models.tokenizer.Tokenizer.
+
+    A random preset's vocabulary is larger (272 to 262,144 ids) and a random model generates any of them, so ids
+    258..n_ids-1 decode to a visible "<|id N|>" (as a real vocabulary's reserved tokens print) rather than failing
+    the stream at its first such token; only ids outside [0, n_ids) are an error."""
 
     BOS, EOS = 256, 257
     SPECIAL = {BOS: "<|bos|>", EOS: "<|eos|>"}
 
-    def __init__(self) -> None:
+    def __init__(self, n_ids: int = 258) -> None:
         self.vocab_size = 258
+        self.n_ids = max(int(n_ids), self.vocab_size)
         self.bos_id = self.BOS
         self.eos_ids: set[int] = {self.EOS}
         self.add_bos = False
@@ -44,27 +49,33 @@ class ByteTokenizer:
         return ([self.BOS] if add_bos else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(ByteStreamDecoder()(ids))
+        return "".join(self.stream()(ids))
 
     def token(self, i: int) -> str:
-        return self.SPECIAL.get(i) or bytes([i]).decode("latin-1")
+        if 0 <= i < 256:
+            return bytes([i]).decode("latin-1")
+        return self.SPECIAL.get(i) or self._marker(i)
 
     def stream(self) -> ByteStreamDecoder:
-        return ByteStreamDecoder()
+        return ByteStreamDecoder(self)
+
+    def _marker(self, i: int) -> str:
+        if not self.vocab_size <= i < self.n_ids:
+            raise InputError(f"byte tokenizer: token id {i} out of range [0, {self.n_ids})")
+        return f"<|id {i}|>"
 
 
 class ByteStreamDecoder(TextStream):
     """Takes ids one at a time; returns text as soon as its UTF-8 sequence is complete."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: ByteTokenizer | None = None) -> None:
+        self.tok = tokenizer or ByteTokenizer()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        if token_id in ByteTokenizer.SPECIAL:
-            return self._utf8.decode(b"", final=True) + ByteTokenizer.SPECIAL[token_id]
-        if not 0 <= token_id < 256:
-            raise InputError(f"byte tokenizer: token id {token_id} out of range [0, 258)")
-        return self._utf8.decode(bytes([token_id]))
+        if 0 <= token_id < 256:
+            return self._utf8.decode(bytes([token_id]))
+        return self._utf8.decode(b"", final=True) + self.tok.token(token_id)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

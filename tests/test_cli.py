@@ -109,6 +109,24 @@ def test_run_example() -> None:
     assert "prefill 5 tok" in r.stderr and "reference backend" in r.stderr
 
 
+def test_run_and_chat_convert_weights_with_dtype() -> None:
+    """--dtype reaches graphir.load in run (as in bench): q8_0 generates what the API's q8_0 model generates; q4_k on
+    the tiny preset's 64-wide rows says its matrices stay f32; an unknown type is an error naming the known ones."""
+    import graphir
+
+    args = ("random:qwen3-tiny", "--backend", "reference", "-p", "hello", "-n", "6")
+    r = invoke("run", *args, "--dtype", "q8_0")
+    assert r.exit_code == 0, r.output
+    model = graphir.load("random:qwen3-tiny", backend="reference", dtype="q8_0")
+    ids = model.tokenizer.encode("hello")
+    assert r.stdout.strip() == ("hello" + model.tokenizer.decode(list(model.generate(ids, 6)))).strip()
+    assert "matrices stay f32, not q4_k" in invoke("run", *args, "--dtype", "q4_k").stderr
+    bad = invoke("run", *args, "--dtype", "q9")
+    assert bad.exit_code == 1 and "'q9' is not a weight type" in bad.stderr and "q4_0" in bad.stderr
+    assert invoke("run", "example", "--dtype", "q8_0").exit_code == 2
+    assert "--dtype" in invoke("chat", "--help").stdout
+
+
 def test_bad_specs_exit_1_with_message(tmp_path: Path) -> None:
     r = invoke("dump", str(tmp_path / "missing.json"))
     assert r.exit_code == 1 and r.stderr == f"error: {tmp_path / 'missing.json'}: no such graph file\n"
@@ -122,7 +140,8 @@ def test_bad_specs_exit_1_with_message(tmp_path: Path) -> None:
 
 
 def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None):
+    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None,
+             dtype: str | None = None):
         raise LoadError(f"{spec}.gguf: truncated at tensor 'blk.3.attn_q.weight'")
 
     monkeypatch.setitem(sys.modules, "graphir.api", types.SimpleNamespace(load=load))
@@ -158,7 +177,8 @@ class FakeModel:
 def test_run_model_streams_text_and_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     models: list[FakeModel] = []
 
-    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None) -> FakeModel:
+    def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None,
+             dtype: str | None = None) -> FakeModel:
         assert spec == "smollm2-135m"  # the default MODEL
         models.append(FakeModel(backend))
         return models[-1]
@@ -183,7 +203,7 @@ def test_run_without_model_stats_times_decode_itself(monkeypatch: pytest.MonkeyP
     push = types.SimpleNamespace(push=lambda t: chr(t), flush=lambda: "")
     model.tokenizer = types.SimpleNamespace(encode=lambda s: [1], stream=lambda: push)
     model.stats = {}
-    fake_api = types.SimpleNamespace(load=lambda spec, backend=None, passes="", ctx=None: model)
+    fake_api = types.SimpleNamespace(load=lambda spec, backend=None, passes="", ctx=None, dtype=None: model)
     monkeypatch.setitem(sys.modules, "graphir.api", fake_api)
     r = invoke("run", "tiny", "-p", "x", "-n", "2")
     assert r.exit_code == 0, r.output
@@ -364,11 +384,11 @@ def test_run_uses_the_defaults_of_load(monkeypatch: pytest.MonkeyPatch) -> None:
     from graphir.passes import BACKEND_PIPELINES
 
     defaults = {k: p.default for k, p in inspect.signature(load).parameters.items()}
-    assert (defaults["backend"], defaults["passes"], defaults["ctx"]) == ("auto", "auto", None)
+    assert (defaults["backend"], defaults["passes"], defaults["ctx"], defaults["dtype"]) == ("auto", "auto", None, None)
     calls = fake_api(monkeypatch, FakeModel("cpu"))
     assert invoke("run", "tiny", "-n", "1").exit_code == 0
     backend = resolve_backend("auto")  # and its pipeline, resolved before load as load resolves it
-    assert calls == [{"backend": backend, "passes": BACKEND_PIPELINES[backend], "ctx": None}]
+    assert calls == [{"backend": backend, "passes": BACKEND_PIPELINES[backend], "ctx": None, "dtype": None}]
 
 
 def test_run_ctx_sets_the_kv_capacity_and_the_context_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

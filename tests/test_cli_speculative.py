@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from graphir.cli import main
 
 # byte tokens that repeat, so prompt lookup has n-grams to draft from; the random models' next 20 ids are bytes
-# (ids past them would stop the byte tokenizer's text)
 PROMPT = "abcabcabcabc"
 
 

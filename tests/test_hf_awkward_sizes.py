@@ -129,3 +129,13 @@ def test_quantizing_rows_that_are_not_whole_blocks_says_so(saved, capsys):
     assert err.count("matrices stay f32") == 1
     whole = [n for n, w in model.weights.items() if len(w.shape) == 2 and w.shape[-1] % 32 == 0]
     assert all(model.weights[n].dtype == "q8_0" for n in whole)
+
+
+def test_a_type_no_matrix_can_take_says_so(capsys):
+    """random:llama-tiny's rows of 64 and 96 values hold no 256-value q4_k block: every matrix stays f32, said once;
+    Qwen3.5's [C, 4] conv kernel left f32 beside converted projections says nothing."""
+    model = graphir.load("random:llama-tiny", backend="reference", dtype="q4_k")
+    assert {w.dtype for w in model.weights.values()} == {"f32"}
+    assert capsys.readouterr().err.count("matrices stay f32, not q4_k") == 1
+    graphir.load("random:qwen35-tiny", backend="reference", dtype="q8_0")
+    assert "stay f32" not in capsys.readouterr().err

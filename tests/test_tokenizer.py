@@ -216,3 +216,26 @@ def test_from_file_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(LoadError, match="not a valid tokenizer.json"):
         Tokenizer.from_file(tmp_path / "tokenizer.json")
+
+
+def test_byte_tokenizer_prints_a_random_presets_other_ids():
+    """A random preset's vocabulary is larger than the byte tokenizer's 258 ids and a random model generates the
+    rest too: they print as markers, in a stream and in decode alike, and `graphir run random:qwen3-0.6b` (vocab
+    151,936) streams text instead of failing at its first token; ids past the model's vocabulary stay an error."""
+    from graphir.models.presets import ByteTokenizer
+
+    import graphir
+
+    tok = ByteTokenizer(400)
+    ids = [104, 0xC3, 300, 0xA9, 257, 399]
+    assert tok.decode(ids) == "h\ufffd<|id 300|>\ufffd<|eos|><|id 399|>"
+    assert "".join(tok.stream()(ids)) == tok.decode(ids)
+    assert tok.decode([0xC3, 0xA9]) == "\u00e9" and tok.token(300) == "<|id 300|>"
+    for bad in (400, -1):
+        with pytest.raises(InputError, match=f"token id {bad} out of range \\[0, 400\\)"):
+            tok.decode([bad])
+    model = graphir.load("random:qwen3-tiny", backend="reference")
+    assert model.tokenizer.n_ids == model.config.n_vocab == 272
+    out = list(model.generate(model.tokenizer.encode("hello"), 40))
+    assert max(out) >= 258, "the test needs an id past the bytes"  # seeded: ids 258..271 come up in 40 tokens
+    assert model.tokenizer.decode(out).count("<|id ") == sum(258 <= i for i in out)
