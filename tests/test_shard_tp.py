@@ -122,7 +122,24 @@ def test_a_region_that_cannot_be_cut_is_left_whole_with_its_reason():
     assert_same_math(model, graph, 3, "reference")
     text = coverage(graph, "shard-tp{n=3}").text(max_sites=100)
     assert "read shared heads [0, 1] in unequal groups" in text  # rank 1 holds q heads 2, 3, 4
-    assert "blk.0.attn_q.weight rows split + all_gather" in text
+    # its q rows (64) are not 3 equal pieces, which one rank's all_gather would need: every rank computes them whole
+    assert "blk.0.attn_q.weight: 64 output rows are not 3 equal pieces; left whole (not row-parallel" in text
+
+
+def test_rows_that_do_not_split_evenly_stay_whole_and_every_rank_graph_builds():
+    """llama-tiny's head (272 vocabulary rows) on 3 ranks: rows split + all_gather would give pieces of 90, 91 and 91,
+    which one rank's all_gather cannot join (graphir run --tp 3 failed in the workers); the head stays whole, the
+    math is the unsharded model's, and each rank's graph builds. On 4 ranks (68 rows each) it still splits."""
+    model = graphir.load("random:llama-tiny", passes="")
+    graph = model.graph("decode")
+    text = coverage(graph, "shard-tp{n=3}").text(max_sites=100)
+    assert "output.weight: 272 output rows are not 3 equal pieces; left whole" in text
+    assert_same_math(model, graph, 3, "reference")
+    sharded = shard(graph, 3)
+    assert not any(x.op == "all_gather" for x in sharded.nodes())
+    for r in range(3):
+        graphir.verify(tp.rank_graph(sharded, r))
+    assert "output.weight rows split + all_gather" in coverage(graph, "shard-tp{n=4}").text(max_sites=100)
 
 
 def test_coverage_and_structure(tiny):

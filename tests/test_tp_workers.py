@@ -142,9 +142,6 @@ def test_close_ends_the_workers():
 
 
 def test_bad_tp_is_a_clear_error(monkeypatch):
-    with pytest.raises(TpWorkerError, match=r"rank \d of 3 .*GraphError: rank_graph: all_gather 'logits' .*unequal "
-                                            r"pieces .*\(while loading\)"):
-        graphir.load("random:llama-tiny", backend="cpu", tp=3)  # vocab 272 over 3 ranks
     for tp in (0, -2, 2.0, True):
         with pytest.raises(InputError, match="tp must be an int >= 1"):
             graphir.load("random:llama-tiny", backend="cpu", tp=tp)
@@ -307,6 +304,16 @@ def test_four_ranks_with_replicated_kv_heads(spec):
     collective sums 4 parts; logits and greedy ids as with one process."""
     plain = graphir.load(spec, backend="cpu")
     with graphir.load(spec, backend="cpu", tp=4) as model:
+        assert rel(plain.logits(PROMPT), model.logits(PROMPT)) <= REL
+        assert list(model.generate(PROMPT, 16, stop_at_eos=False)) == list(plain.generate(PROMPT, 16,
+                                                                                           stop_at_eos=False))
+
+
+def test_three_ranks_with_a_head_that_does_not_split_evenly():
+    """3 processes on llama-tiny: its 272 vocabulary rows are not 3 equal pieces, so every rank computes the whole
+    head (shard-tp leaves it unsplit); logits and greedy ids as with one process."""
+    plain = graphir.load("random:llama-tiny", backend="cpu")
+    with graphir.load("random:llama-tiny", backend="cpu", tp=3) as model:
         assert rel(plain.logits(PROMPT), model.logits(PROMPT)) <= REL
         assert list(model.generate(PROMPT, 16, stop_at_eos=False)) == list(plain.generate(PROMPT, 16,
                                                                                            stop_at_eos=False))

@@ -18,7 +18,8 @@ range reading KV heads in unequal groups, an op without a rule) is left whole an
 in the coverage report.
 
 Every other mul_mat with a 2-D Param weight (the LM head) splits by output rows (vocabulary rows)
-and its pieces are joined by `all_gather`. The embedding is shared whole.
+into N equal pieces joined by `all_gather`; rows that N does not divide stay whole (every rank computes
+them). The embedding is shared whole.
 
 Weights and State of a rank: see graphir/tp.py (slice-named Params, `@tp<r>of<N>` States).
 Run it on a model graph before the default fusions: `shard-tp{n=2},default`.
@@ -234,8 +235,10 @@ def shard(graph: Graph, n: int) -> Graph:
             continue
         regions[id(node)] = reg
         members |= set(reg.nodes)
+    # rows in n equal pieces only: one rank's all_gather joins equal pieces (graphir/tp.py), so a head of 272 rows
+    # on 3 ranks stays whole, computed by every rank, rather than failing in the rank graph
     gathered = {id(m) for m in graph.nodes() if _projection(m) and id(m) not in members and id(m) not in regions
-                and m.src[0].shape[0] >= n}
+                and m.src[0].shape[0] % n == 0}
     _report(graph, regions, members, gathered, why, n)
     return _rebuild(graph, n, regions, members, gathered)
 
@@ -251,7 +254,9 @@ def _report(graph: Graph, regions: dict, members: set, gathered: set, why: dict,
         elif id(m) in gathered:
             record_match(m, f"{m.src[0].name} rows split + all_gather ({why.get(id(m), '')})")
         else:
-            record_reject(m, f"{m.src[0].name}: fewer than {n} output rows; left whole")
+            reason = f" ({why[id(m)]})" if id(m) in why else ""
+            record_reject(m, f"{m.src[0].name}: {m.src[0].shape[0]} output rows are not {n} equal pieces; left whole"
+                             f"{reason}")
 
 
 def _rebuild(graph: Graph, n: int, regions: dict, members: set, gathered: set) -> Graph:
