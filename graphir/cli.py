@@ -133,6 +133,27 @@ def passes_cmd() -> None:
 
 
 # ---------------------------------------------------------------- dump
+def _output_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file whose folder exists: a typo in the folder fails now, not after the model ran (bench) and
+    not as a traceback."""
+    if value is not None:
+        folder = Path(value).parent
+        if not folder.exists():
+            raise click.BadParameter(f"{value}: folder '{folder}' does not exist", ctx, param)
+        if not folder.is_dir():
+            raise click.BadParameter(f"{value}: '{folder}' is not a folder", ctx, param)
+    return value
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write an output file; a failure the option check could not foresee (no permission, a full disk) is one
+    line naming the file."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
 def _layers_option(ctx: click.Context, param: click.Parameter, value: str | None) -> set[int] | None:
     try:
         return parse_layers(value)
@@ -181,7 +202,7 @@ def _emit(text: str, output: str | None) -> None:
     if output is None:
         click.echo(text, nl=False)
         return
-    Path(output).write_text(text, encoding="utf-8")
+    _write_file(output, text)
     click.echo(f"wrote {output} ({len(text.encode())} bytes)", err=True)
 
 
@@ -191,7 +212,8 @@ def _emit(text: str, output: str | None) -> None:
               help="which graph of a model to build (verify: a speculative decoding verify call, greedy)")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="output format; default from -o's extension, else text")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="write here instead of stdout")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, callback=_output_option,
+              help="write here instead of stdout")
 @click.option("--layers", default=None, callback=_layers_option,
               help="show only these layers (blk.N), fold the rest: 0..1, 3, 0,2,5 or all")
 @click.option("--passes", "pipeline", default=None, callback=_pipeline_option,
@@ -602,7 +624,7 @@ def coverage_cmd(spec: str, pipeline: str, phase: str, sites: int) -> None:
 @click.option("--compare", "compare", type=click.Choice(["hf", "hf-eager"]), default=None,
               help="also run HF transformers on the same weights: eager and static cache + torch.compile (hf), "
                    "or eager only (hf-eager)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=_output_option,
               help="also write the numbers (and machine, date, command) to this JSON file")
 @_threads_option
 @_dtype_option
@@ -656,5 +678,5 @@ def bench_cmd(model: str, backend: str, pipeline: str, prefill: int, prompt: int
     result["command"] = command
     render(result, command, file=sys.stdout)
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        _write_file(json_path, json.dumps(result, indent=2) + "\n")
         click.echo(f"wrote {json_path}", err=True)

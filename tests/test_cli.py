@@ -326,11 +326,26 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     (("coverage", "tiny", "-p", "nonsense"), "unknown pass 'nonsense'"),
     (("bench", "tiny", "--backend", "tpu"), "--backend"),
     (("bench", "tiny", "--passes", "nonsense"), "unknown pass 'nonsense'"),
+    (("dump", "tiny", "-o", "/no-such-dir/g.html"), "'/no-such-dir'"),
+    (("bench", "tiny", "--json", "/no-such-dir/b.json"), "'/no-such-dir'"),
 ])
 def test_bad_options_fail_before_loading(no_loading: None, args: tuple[str, ...], fragment: str) -> None:
     r = invoke(*args)
     one_line_error(r, 2, fragment)
     assert r.stdout == ""
+
+
+def test_an_output_file_that_cannot_be_written_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-o under a plain file is refused before loading; a write that fails anyway (a full disk, no permission)
+    names the file, never a traceback (both were FileNotFoundError tracebacks, bench's after the whole run)."""
+    (tmp_path / "f").write_text("")
+    one_line_error(invoke("dump", "example", "-o", str(tmp_path / "f" / "g.txt")), 2, "is not a folder")
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    one_line_error(invoke("dump", "example", "-o", str(tmp_path / "g.txt")), 1, "g.txt", "Permission denied")
 
 
 def test_unavailable_backend_fails_before_loading(no_loading: None, monkeypatch: pytest.MonkeyPatch) -> None:
