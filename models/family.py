@@ -173,6 +173,41 @@ def gguf_key(md: Mapping[str, Any], arch: str, label: str) -> Callable[..., Any]
     return key
 
 
+# config.json fields the families read as numbers; null stands for "derive it" only in HF_NULLABLE (the families
+# read those with `or`): anywhere else int()/float() of a string or null raised a bare ValueError/TypeError
+HF_WHOLE = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window",
+                      "sliding_window_pattern", "full_attention_interval", "linear_num_key_heads",
+                      "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                      "linear_conv_kernel_dim"})
+HF_REAL = frozenset({"rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor", "factor",
+                     "query_pre_attn_scalar", "final_logit_softcapping"})
+HF_NULLABLE = frozenset({"num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping"})
+
+
+def check_hf_fields(hf: Mapping[str, Any], label: str) -> None:
+    """The numbers of an HF config (nested ones too: text_config, rope_parameters) are numbers of their kind,
+    and architectures is a list: a LoadError naming the field, before a family converts any of them."""
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise LoadError(f"{label}: architectures must be a list of class names, got {archs!r}")
+
+    def walk(d: Mapping[str, Any]) -> None:
+        for key, v in d.items():
+            if isinstance(v, Mapping):
+                walk(v)
+            elif v is None and key in HF_NULLABLE:
+                continue
+            elif key in HF_WHOLE and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and float(v).is_integer()):
+                raise LoadError(f"{label}: {key} must be a whole number, got {v!r}")
+            elif key in HF_REAL and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                         and np.isfinite(v)):
+                raise LoadError(f"{label}: {key} must be a finite number, got {v!r}")
+
+    walk(hf)
+
+
 def hf_default_rope(hf: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     """An HF config's rope parameters (transformers 5's rope_parameters, older configs' rope_scaling, or
     none), which must be the default rope: rope scaling is not supported."""

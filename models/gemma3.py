@@ -112,6 +112,10 @@ def check_config(c: Gemma3Config) -> None:
         (c.sliding_window >= 1, f"sliding_window {c.sliding_window} must be >= 1"),
         (c.final_softcap >= 0, f"final_softcap {c.final_softcap} must be >= 0 (0: none)"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
+        # as llama's: a negative eps failed inside a cpu kernel, a zero theta made the rotations NaN
+        (c.rms_eps >= 0, f"rms_eps {c.rms_eps} must be >= 0"),
+        (c.rope_theta > 0 and c.rope_theta_local > 0,
+         f"rope_theta {c.rope_theta} and rope_theta_local {c.rope_theta_local} must be > 0"),
     ]
     check_rules(c.arch, rules)
 

@@ -107,6 +107,9 @@ def check_config(c: LlamaConfig) -> None:
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (c.rope_mode in ("norm", "neox"), f"rope_mode must be 'norm' or 'neox', got {c.rope_mode!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
+        # a negative eps ran into a ZeroDivisionError in the cpu kernels; theta 0 made every rotation NaN
+        (c.rms_eps >= 0, f"rms_eps {c.rms_eps} must be >= 0"),
+        (c.rope_theta > 0, f"rope_theta {c.rope_theta} must be > 0"),
         (c.kv_slots >= 0, f"kv_slots {c.kv_slots} must be >= 0 (0: no slot pool)"),
     ]
     check_rules(c.arch, rules)
@@ -198,6 +201,7 @@ HF_LAYER = {
     "post_attention_layernorm.weight": "ffn_norm.weight",
     **HF_MLP,
 }
+HF_ACTIVATIONS = ("silu", "swish")  # transformers' names of the same function
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old checkpoints, not a weight
 HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
 
@@ -223,6 +227,9 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise LoadError(f"{label}: {flag}=true is not supported")
+    # the graph's FFN is SwiGLU: any other activation loaded and ran SiLU without a word
+    if hf.get("hidden_act", "silu") not in HF_ACTIVATIONS:
+        raise LoadError(f"{label}: hidden_act {hf.get('hidden_act')!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
     rope = hf_default_rope(hf, label)
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])

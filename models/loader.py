@@ -21,7 +21,7 @@ from graphir.quant import CONVERTIBLE, dequantize, quantize
 from graphir.weights import Weight, Weights
 
 from . import registry
-from .family import ModelConfig
+from .family import ModelConfig, check_hf_fields
 from .gguf_file import GGUFFile
 from .hf_dir import load_hf_dir
 
@@ -42,6 +42,7 @@ def load_hf(path: str | os.PathLike[str]) -> tuple[ModelConfig, Weights, dict[st
     """(config, weights renamed to ours, config.json as a dict)."""
     hf, raw = load_hf_dir(path)
     label = str(Path(path) / "config.json")
+    check_hf_fields(hf, label)
     family = registry.for_hf(hf, label)
     config = family.config_from_hf(hf, label)
     config = with_ctx(config, min(config.context_length, DEFAULT_MAX_CTX))

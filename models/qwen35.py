@@ -181,6 +181,9 @@ def check_config(c: Qwen35Config) -> None:
         (c.full_attn_interval >= 1, f"full_attn_interval {c.full_attn_interval} must be >= 1"),
         (c.v_head_order in ("grouped", "tiled"), f"v_head_order must be 'grouped' or 'tiled', got {c.v_head_order!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
+        # as llama's: a negative eps failed inside a cpu kernel, a zero theta made the rotations NaN
+        (c.rms_eps >= 0, f"rms_eps {c.rms_eps} must be >= 0"),
+        (c.rope_theta > 0, f"rope_theta {c.rope_theta} must be > 0"),
     ]
     check_rules(c.arch, rules)
 

@@ -159,6 +159,33 @@ def test_hf_unsupported_options(tmp_path):
         graphir.load(str(hf_dir(tmp_path, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4})))
 
 
+@pytest.mark.parametrize("field, value, rule", [
+    ("rms_norm_eps", "x", "rms_norm_eps must be a finite number, got 'x'"),
+    ("max_position_embeddings", None, "max_position_embeddings must be a whole number, got None"),
+    ("hidden_size", 64.5, "hidden_size must be a whole number, got 64.5"),
+    ("vocab_size", True, "vocab_size must be a whole number, got True"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "1e4"}, "rope_theta must be a finite number"),
+    ("architectures", "LlamaForCausalLM", "architectures must be a list of class names"),
+])
+def test_hf_config_field_of_the_wrong_type_is_named(tmp_path, field, value, rule):
+    """A config.json value of the wrong type names the file and the field (these were ValueError and
+    TypeError tracebacks from float()/int(), or a list of supported names holding the one given)."""
+    with raises(LoadError, "config.json", rule):
+        graphir.load(str(hf_dir(tmp_path, **{field: value})))
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+    ("rms_norm_eps", -1.0, "rms_eps -1.0 must be >= 0"),
+    ("rope_theta", 0, "rope_theta 0.0 must be > 0"),
+])
+def test_hf_config_values_the_graph_cannot_honour(tmp_path, field, value, rule):
+    """A llama config with GELU loaded and ran SiLU (wrong text, no error); a negative eps ran into a
+    ZeroDivisionError inside a cpu kernel at the first token."""
+    with raises(LoadError, rule):
+        graphir.load(str(hf_dir(tmp_path, **{field: value})), backend="cpu")
+
+
 # ---- GGUF files ----
 
 def test_gguf_loads(tmp_path):
