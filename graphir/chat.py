@@ -113,12 +113,17 @@ class Conversation:
                              f"tokenizer.chat_template or tokenizer_config.json) and none for its family")
         return template
 
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The ids of `messages` rendered for the assistant's turn: what reply() reads (from the cache or not)."""
+        tok = self.model.tokenizer
+        return tok.encode(render(self.template(), messages, True, **special_tokens(tok)), add_bos=False)
+
     def reply(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 256, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Iterator[int]:
         """Token ids of the assistant's reply to `messages` (the end-of-turn token not included)."""
         m, tok = self.model, self.model.tokenizer
         template, specials = self.template(), special_tokens(tok)
-        ids = tok.encode(render(template, messages, True, **specials), add_bos=False)
+        ids = self.prompt_ids(messages)
         stops = set(m.eos_ids)
         end = end_of_turn_id(tok, template, specials)
         if end is not None:

@@ -419,6 +419,7 @@ def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, tempera
     turns = [prompt] if prompt is not None else _stdin_turns()
     for text in turns:
         messages.append({"role": "user", "content": text})
+        _check_context(lm.config, len(lm.conversation.prompt_ids(messages)), n, "the conversation ({} tokens)")
         ids = lm.conversation.reply(messages, n, temperature, top_k, top_p, seed)
         add_token, flush = _text_stream(lm.tokenizer)
         pieces = []
@@ -457,10 +458,10 @@ def _check_runnable(spec: str) -> None:
                         f"(graphir.load() loads this model without a tokenizer)")
 
 
-def _check_context(config: Any, n_prompt: int, n_new: int) -> None:
+def _check_context(config: Any, n_prompt: int, n_new: int, what: str = "prompt of {} tokens") -> None:
     """The model's own check names load(..., ctx=N); on the command line the knob is --ctx."""
     if n_prompt + n_new > config.ctx:
-        raise CliError(f"prompt of {n_prompt} tokens + -n {n_new} exceeds the context of {config.ctx} tokens; "
+        raise CliError(f"{what.format(n_prompt)} + -n {n_new} exceeds the context of {config.ctx} tokens; "
                        f"raise it with --ctx N (the model was trained for {config.context_length})")
 
 

@@ -131,6 +131,20 @@ def test_cli_chat_one_turn(smollm2):
     assert "Paris" in r.output.splitlines()[-1]
 
 
+def test_cli_chat_past_the_context_names_the_option(smollm2):
+    """A conversation longer than --ctx is one line naming --ctx, as `run` says it (it named the Python API's
+    load(..., ctx=N), which the command line has no way to pass)."""
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    r = CliRunner().invoke(main, ["chat", "smollm2-135m", "-p", "hi", "-n", "4", "--ctx", "10", "--backend", "cpu"])
+    assert r.exit_code == 1, r.output
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("error: the conversation (") and "exceeds the context of 10 tokens" in last, last
+    assert "--ctx N" in last and "load(" not in last, last
+
+
 def test_no_template_is_a_clear_error():
     m = graphir.load("random:llama-tiny", backend="reference", passes="")
     with pytest.raises(graphir.InputError, match=r"random:llama-tiny: no chat template"):
