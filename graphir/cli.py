@@ -574,14 +574,22 @@ def check_cmd(model: str, pipeline: str, phase: str, n_tokens: int | None, tol: 
 def _graph_and_weights(spec: str, phase: str, n_tokens: int) -> tuple[Graph, Any]:
     """The graph to check and its weights: `example` (random weights) or a model spec."""
     if spec == "example":
-        from graphir.examples import build_example, example_weights
+        from graphir.examples import ExampleConfig, build_example, example_weights
 
+        _check_n_tokens(spec, n_tokens, ExampleConfig().ctx)
         graph = build_example(phase, n_tokens)
         return graph, example_weights(graph)
     if spec.endswith(".json"):
         raise _no_weights(spec)
     lm = _load_for_graphs(spec)
+    _check_n_tokens(spec, n_tokens, lm.config.ctx)
     return lm.graph(phase, n_tokens), lm.weights
+
+
+def _check_n_tokens(spec: str, n_tokens: int, ctx: int) -> None:
+    """The checked prefill writes KV rows 0..n-1: past the cache, the failure was a set_rows node's row range."""
+    if n_tokens > ctx:
+        raise CliError(f"--n-tokens {n_tokens} exceeds the context of {spec} ({ctx} tokens)")
 
 
 @main.command("coverage")

@@ -252,6 +252,15 @@ def test_check_options() -> None:
     assert "no weights" in invoke("check", "graph.json").stderr
 
 
+@pytest.mark.parametrize("spec, ctx", [("random:llama-tiny", 256), ("example", 128)])
+def test_check_n_tokens_past_the_context_names_the_option(spec: str, ctx: int) -> None:
+    """--n-tokens longer than the graph's KV cache: one line naming the option and the context (it was a
+    set_rows node's 'row index out of range 0..255 (got 0..256)', after the model loaded)."""
+    one_line_error(invoke("check", spec, "--n-tokens", str(ctx + 1)), 1,
+                   f"--n-tokens {ctx + 1} exceeds the context of {spec} ({ctx} tokens)", alone=False)
+    assert invoke("check", spec, "--n-tokens", str(ctx), "-p", "").exit_code == 0
+
+
 def test_check_smollm2_default() -> None:
     """The default model with the default pipeline: about 12 s on two slow cores."""
     try:
