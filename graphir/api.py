@@ -413,6 +413,8 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
+    if dtype is not None:
+        loader.check_dtype(dtype)  # a bad name fails before any file is read
     if kv_slots is not None and (isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < 1):
         raise InputError(f"kv_slots must be an int >= 1, got {kv_slots!r}")
     if kv_slots is not None and tp != 1:

@@ -34,7 +34,7 @@ from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
 from graphir.models.default_model import DEFAULT_MODEL
 from graphir.models.hf_dir import TOKENIZER_FILE, read_text
-from graphir.models.loader import DEFAULT_MAX_CTX
+from graphir.models.loader import DEFAULT_MAX_CTX, check_dtype
 from graphir.passes import AUTO as AUTO_PIPELINE
 from graphir.passes import PASSES, parse_pipeline, pipelines, resolve_pipeline, run_pipeline, spell_pipeline
 
@@ -296,8 +296,18 @@ def _load_options(backend_help: str, passes_help: str, ctx_holds: str) -> Callab
     return add
 
 
+def _checked_dtype(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --dtype that is no weight type fails before the model loads, as every other option does."""
+    if value is not None:
+        try:
+            check_dtype(value)
+        except GraphirError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
 def _dtype_option(fn: Callable) -> Callable:
-    return click.option("--dtype", default=None,
+    return click.option("--dtype", default=None, callback=_checked_dtype,
                         help="convert the weights on load, e.g. q4_0 (the project's quantizer) or bf16  [default: as "
                              "stored]")(fn)
 

@@ -55,10 +55,15 @@ def ours_to_hf(name: str, config: ModelConfig) -> str:
     return registry.family_of(config).hf_names.to_file(name)
 
 
-def convert_weights(weights: Weights, dtype: str) -> Weights:
-    """Every tensor re-stored as `dtype`. For quantized targets, 1-D weights (norms) become f32."""
+def check_dtype(dtype: str) -> None:
+    """`dtype` names a weight type: load() and the command line ask before any file is read."""
     if dtype not in FLOAT and dtype not in QUANTIZED:
         raise LoadError(f"dtype {dtype!r} is not a weight type (use one of {', '.join(FLOAT + QUANTIZED)})")
+
+
+def convert_weights(weights: Weights, dtype: str) -> Weights:
+    """Every tensor re-stored as `dtype`. For quantized targets, 1-D weights (norms) become f32."""
+    check_dtype(dtype)
     out = Weights(source=f"{weights.source} as {dtype}")
     block = DTYPES[dtype].block
     kept: list[tuple[str, int]] = []  # matrices left f32: (name, columns)

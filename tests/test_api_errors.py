@@ -109,6 +109,13 @@ def test_load_defaults_are_the_clis():
     assert (m.backend, m.passes) == (resolve_backend("auto"), BACKEND_PIPELINES[m.backend])  # passes "auto"
 
 
+def test_bad_dtype_fails_at_load_before_any_file_is_read(tmp_path):
+    """A dtype that is no weight type is refused before the file is read (it was after, here a missing file's
+    LoadError came first)."""
+    with raises(LoadError, "dtype 'q4' is not a weight type"):
+        graphir.load(str(tmp_path / "missing.gguf"), dtype="q4")
+
+
 def test_bad_pipeline_fails_at_load_before_any_file_is_read(tmp_path):
     with raises(GraphError, "pipeline 'nonsense'", "unknown pass 'nonsense'", "known: default, "):
         graphir.load(str(tmp_path / "missing.gguf"), passes="nonsense")

@@ -135,7 +135,7 @@ def test_bench_dtype_converts_the_weights_it_measures() -> None:
     assert r.exit_code == 0, r.output
     assert "--dtype q8_0" in r.stdout
     bad = CliRunner().invoke(main, ["bench", "random:llama-tiny", "--dtype", "q9_9", "--no-llama-cpp"])
-    assert bad.exit_code == 1 and "error:" in bad.stderr and "q9_9" in bad.stderr
+    assert bad.exit_code == 2 and "error:" in bad.stderr and "q9_9" in bad.stderr  # a bad option, before loading
 
 
 def test_state_bytes_are_every_deltanet_layers_conv_window_and_state_read_and_written() -> None:

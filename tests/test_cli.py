@@ -122,7 +122,7 @@ def test_run_and_chat_convert_weights_with_dtype() -> None:
     assert r.stdout.strip() == ("hello" + model.tokenizer.decode(list(model.generate(ids, 6)))).strip()
     assert "matrices stay f32, not q4_k" in invoke("run", *args, "--dtype", "q4_k").stderr
     bad = invoke("run", *args, "--dtype", "q9")
-    assert bad.exit_code == 1 and "'q9' is not a weight type" in bad.stderr and "q4_0" in bad.stderr
+    assert bad.exit_code == 2 and "'q9' is not a weight type" in bad.stderr and "q4_0" in bad.stderr  # an option
     assert invoke("run", "example", "--dtype", "q8_0").exit_code == 2
     assert "--dtype" in invoke("chat", "--help").stdout
 
@@ -335,6 +335,9 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     (("coverage", "tiny", "-p", "nonsense"), "unknown pass 'nonsense'"),
     (("bench", "tiny", "--backend", "tpu"), "--backend"),
     (("bench", "tiny", "--passes", "nonsense"), "unknown pass 'nonsense'"),
+    (("run", "tiny", "--dtype", "q4"), "dtype 'q4' is not a weight type"),
+    (("chat", "tiny", "--dtype", "F16"), "dtype 'F16' is not a weight type"),
+    (("bench", "tiny", "--dtype", "int8"), "dtype 'int8' is not a weight type"),
     (("dump", "tiny", "-o", "/no-such-dir/g.html"), "'/no-such-dir'"),
     (("bench", "tiny", "--json", "/no-such-dir/b.json"), "'/no-such-dir'"),
 ])
