@@ -25,20 +25,28 @@ SAMPLING_INPUT = "sampling"  # the Input that carries (temperature, top_k, top_p
 TOKEN_OUTPUT = "token"
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not temperature >= 0.0:
-        raise InputError(f"temperature must be >= 0, got {temperature}")
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None = None) -> None:
+    """Each setting of its type and range (a string or a negative seed reached a comparison or numpy's
+    SeedSequence and failed there, without naming the setting)."""
+    if not (_number(temperature) and temperature >= 0.0):
+        raise InputError(f"temperature must be a number >= 0, got {temperature!r}")
     if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
         raise InputError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
-    if not 0.0 < top_p <= 1.0:
-        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    if not (_number(top_p) and 0.0 < top_p <= 1.0):
+        raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed >= 0):
+        raise InputError(f"seed must be None or an int >= 0, got {seed!r}")
 
 
 class Settings:
     """Checked sampling settings and their random stream: `row()` is the next draw's settings row."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        check_sampling(temperature, top_k, top_p)
+        check_sampling(temperature, top_k, top_p, seed)
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.rng = np.random.default_rng(seed)
 

@@ -183,7 +183,7 @@ class TensorParallelModel:
         if len(ids) + max_new_tokens > self.config.ctx:
             raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context "
                              f"of {self.config.ctx} (load(..., ctx=N) to raise it)")
-        check_sampling(temperature, top_k, top_p)
+        check_sampling(temperature, top_k, top_p, seed)
         self._send(("generate", ids, int(max_new_tokens), temperature, top_k, top_p, seed, stop_at_eos))
         self._pending = deque(range(self.tp))
         return self._stream()

@@ -79,11 +79,24 @@ def test_prompt_plus_new_tokens_exceeding_ctx_fails_at_the_call(model):
 
 
 @pytest.mark.parametrize("kw, rule", [(dict(temperature=-0.5), "temperature"), (dict(top_p=2.0), "top_p"),
-                                      (dict(top_k=-3), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens")])
+                                      (dict(top_k=-3), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens"),
+                                      # these were numpy's ValueError/TypeError, or '>=' between str and float
+                                      (dict(seed=-1), "seed must be None or an int >= 0, got -1"),
+                                      (dict(seed=1.5), "seed must be None or an int >= 0, got 1.5"),
+                                      (dict(seed="7"), "seed must be None or an int >= 0, got '7'"),
+                                      (dict(temperature="0.8"), "temperature must be a number >= 0, got '0.8'"),
+                                      (dict(top_p="0.9"), "top_p must be a number in (0, 1], got '0.9'")])
 def test_bad_generation_options(model, kw, rule):
     args = {"max_new_tokens": 2, **kw}
     with raises(InputError, rule):
         model.generate([1, 2], **args)
+    with raises(InputError, rule.split(" must")[0]):  # the speculative loop and chat check them alike
+        model.generate([1, 2], draft="lookup", **args)
+
+
+def test_numpy_seed_and_settings_are_taken(model):
+    a = list(model.generate([1, 2], 4, temperature=np.float32(0.8), top_p=np.float64(0.9), seed=np.int64(3)))
+    assert a == list(model.generate([1, 2], 4, temperature=0.8, top_p=0.9, seed=3))
 
 
 # ---- load specs ----
