@@ -161,13 +161,19 @@ def checked_config(config: Any, check: Callable[[Any], None], source: str) -> An
     return config
 
 
-def gguf_key(md: Mapping[str, Any], arch: str, label: str) -> Callable[..., Any]:
-    """key(name, default=None): metadata `{arch}.{name}`; a missing key without a default names it."""
+def gguf_key(md: Mapping[str, Any], arch: str, label: str, per_layer: tuple[str, ...] = ()) -> Callable[..., Any]:
+    """key(name, default=None): metadata `{arch}.{name}`, a number (or, for the names in `per_layer`, an array
+    of them: some files store a count per layer); a missing key without a default names it, and so does a value
+    the family's int()/float() could not take (a string, or an array where it reads one number)."""
 
     def key(name: str, default: Any = None) -> Any:
         v = md.get(f"{arch}.{name}", default)
         if v is None:
             raise LoadError(f"{label}: missing metadata key {arch}.{name!r}")
+        number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        if not number and not (name in per_layer and isinstance(v, (list, tuple, np.ndarray))):
+            shown = v.tolist() if isinstance(v, np.ndarray) else v
+            raise LoadError(f"{label}: metadata key {arch}.{name!r} must be a number, got {shown!r}")
         return v
 
     return key

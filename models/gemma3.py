@@ -106,7 +106,10 @@ def param_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def check_config(c: Gemma3Config) -> None:
     rules = [
-        (c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
+        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
+        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
+         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (len(c.sliding) == c.n_layers, f"the layer pattern has {len(c.sliding)} entries for {c.n_layers} layers"),
         (c.sliding_window >= 1, f"sliding_window {c.sliding_window} must be >= 1"),
@@ -173,7 +176,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     if md.get(f"{GGUF_ARCH}.attn_logit_softcapping"):
         raise LoadError(f"{label}: {GGUF_ARCH}.attn_logit_softcapping is not supported (Gemma 2's attention cap)")
     d_model, n_heads, n_layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
-    head_dim = int(key("attention.key_length", d_model // n_heads))
+    head_dim = int(key("attention.key_length", d_model // max(n_heads, 1)))  # n_heads 0: check_config names it
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise LoadError(f"{label}: {GGUF_ARCH}.attention.value_length must equal key_length {head_dim}")
     window = key("attention.sliding_window")
@@ -185,7 +188,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     factor = float(md.get(f"{GGUF_ARCH}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     scale = md.get(f"{GGUF_ARCH}.attention.scale")
     if scale is None:
-        scale = 1.0 / math.sqrt(d_model / n_heads if n_layers == _BIG_27B_LAYERS else head_dim)
+        scale = 1.0 / math.sqrt(d_model / max(n_heads, 1) if n_layers == _BIG_27B_LAYERS else head_dim)
     return Gemma3Config(
         n_vocab=int(tensors["token_embd.weight"].shape[0]),
         d_model=d_model,
@@ -255,7 +258,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Gemma3C
     try:
         n_layers, d_model = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or d_model // n_heads)
+        head_dim = int(hf.get("head_dim") or d_model // max(n_heads, 1))  # n_heads 0: check_config names it
         global_rope, local_rope = _hf_rope(hf, label)
         window = hf.get("sliding_window")
         return Gemma3Config(

@@ -103,7 +103,10 @@ def param_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def check_config(c: LlamaConfig) -> None:
     rules = [
-        (c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
+        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
+        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
+         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (c.rope_mode in ("norm", "neox"), f"rope_mode must be 'norm' or 'neox', got {c.rope_mode!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),
@@ -168,7 +171,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     if "token_embd.weight" not in tensors:
         raise LoadError(f"{label}: missing tensor 'token_embd.weight'")
     d_model, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", d_model // n_heads))
+    head_dim = int(key("attention.key_length", d_model // max(n_heads, 1)))  # n_heads 0: check_config names it
     if int(key("rope.dimension_count", head_dim)) != head_dim:
         raise LoadError(f"{label}: partial rope ({arch}.rope.dimension_count != head_dim {head_dim}) is not supported")
     fields = dict(
@@ -239,7 +242,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
             n_layers=int(hf["num_hidden_layers"]),
             n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+            head_dim=int(hf.get("head_dim") or d_model // max(n_heads, 1)),  # n_heads 0: check_config names it
             d_ff=int(hf["intermediate_size"]),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -173,7 +173,10 @@ def reset_recurrent(config: Qwen35Config, state: Mapping[str, np.ndarray]) -> No
 
 def check_config(c: Qwen35Config) -> None:
     rules = [
-        (c.n_heads % c.n_kv_heads == 0, f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
+        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
+        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
+         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
         (c.ssm_v_heads % c.ssm_k_heads == 0,
          f"ssm_v_heads {c.ssm_v_heads} must be a multiple of ssm_k_heads {c.ssm_k_heads}"),
         (0 < c.n_rot <= c.head_dim and c.n_rot % 2 == 0, f"rope_dims {c.n_rot} must be even and in 2..{c.head_dim}"),
@@ -362,7 +365,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35C
     rope = hf_default_rope(text, label)
     try:
         n_layers, d_model = int(text["num_hidden_layers"]), int(text["hidden_size"])
-        head_dim = int(text.get("head_dim") or d_model // int(text["num_attention_heads"]))
+        head_dim = int(text.get("head_dim") or d_model // max(int(text["num_attention_heads"]), 1))
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         interval = int(text.get("full_attention_interval", 4))
         fields = dict(
@@ -467,7 +470,8 @@ GGUF_ARCH = "qwen35"
 def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: str = "gguf") -> Qwen35Config:
     """The config of a llama.cpp `qwen35` GGUF; `tensors` maps names to anything with a numpy-order `shape`."""
 
-    key = gguf_key(md, GGUF_ARCH, label)
+    key = gguf_key(md, GGUF_ARCH, label, per_layer=("attention.head_count", "attention.head_count_kv",
+                                                    "feed_forward_length"))
 
     def scalar(v: Any) -> int:  # some hybrid files store per-layer arrays; take the nonzero value
         if isinstance(v, (list, tuple, np.ndarray)):
@@ -480,7 +484,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     if "token_embd.weight" not in tensors:
         raise LoadError(f"{label}: missing tensor 'token_embd.weight'")
     d_model, n_heads = int(key("embedding_length")), scalar(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", d_model // n_heads))
+    head_dim = int(key("attention.key_length", d_model // max(n_heads, 1)))  # n_heads 0: check_config names it
     hv = int(key("ssm.time_step_rank"))
     mtp = int(md.get(f"{GGUF_ARCH}.nextn_predict_layers", 0) or 0)  # MTP blocks come after the trunk: unused
     fields = dict(

@@ -226,6 +226,26 @@ def test_gguf_missing_metadata(tmp_path):
         graphir.load(str(path))
 
 
+@pytest.mark.parametrize("key, value, rule", [
+    ("context_length", "4096", "llama.'context_length' must be a number, got '4096'"),
+    ("attention.layer_norm_rms_epsilon", "x", "llama.'attention.layer_norm_rms_epsilon' must be a number, got 'x'"),
+    ("attention.head_count_kv", [2, 2], "llama.'attention.head_count_kv' must be a number, got [2, 2]"),
+    ("attention.head_count_kv", 0, "n_kv_heads 0 must be >= 1"),
+    ("attention.head_count", 0, "n_heads 0 must be >= 1"),
+])
+def test_gguf_metadata_of_the_wrong_type_or_zero_heads_is_named(tmp_path, key, value, rule):
+    """A metadata value int()/float() cannot take, or a head count of 0, names the key or the rule (these were
+    ValueError, TypeError and ZeroDivisionError tracebacks)."""
+    path = write_gguf(tmp_path / "m.gguf", TINY, tiny_arrays(), skip_keys=(key,), extra={key: value})
+    with raises(LoadError, "m.gguf", rule):
+        graphir.load(str(path))
+
+
+def test_hf_zero_heads_is_named(tmp_path):
+    with raises(LoadError, str(tmp_path), "n_heads 0 must be >= 1"):
+        graphir.load(str(hf_dir(tmp_path, num_attention_heads=0, head_dim=None)))
+
+
 def test_gguf_missing_tensor(tmp_path):
     arrays = tiny_arrays()
     del arrays["blk.0.attn_v.weight"]
