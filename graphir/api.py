@@ -484,6 +484,8 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         config, weights, hf = loader.load_hf(path)
         tok_file = path / TOKENIZER_FILE
         tok = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
+        if tok is not None:
+            tok.n_ids = max(config.n_vocab, tok.vocab_size)  # the model's ids past the tokenizer's print as markers
         eos = tok.eos_ids if tok else _ids(hf.get("eos_token_id"))
         return config, weights, tok, eos, str(path)
     if path.is_file():
@@ -491,6 +493,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
             raise LoadError(f"{path}: not a .gguf file or a model directory")
         config, weights, f = loader.load_gguf(path)
         tok = Tokenizer.from_gguf(f.metadata, source=f.label)
+        tok.n_ids = max(config.n_vocab, tok.vocab_size)
         tok.chat_template = tok.chat_template or registry.family_of(config).default_chat_template
         return config, weights, tok, tok.eos_ids, str(path)
     raise LoadError(f"{spec}: no such file or directory, and not a named model ({', '.join(NAMED_MODELS)}) "

@@ -113,6 +113,10 @@ class Tokenizer:
     ):
         self._tk = tk
         self.vocab_size = vocab_size
+        # the model's vocabulary, set by load(): an embedding may have more rows than the tokenizer has ids
+        # (Qwen3's HF files: 151,936 against 151,669), and ids vocab_size..n_ids-1 decode to "<|id N|>" markers,
+        # as a random preset's byte tokenizer prints them, rather than failing the stream
+        self.n_ids = vocab_size
         self.bos_id = bos_id
         self.eos_ids: set[int] = set(eos_ids)
         self.add_bos = add_bos
@@ -233,23 +237,35 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`, special tokens included, so encode(decode(ids)) round-trips."""
+        """Text of `ids`, special tokens included, so encode(decode(ids)) round-trips (ids past the tokenizer's
+        own print as markers, see n_ids)."""
         ids = [int(i) for i in ids]
         self._check_ids(ids)
-        return self._tk.decode(ids, skip_special_tokens=False)
+        pieces, run = [], []
+        for i in ids:
+            if i < self.vocab_size:
+                run.append(i)
+                continue
+            pieces += [self._tk.decode(run, skip_special_tokens=False), self._marker(i)]
+            run = []
+        return "".join(pieces) + self._tk.decode(run, skip_special_tokens=False)
 
     def token(self, i: int) -> str:
         """The vocabulary string of one id (byte-level or ▁-encoded, as stored)."""
         self._check_ids([i])
-        return self._tk.id_to_token(i) or ""
+        return (self._tk.id_to_token(i) or "") if i < self.vocab_size else self._marker(i)
+
+    @staticmethod
+    def _marker(i: int) -> str:
+        return f"<|id {i}|>"
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
 
     def _check_ids(self, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if not 0 <= i < self.n_ids]
         if bad:
-            raise InputError(f"{self.source}: token id {bad[0]} out of range [0, {self.vocab_size})")
+            raise InputError(f"{self.source}: token id {bad[0]} out of range [0, {self.n_ids})")
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
@@ -294,6 +310,8 @@ class StreamDecoder(TextStream):
         """Add one id; return the text that became final ("" while a character is incomplete)."""
         self.tok._check_ids([token_id])
         if self.tok._byte_level:
+            if token_id >= self.tok.vocab_size:  # a marker ends any unfinished character, as decode() has it
+                return self._utf8.decode(b"", final=True) + self.tok._marker(token_id)
             return self._utf8.decode(self.tok._token_bytes(token_id))
         self._ids.append(token_id)
         done = self.tok.decode(self._ids[self._prefix : self._read])

@@ -239,3 +239,42 @@ def test_byte_tokenizer_prints_a_random_presets_other_ids():
     out = list(model.generate(model.tokenizer.encode("hello"), 40))
     assert max(out) >= 258, "the test needs an id past the bytes"  # seeded: ids 258..271 come up in 40 tokens
     assert model.tokenizer.decode(out).count("<|id ") == sum(258 <= i for i in out)
+
+
+def byte_level_tokenizer_json(path: Path) -> Path:
+    """A 258-id byte-level BPE tokenizer.json (the 256 byte symbols, <s>, </s>; no merges)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.save(str(path))
+    return path
+
+
+def test_a_model_vocabulary_past_the_tokenizers_prints_its_other_ids(tmp_path: Path) -> None:
+    """An HF model's embedding often has more rows than its tokenizer has ids (Qwen3: 151,936 against 151,669),
+    and a model can generate those ids: they print as <|id N|> markers, as a random preset's do, in decode and in
+    a stream alike (`graphir run` on such a directory failed at the first one: 'token id 805 out of range
+    [0, 258)'); ids past the model's vocabulary stay an error."""
+    from test_api_errors import hf_dir
+
+    import graphir
+
+    d = hf_dir(tmp_path)  # the llama-tiny preset's weights: vocab 272
+    byte_level_tokenizer_json(d / "tokenizer.json")
+    model = graphir.load(str(d), backend="reference")
+    tok = model.tokenizer
+    assert (tok.vocab_size, tok.n_ids) == (258, 272)
+    ids = tok.encode("hé") + [260] + tok.encode("!") + [271]
+    assert tok.decode(ids) == "hé<|id 260|>!<|id 271|>" == "".join(tok.stream()(ids))
+    assert tok.token(260) == "<|id 260|>"
+    with pytest.raises(InputError, match=r"token id 272 out of range \[0, 272\)"):
+        tok.decode([272])
+    out = list(model.generate(tok.encode("hello"), 40, stop_at_eos=False))
+    assert max(out) >= 258, "the test needs an id past the tokenizer's"
+    text = tok.decode(out)
+    assert "".join(tok.stream()(out)) == text and text.count("<|id ") == sum(i >= 258 for i in out)
