@@ -367,6 +367,8 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     load_s = time.perf_counter() - t0
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
+    if not ids:  # -p '' and a tokenizer that adds no BOS: the model's own check speaks of an array's shape
+        raise CliError(f"{model}: the prompt is empty (0 tokens); give -p TEXT")
     _check_context(lm.config, len(ids), n)
     drafter = _load_drafter(api, draft, backend, pipeline, lm.config.ctx)
     spec = {"draft": drafter, "draft_len": draft_len or DEFAULT_DRAFT_LEN} if drafter is not None else {}

@@ -261,6 +261,13 @@ def test_check_n_tokens_past_the_context_names_the_option(spec: str, ctx: int) -
     assert invoke("check", spec, "--n-tokens", str(ctx), "-p", "").exit_code == 0
 
 
+def test_run_an_empty_prompt_says_so() -> None:
+    """-p '' with a tokenizer that adds no BOS is no tokens: said as `run example` says it (it was the API's
+    'token ids must be a non-empty 1-D sequence, got shape [0]')."""
+    one_line_error(invoke("run", "random:llama-tiny", "-p", "", "-n", "2"), 1,
+                   "random:llama-tiny: the prompt is empty (0 tokens); give -p TEXT", alone=False)
+
+
 def test_check_smollm2_default() -> None:
     """The default model with the default pipeline: about 12 s on two slow cores."""
     try:
