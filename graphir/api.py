@@ -411,12 +411,16 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     get_backend(backend)  # an unknown or unavailable backend fails before any file is read
     passes = _resolved_pipeline(passes, backend)
     check_pipeline(passes)  # so does a bad pipeline, rather than the first call
-    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
+    # numpy integers too, as generate() takes them; made plain ints, which the config and cache keys hold
+    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1):
         raise InputError(f"ctx must be an int >= 1, got {ctx!r}")
+    ctx = None if ctx is None else int(ctx)
     if dtype is not None:
         loader.check_dtype(dtype)  # a bad name fails before any file is read
-    if kv_slots is not None and (isinstance(kv_slots, bool) or not isinstance(kv_slots, int) or kv_slots < 1):
+    if kv_slots is not None and (isinstance(kv_slots, bool) or not isinstance(kv_slots, (int, np.integer))
+                                 or kv_slots < 1):
         raise InputError(f"kv_slots must be an int >= 1, got {kv_slots!r}")
+    kv_slots = None if kv_slots is None else int(kv_slots)
     if kv_slots is not None and tp != 1:
         raise InputError("kv_slots: tensor-parallel models keep a contiguous KV cache (load with tp=1)")
     if tp != 1 or isinstance(tp, bool):  # the workers load the model themselves, each its rank's part

@@ -117,6 +117,14 @@ def test_unknown_specs_backend_and_ctx(tmp_path):
         graphir.load(str(hf_dir(tmp_path)), dtype="f64")
 
 
+def test_load_takes_numpy_integers_for_ctx_and_kv_slots():
+    """As generate() takes them for max_new_tokens and top_k (load refused np.int64(16): 'ctx must be an int')."""
+    m = graphir.load("random:llama-tiny", backend="reference", ctx=np.int64(16), kv_slots=np.int32(12))
+    assert (m.config.ctx, m.kv_capacity) == (16, 12) and type(m.config.ctx) is int
+    with raises(InputError, "ctx must be an int >= 1"):
+        graphir.load("random:llama-tiny", ctx=np.float64(16))
+
+
 def test_load_defaults_are_the_clis():
     m = graphir.load("random:llama-tiny")
     assert (m.backend, m.passes) == (resolve_backend("auto"), BACKEND_PIPELINES[m.backend])  # passes "auto"
