@@ -78,6 +78,7 @@ class Model:
         self.slots = kv_slots.SlotPool(pool, config.ctx) if pool else None
         self.kv_capacity = min(config.ctx, pool) if pool else config.ctx  # the KV rows a sequence can hold
         self.n_past = 0  # KV rows written (the next token's position)
+        self._sequence = 0  # counts reset()s: a generator whose sequence was replaced since refuses to go on
         self.conversation = Conversation(self)  # the chat turns the KV cache holds
         self._padding_ok: bool | None = None  # _pads_safely(), worked out once
         self._state_ahead: int | None = None  # see _check_in_step
@@ -132,6 +133,7 @@ class Model:
         """Forget the sequence: rewind to position 0 (KV rows past kv_len are never read) and zero
         the conv and recurrent states of hybrid models, which are not indexed by position."""
         self.n_past = 0
+        self._sequence += 1
         self._state_ahead = None
         if self._state is not None:
             registry.family_of(self.config).reset_state(self.config, self._state)
@@ -226,10 +228,35 @@ class Model:
         self.reset()
         self._clear_run_stats()
         if self._queues_ahead(stop_at_eos):
-            return self._generate_queued(ids.tolist(), int(max_new_tokens), settings, stop_at_eos)
-        return generate(lambda prompt: self._prefill_sample(prompt, settings),
-                        lambda token: self._decode_sample(token, settings),
-                        ids.tolist(), int(max_new_tokens), self.eos_ids, stop_at_eos)
+            return self._generate_queued(ids.tolist(), int(max_new_tokens), settings, stop_at_eos, self._sequence)
+        seq = self._sequence
+
+        def prefill(prompt: list[int]) -> int:
+            nonlocal seq
+            seq = self._start_sequence(seq)
+            return self._prefill_sample(prompt, settings)
+
+        def step(token: int) -> int:
+            self._check_sequence(seq)
+            return self._decode_sample(token, settings)
+
+        return generate(prefill, step, ids.tolist(), int(max_new_tokens), self.eos_ids, stop_at_eos)
+
+    def _start_sequence(self, seq: int) -> int:
+        """The sequence a generator's first token starts: generate()'s own, unless another call used the cache
+        between generate() and the first next() (generators run lazily), which takes a fresh one."""
+        if self._sequence != seq or self.n_past:
+            self.reset()
+            self._clear_run_stats()
+        return self._sequence
+
+    def _check_sequence(self, seq: int) -> None:
+        """A generator whose sequence was replaced between two of its tokens would read on from the other
+        sequence's cache and yield wrong ids without a word."""
+        if self._sequence != seq:
+            raise InputError(f"a generate() of {self.source} was overtaken: a call between two of its tokens "
+                             f"started a new sequence (reset(), logits(), generate() or chat()), so its KV cache "
+                             f"is gone; call generate() again")
 
     def _prefill_sample(self, ids: list[int], settings: Settings) -> int:
         """Read the prompt; the first new id, sampled on the host from the last logits row (once per prompt)."""
@@ -268,12 +295,13 @@ class Model:
         return self._pads_safely() or not (stop_at_eos and self.eos_ids)
 
     def _generate_queued(self, prompt: list[int], max_new_tokens: int, settings: Settings,
-                         stop_at_eos: bool) -> Iterator[int]:
+                         stop_at_eos: bool, seq: int) -> Iterator[int]:
         """generate()'s loop with decode steps queued on the device ahead of the host (backends/gpu/
         step_queue.py): each step's token is the last step's sampled id, copied on the device, so the host
         reads id i while step i + 1 already runs. The same steps, inputs and draws as the one-step loop."""
         if max_new_tokens <= 0:
             return
+        seq = self._start_sequence(seq)
         token = self._prefill_sample(prompt, settings)
         if stop_at_eos and token in self.eos_ids:
             return
@@ -287,6 +315,7 @@ class Model:
         n0, pushed, done = self.n_past, 0, 0
         try:
             while done < steps:
+                self._check_sequence(seq)  # after each yield: the caller may have started another sequence
                 t0 = time.perf_counter()
                 while pushed < steps and queue.in_flight < queue.depth:
                     self._push_step(queue, n0 + pushed, token if pushed == 0 else None, settings)
@@ -299,9 +328,10 @@ class Model:
                 yield token
         finally:
             queue.drain()
-            self.n_past = n0 + done  # the steps whose input was yielded; KV rows past it are never read
-            if pushed > done and not self._pads_safely():
-                self._state_ahead = self.n_past
+            if self._sequence == seq:  # else the new sequence owns n_past and the State
+                self.n_past = n0 + done  # the steps whose input was yielded; KV rows past it are never read
+                if pushed > done and not self._pads_safely():
+                    self._state_ahead = self.n_past
 
     def _push_step(self, queue: Any, pos: int, token: int | None, settings: Settings) -> None:
         """Queue the decode step at `pos`; token None: the last queued step's id, fed back on the device."""

@@ -496,6 +496,7 @@ def _run(target: Model, drafter: Drafter, prompt: list[int], max_new: int, draft
     target.stats["speculative"] = stats
     drafter.start()
     context = list(prompt)
+    seq = target._sequence
     token = target._prefill_sample(prompt, settings)  # the first token, exactly as plain generation reads it
     produced = 0
     while True:
@@ -506,6 +507,7 @@ def _run(target: Model, drafter: Drafter, prompt: list[int], max_new: int, draft
         context.append(token)
         if produced == max_new:
             return
+        target._check_sequence(seq)  # a call since the last yield may have started another sequence
         t0 = time.perf_counter()
         new = _step(target, drafter, context, min(draft_len, max_new - produced - 1), settings, stats)
         target._add_stats("decode", len(new), t0)

@@ -67,6 +67,32 @@ def test_generation_is_lazy_and_counted(model, greedy):
     assert list(model.generate(PROMPT, 0)) == []
 
 
+@pytest.mark.parametrize("draft", [None, "lookup"])
+def test_generators_made_before_they_run_each_start_fresh(model, greedy, draft):
+    """generate() runs lazily: a generator made, then another, then both read in turn must each give its own
+    prompt's tokens (the second read on after the first one's cache: 'a fresh KV cache' was not)."""
+    spec = {} if draft is None else {"draft": draft}
+    other = list(model.generate(PROMPT[:5], 6, stop_at_eos=False, **spec))
+    first = model.generate(PROMPT, 12, stop_at_eos=False, **spec)
+    second = model.generate(PROMPT[:5], 6, stop_at_eos=False, **spec)
+    assert (list(first), list(second)) == (greedy, other)
+
+
+@pytest.mark.parametrize("draft", [None, "lookup"])
+def test_a_generator_overtaken_by_a_new_sequence_refuses_to_go_on(model, greedy, draft):
+    """logits(), reset() or another generate() between two tokens replace the cache a generator reads on: it
+    raises instead of yielding tokens of a mixed-up sequence (it went on with wrong ids, without a word)."""
+    spec = {} if draft is None else {"draft": draft}
+    for overtake in (lambda: model.logits(PROMPT[:4]), model.reset,
+                     lambda: list(model.generate(PROMPT[:3], 2, **spec))):
+        it = model.generate(PROMPT, 12, stop_at_eos=False, **spec)
+        assert [next(it), next(it)] == greedy[:2]
+        overtake()
+        with pytest.raises(InputError, match="started a new sequence"):
+            list(it)
+        assert list(model.generate(PROMPT, 12, stop_at_eos=False, **spec)) == greedy  # the model is usable
+
+
 # ---- the sampler alone, on fixed logits ----
 
 LOGITS = np.log(np.array([0.1, 0.5, 0.25, 0.15]))

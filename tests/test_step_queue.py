@@ -157,3 +157,21 @@ def test_a_queue_that_drops_the_fed_back_token_changes_the_ids(queued, monkeypat
     monkeypatch.setattr(RunAtPushQueue, "push", lambda self, inputs, feed_back=False:
                         RunAtPushQueue.__dict__["_run"](self, inputs, False))
     assert list(load("random:qwen3-tiny").generate(PROMPT, 8, stop_at_eos=False)) != want
+
+
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:qwen35-tiny"])
+def test_queued_generators_start_fresh_and_refuse_an_overtaken_sequence(spec, queued):
+    """As the one-step loop (tests/test_generate.py): two generators made before either runs each give their own
+    prompt's ids; one overtaken by logits() between two tokens raises, and leaves n_past to the new sequence."""
+    model, ref = load(spec), plain(spec)
+    want = list(ref.generate(PROMPT, 8, stop_at_eos=False)), list(ref.generate(PROMPT[:5], 8, stop_at_eos=False))
+    first, second = model.generate(PROMPT, 8, stop_at_eos=False), model.generate(PROMPT[:5], 8, stop_at_eos=False)
+    assert (list(first), list(second)) == want
+    it = model.generate(PROMPT, 8, stop_at_eos=False)
+    assert [next(it), next(it)] == want[0][:2]
+    model.logits(PROMPT[:4])
+    with pytest.raises(InputError, match="started a new sequence"):
+        next(it)
+    ref.logits(PROMPT[:4])
+    assert model.n_past == ref.n_past == 4
+    np.testing.assert_array_equal(continuation(model), continuation(ref))
