@@ -134,7 +134,7 @@ def test_cli_passes_defaults(command: str, default: str | None) -> None:
 def test_cli_run_loads_with_the_backends_pipeline(monkeypatch: pytest.MonkeyPatch, backend: str, want: str) -> None:
     seen: list[str] = []
 
-    def load(spec: str, backend: str, passes: str, ctx: int | None = None) -> Any:
+    def load(spec: str, backend: str, passes: str, ctx: int | None = None, dtype: str | None = None) -> Any:
         seen.append(passes)
         raise graphir.LoadError("stop here")
 
