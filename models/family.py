@@ -78,9 +78,10 @@ def step_inputs(arch: str, phase: str, n_tokens: int | None) -> tuple[int, Node,
         raise GraphError(f"{arch}: phase must be one of {PHASES}, got {phase!r}")
     if phase == "decode" and n_tokens not in (None, 1):
         raise GraphError(f"{arch}: decode graphs take 1 token, got n_tokens={n_tokens}")
-    n = 1 if phase == "decode" else (n_tokens or DEFAULT_PREFILL_TOKENS)
-    if n < 1:
-        raise GraphError(f"{arch}: n_tokens must be >= 1, got {n}")
+    n = 1 if phase == "decode" else (DEFAULT_PREFILL_TOKENS if n_tokens is None else n_tokens)  # 0 is no default
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise GraphError(f"{arch}: n_tokens must be an int >= 1, got {n!r}")
+    n = int(n)
     return (n, g.input("tokens", (n,), "i32"), g.input("pos", (n,), "i32"), g.input("kv_idx", (n,), "i32"),
             g.input("kv_len", (1,), "i32"))
 

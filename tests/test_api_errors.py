@@ -99,6 +99,16 @@ def test_numpy_seed_and_settings_are_taken(model):
     assert a == list(model.generate([1, 2], 4, temperature=0.8, top_p=0.9, seed=3))
 
 
+@pytest.mark.parametrize("n, rule", [(0, "n_tokens must be an int >= 1, got 0"),
+                                     (2.5, "n_tokens must be an int >= 1, got 2.5")])
+def test_graph_token_count_is_checked(model, n, rule):
+    """model.graph('prefill', 0) built the default 8-token graph (0 read as 'not given'); 2.5 failed at an Input's
+    shape rather than naming n_tokens."""
+    with raises(GraphError, rule):
+        model.graph("prefill", n)
+    assert model.graph("prefill", np.int64(3)).meta["n_tokens"] == 3
+
+
 # ---- load specs ----
 
 def test_unknown_specs_backend_and_ctx(tmp_path):
