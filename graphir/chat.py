@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from graphir.errors import InputError
-from graphir.generate import Settings
+from graphir.generate import Settings, check_max_new_tokens
 
 _PROBE_REPLY = "Xq7Zr"  # an assistant text that no template writes by itself
 
@@ -122,6 +122,7 @@ class Conversation:
               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Iterator[int]:
         """Token ids of the assistant's reply to `messages` (the end-of-turn token not included)."""
         m, tok = self.model, self.model.tokenizer
+        check_max_new_tokens(max_new_tokens)  # as generate() does: range() took -1 as 0, '+' failed on a str
         template, specials = self.template(), special_tokens(tok)
         ids = self.prompt_ids(messages)
         stops = set(m.eos_ids)

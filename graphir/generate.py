@@ -42,6 +42,11 @@ def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | Non
         raise InputError(f"seed must be None or an int >= 0, got {seed!r}")
 
 
+def check_max_new_tokens(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InputError(f"max_new_tokens must be an int >= 0, got {n!r}")
+
+
 class Settings:
     """Checked sampling settings and their random stream: `row()` is the next draw's settings row."""
 

@@ -145,6 +145,16 @@ def test_cli_chat_past_the_context_names_the_option(smollm2):
     assert "--ctx N" in last and "load(" not in last, last
 
 
+@pytest.mark.parametrize("n", [-1, 2.5, "3", True])
+def test_chat_checks_max_new_tokens_as_generate_does(n):
+    """-1 and True replied as if they were 0 and 1; 2.5 and '3' were TypeErrors from range() and '+'."""
+    m = graphir.load("random:llama-tiny", backend="reference", passes="", ctx=97)
+    m.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    with pytest.raises(graphir.InputError, match="max_new_tokens must be an int >= 0"):
+        m.chat([{"role": "user", "content": "hi"}], max_new_tokens=n)
+    assert m.chat([{"role": "user", "content": "hi"}], max_new_tokens=0) == ""
+
+
 def test_no_template_is_a_clear_error():
     m = graphir.load("random:llama-tiny", backend="reference", passes="")
     with pytest.raises(graphir.InputError, match=r"random:llama-tiny: no chat template"):
