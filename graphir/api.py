@@ -523,7 +523,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         eos = tok.eos_ids if tok else _ids(hf.get("eos_token_id"))
         return config, weights, tok, eos, str(path)
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix.lower() != ".gguf":  # m.GGUF too
             raise LoadError(f"{path}: not a .gguf file or a model directory")
         config, weights, f = loader.load_gguf(path)
         tok = Tokenizer.from_gguf(f.metadata, source=f.label)

@@ -463,7 +463,7 @@ def _peer_threads() -> int:
 # ---------------------------------------------------------------- llama.cpp (optional)
 def _maybe_llama_cpp(source: str, prefill: list[int], prompt: list[int], decode_tokens: int, repeats: int,
                      threads: int) -> tuple[dict[str, Any] | None, str]:
-    if not source.endswith(".gguf"):
+    if not source.lower().endswith(".gguf"):
         return None, "no llama.cpp comparison: the model is not a GGUF file"
     try:
         import llama_cpp

@@ -465,7 +465,8 @@ def _check_runnable(spec: str) -> None:
     if spec.endswith(".json"):
         raise _no_weights(spec)
     path = Path(spec)
-    if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
+    # a folder without config.json is no model folder: load() names that, the missing tokenizer would mislead
+    if path.is_dir() and (path / "config.json").is_file() and not (path / TOKENIZER_FILE).is_file():
         raise LoadError(f"{path / TOKENIZER_FILE}: missing; `graphir run` needs it to encode the prompt "
                         f"(graphir.load() loads this model without a tokenizer)")
 

@@ -139,6 +139,19 @@ def test_bad_specs_exit_1_with_message(tmp_path: Path) -> None:
     assert invoke("run", "no-such-model").exit_code == 1
 
 
+def test_run_a_folder_that_is_no_model_and_an_upper_case_gguf(tmp_path: Path) -> None:
+    """A folder without config.json is named as such (run said its tokenizer.json was missing, as if it were a
+    model folder); a GGUF file named m.GGUF loads (it was 'not a .gguf file or a model directory')."""
+    from _model_helpers import write_gguf
+    from test_api_errors import TINY, tiny_arrays
+
+    one_line_error(invoke("run", str(tmp_path), "-n", "1"), 1, f"{tmp_path / 'config.json'}: file not found",
+                   alone=False)
+    path = write_gguf(tmp_path / "m.GGUF", TINY, tiny_arrays())
+    r = invoke("run", str(path), "-p", "hi", "-n", "2", "--backend", "reference")
+    assert r.exit_code == 0, r.output
+
+
 def test_graphir_errors_become_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(spec: str, backend: str | None = None, passes: str = "", ctx: int | None = None,
              dtype: str | None = None):
