@@ -155,12 +155,23 @@ class TensorParallelModel:
         """Logits f32 [n, vocab] of every position, from a fresh KV cache (Model.logits on every rank)."""
         from graphir.api import Model
 
-        return self.call(Model.logits, self._check_ids(token_ids))
+        ids = self._check_ids(token_ids)
+        self._check_room(0, len(ids))
+        return self.call(Model.logits, ids)
 
     def feed(self, token_ids: Iterable[int], last_only: bool = False) -> np.ndarray:
         from graphir.api import Model
 
-        return self.call(Model.feed, self._check_ids(token_ids), last_only)
+        ids = self._check_ids(token_ids)
+        self._check_room(self.call(_n_past), len(ids))
+        return self.call(Model.feed, ids, last_only)
+
+    def _check_room(self, n_past: int, n: int) -> None:
+        """The context checked here, as generate()'s arguments are: an error a rank raises ends every worker
+        (a parent cannot tell it from a lost peer), so a prompt one token too long closed the model."""
+        if n_past + n > self.config.ctx:
+            raise InputError(f"{n} tokens after {n_past} exceed the context of {self.config.ctx} "
+                             f"(load(..., ctx=N) to raise it)")
 
     def reset(self) -> None:
         from graphir.api import Model
@@ -438,6 +449,11 @@ def _serve(rank: int, conn: Connection, model: Any) -> None:
             conn.send(("reply", ("done", dict(model.stats))))
         else:
             raise BackendError(f"tensor-parallel worker {rank}: unknown command {kind!r}")
+
+
+def _n_past(model: Any) -> int:
+    """A rank's sequence length (a module-level function: call() pickles it)."""
+    return model.n_past
 
 
 def _report(conn: Connection, e: BaseException) -> None:

@@ -95,6 +95,21 @@ def test_bad_arguments_are_refused_in_the_parent(pair):
     assert len(list(model.generate(PROMPT, 3, stop_at_eos=False))) == 3  # the workers are still there
 
 
+def test_logits_and_feed_past_the_context_are_refused_in_the_parent(pair):
+    """As generate()'s arguments are: a rank raising it ended every worker and closed the model."""
+    model, single = pair
+    ctx = model.config.ctx
+    with pytest.raises(InputError, match=f"{ctx + 1} tokens after 0 exceed the context of {ctx}"):
+        model.logits([1] * (ctx + 1))
+    model.reset()
+    model.feed(PROMPT)
+    with pytest.raises(InputError, match=f"{ctx} tokens after {len(PROMPT)} exceed the context of {ctx}"):
+        model.feed([1] * ctx)
+    single.reset()
+    single.feed(PROMPT)
+    assert rel(single.feed([5, 6]), model.feed([5, 6])) < REL  # the workers are still there, at position 37
+
+
 def _procs_gone(model) -> bool:
     return all(not p.is_alive() for p in model._procs)
 
