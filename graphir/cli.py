@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 import numpy as np
+from click.core import ParameterSource
 
 from graphir import __version__
 from graphir.backends.registry import AUTO, BACKENDS
@@ -348,6 +349,7 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
             raise click.UsageError("--dtype needs a model: the example graph draws its own f32 weights")
         if draft:
             raise click.UsageError("--draft needs a model: the example graph has no tokenizer to share")
+        _check_example_options()
         _run_example(prompt, n, seed or 0, backend or "reference")
         return
     _check_draft_len(draft, draft_len)
@@ -380,6 +382,19 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     click.echo(_timings(stats, load_s, first_s, count, total_s), err=True)
     if drafter is not None and "speculative" in stats:
         click.echo(_speculative_line(stats["speculative"], draft, spec["draft_len"]), err=True)
+
+
+# run's options that `run example` has no use for (it decodes its fixed graph greedily, in one process, with no
+# passes and its own KV capacity): given, they changed nothing without a word
+_NOT_FOR_EXAMPLE = ("ctx", "pipeline", "threads", "tp", "temperature", "top_k", "top_p")
+
+
+def _check_example_options() -> None:
+    ctx = click.get_current_context()
+    for param in ctx.command.params:
+        if param.name in _NOT_FOR_EXAMPLE and ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT:
+            raise click.UsageError(f"{param.opts[-1]} needs a model: `run example` decodes its fixed 2-layer graph "
+                                   f"(its own KV capacity) greedily, with no passes, in one process")
 
 
 def _check_draft_len(draft: str | None, draft_len: int | None) -> None:

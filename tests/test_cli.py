@@ -109,6 +109,15 @@ def test_run_example() -> None:
     assert "prefill 5 tok" in r.stderr and "reference backend" in r.stderr
 
 
+@pytest.mark.parametrize("option", [("--ctx", "5"), ("--passes", "cpu"), ("--threads", "1"), ("--tp", "2"),
+                                    ("--temperature", "0.8"), ("--top-k", "3"), ("--top-p", "0.5")])
+def test_run_example_refuses_the_options_it_would_ignore(option: tuple[str, ...]) -> None:
+    """`run example` runs a fixed graph greedily on one process: these options changed nothing, without a word
+    (as --dtype and --draft are, they are refused)."""
+    one_line_error(invoke("run", "example", "-n", "2", *option), 2, option[0], "example")
+    assert invoke("run", "example", "-n", "2", "--seed", "3", "--backend", "reference").exit_code == 0
+
+
 def test_run_and_chat_convert_weights_with_dtype() -> None:
     """--dtype reaches graphir.load in run (as in bench): q8_0 generates what the API's q8_0 model generates; q4_k on
     the tiny preset's 64-wide rows says its matrices stay f32; an unknown type is an error naming the known ones."""
