@@ -183,9 +183,16 @@ def load_graph(spec: str, phase: str, draft_len: int = 4) -> Graph:
             raise CliError(f"{spec}: no such graph file")
         text = read_text(path)  # a binary file is a LoadError naming it
         try:
-            return load_json(text)
+            graph = load_json(text)
         except GraphirError as e:
             raise LoadError(f"{spec}: {e}") from None
+        # --phase builds a model's graph: a file holds one, so another phase asked for printed it without a word
+        ctx = click.get_current_context(silent=True)
+        given = ctx is not None and ctx.get_parameter_source("phase") not in (None, ParameterSource.DEFAULT)
+        if given and graph.meta.get("phase", phase) != phase:
+            raise CliUsageError(f"{spec} holds a {graph.meta['phase']} graph; --phase {phase} chooses which graph "
+                                f"of a model to build")
+        return graph
     return _load_for_graphs(spec).graph(phase)
 
 

@@ -66,6 +66,17 @@ def test_dump_json_file_round_trips(tmp_path: Path) -> None:
     assert r.stdout == dump_text(build_example("decode"))
 
 
+def test_a_graph_files_phase_is_its_own(tmp_path: Path) -> None:
+    """--phase of dump and coverage builds a model's graph; on a graph file holding another phase it printed the
+    file's graph without a word. The file's own phase, or no --phase, is fine."""
+    path = tmp_path / "decode.json"
+    assert invoke("dump", "example", "--phase", "decode", "-o", str(path)).exit_code == 0
+    for cmd in ("dump", "coverage"):
+        one_line_error(invoke(cmd, str(path), "--phase", "prefill"), 2, "holds a decode graph", "--phase prefill")
+        assert invoke(cmd, str(path), "--phase", "decode").exit_code == 0
+        assert invoke(cmd, str(path)).exit_code == 0
+
+
 def test_dump_layers_and_phase() -> None:
     r = invoke("dump", "example", "--layers", "1", "--phase", "decode")
     assert r.exit_code == 0
