@@ -42,6 +42,9 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)(?:\.|$)")
 
 
 # ---------------------------------------------------------------- layers
+MAX_LAYER = 9999
+
+
 def parse_layers(spec: str | None) -> set[int] | None:
     """`"0..1"` (inclusive), `"3"`, `"0,2,5"`, `"0..2,7"` -> layer numbers; `None`/`"all"` -> None (all)."""
     if spec is None or spec.strip() == "all":
@@ -52,6 +55,8 @@ def parse_layers(spec: str | None) -> set[int] | None:
         if not m:
             raise ValueError(f"bad layer spec {spec!r}: use N, A..B, a comma list of those, or 'all'")
         lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if hi > MAX_LAYER:  # the largest models have ~100 layers; a typo's 0..100000000000 expanded for minutes
+            raise ValueError(f"bad layer spec {spec!r}: layer numbers stop at {MAX_LAYER}")
         if hi < lo:
             raise ValueError(f"bad layer spec {spec!r}: range {lo}..{hi} is empty")
         out.update(range(lo, hi + 1))

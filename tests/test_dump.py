@@ -112,6 +112,11 @@ def test_parse_layers() -> None:
     for bad in ("x", "1..", "3..1", "", "1;2"):
         with pytest.raises(ValueError, match="bad layer spec"):
             parse_layers(bad)
+    # a typo's huge range is refused at once (0..100000000000 built a set of 1e11 ints: minutes, then out of memory)
+    assert parse_layers("9999") == {9999}
+    for bad in ("0..100000000000", "10000"):
+        with pytest.raises(ValueError, match="layer numbers stop at 9999"):
+            parse_layers(bad)
 
 
 def test_unnamed_nodes_take_their_sources_layer() -> None:
