@@ -30,6 +30,7 @@ from graphir import flags, kv_slots
 from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.chat import Conversation
+from graphir.dtypes import numpy_dtype
 from graphir.errors import InputError, LoadError
 from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
 from graphir.ir import Graph
@@ -368,7 +369,13 @@ class Model:
         missing = [n for n in passed.states if n.name not in state]
         if missing:
             backend_state = getattr(get_backend(self.backend), "new_state", new_state)  # gpu: on the device
-            state.update(backend_state(Graph({n.name: n for n in missing})))
+            try:
+                state.update(backend_state(Graph({n.name: n for n in missing})))
+            except MemoryError:  # a ctx far past the machine (load checks no size): numpy's traceback said less
+                size = sum(int(np.prod(n.shape)) * np.dtype(numpy_dtype(n.dtype)).itemsize for n in missing)
+                raise InputError(f"{self.source}: the KV cache and State for a context of {self.config.ctx} tokens "
+                                 f"need {_bytes(size)}, more than can be allocated here; lower it with "
+                                 f"load(..., ctx=N) (--ctx N on the command line)") from None
         self._state = state
         self._state_graphs.add(graph.signature())
 
@@ -540,6 +547,14 @@ def _writes_rows_only(graph: Graph) -> bool:
     (conv and recurrent states): then a padding token leaves the State as it found it. Every phase graph of
     a model writes the same States the same way, so any of them answers for the model."""
     return all(n.op != "assign" for n in graph.nodes())
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
 
 
 def _ids(v: Any) -> set[int]:

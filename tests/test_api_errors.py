@@ -135,6 +135,14 @@ def test_load_takes_numpy_integers_for_ctx_and_kv_slots():
         graphir.load("random:llama-tiny", ctx=np.float64(16))
 
 
+def test_a_context_too_large_to_allocate_names_ctx():
+    """ctx=10**14 loads (nothing is allocated yet); the first call's State buffers cannot be: one InputError naming
+    the size and the knob (it was numpy's _ArrayMemoryError traceback, 'Unable to allocate 11.4 PiB')."""
+    m = graphir.load("random:llama-tiny", backend="reference", ctx=10**14)
+    with raises(InputError, "random:llama-tiny", "context of 100000000000000 tokens", "PiB", "ctx=N", "--ctx N"):
+        m.logits([1, 2])
+
+
 def test_load_defaults_are_the_clis():
     m = graphir.load("random:llama-tiny")
     assert (m.backend, m.passes) == (resolve_backend("auto"), BACKEND_PIPELINES[m.backend])  # passes "auto"
