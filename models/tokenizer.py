@@ -208,6 +208,9 @@ class Tokenizer:
             ids = tk.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and len(ids) > 1 and ids[0] == bos
         template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates, as transformers writes several: it renders "default"
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
         jinja = path.parent / "chat_template.jinja"
         if jinja.is_file():
             template = read_text(jinja)

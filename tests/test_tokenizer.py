@@ -278,3 +278,12 @@ def test_a_model_vocabulary_past_the_tokenizers_prints_its_other_ids(tmp_path: P
     assert max(out) >= 258, "the test needs an id past the tokenizer's"
     text = tok.decode(out)
     assert "".join(tok.stream()(out)) == text and text.count("<|id ") == sum(i >= 258 for i in out)
+
+
+def test_named_chat_templates_take_the_default(tmp_path: Path) -> None:
+    """tokenizer_config.json may hold chat_template as a list of {"name", "template"} (transformers picks "default"):
+    it read as no template at all ('no chat template in the model's files')."""
+    byte_level_tokenizer_json(tmp_path / "tokenizer.json")
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages[0].content }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert Tokenizer.from_file(tmp_path / "tokenizer.json").chat_template == "{{ messages[0].content }}"
