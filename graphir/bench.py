@@ -160,13 +160,15 @@ def peak_rss_bytes() -> int:
 def checked_lengths(ctx: int, prefill_tokens: int, prompt_tokens: int, decode_tokens: int,
                     long_prefill_tokens: int | None, on_gpu: bool) -> int:
     """A ValueError where the runs do not fit the context; the long prefill's length (its default: 4096
-    on the gpu, none elsewhere; 0 where it does not fit)."""
+    on the gpu where it fits, none elsewhere)."""
     if prefill_tokens > ctx or prompt_tokens + decode_tokens + 1 > ctx:
         raise ValueError(f"prefill {prefill_tokens} or prompt {prompt_tokens} + decode {decode_tokens} + 1 "
                          f"exceeds the model's context of {ctx}")
-    if long_prefill_tokens is None:
-        long_prefill_tokens = 4096 if on_gpu else 0
-    return long_prefill_tokens if 0 < long_prefill_tokens <= ctx else 0
+    if long_prefill_tokens is None:  # the default: the gpu's 4096 where it fits
+        return 4096 if on_gpu and 4096 <= ctx else 0
+    if long_prefill_tokens > ctx:  # asked for: dropped without a word, it looked measured
+        raise ValueError(f"long prefill {long_prefill_tokens} exceeds the model's context of {ctx}")
+    return long_prefill_tokens
 
 
 def decode_weight_bytes(model: Model) -> int:
