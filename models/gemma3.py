@@ -274,7 +274,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Gemma3C
             rope_theta=global_rope[0],
             rope_theta_local=local_rope[0],
             rope_freq_scale=global_rope[1],
-            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            attn_scale=_hf_query_scale(hf, head_dim, label),
             final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tied_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -284,10 +284,20 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Gemma3C
         raise LoadError(f"{label}: missing key {e.args[0]!r}") from None
 
 
+def _hf_query_scale(hf: Mapping[str, Any], head_dim: int, label: str) -> float:
+    scalar = hf.get("query_pre_attn_scalar", head_dim)
+    if not float(scalar) > 0:  # 0 ** -0.5 was a ZeroDivisionError
+        raise LoadError(f"{label}: query_pre_attn_scalar = {scalar} must be > 0")
+    return float(scalar) ** -0.5
+
+
 def _hf_pattern(hf: Mapping[str, Any], n_layers: int, label: str) -> tuple[bool, ...]:
     kinds = hf.get("layer_types")
     if kinds is None:
-        return layer_pattern(n_layers, int(hf.get("sliding_window_pattern", GLOBAL_EVERY)))
+        every = int(hf.get("sliding_window_pattern", GLOBAL_EVERY))
+        if every < 1:  # as the GGUF key: 0 divided by zero, a negative period made a pattern nobody wrote
+            raise LoadError(f"{label}: sliding_window_pattern = {every} must be >= 1")
+        return layer_pattern(n_layers, every)
     bad = [k for k in kinds if k not in ("sliding_attention", "full_attention")]
     if len(kinds) != n_layers or bad:
         raise LoadError(f"{label}: layer_types must list 'sliding_attention'/'full_attention' for each of "

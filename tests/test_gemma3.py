@@ -188,6 +188,12 @@ def test_bad_hf_config_is_named(tmp_path):
         gemma3.config_from_hf({**base, "layer_types": ["full_attention"] * 6}, "config.json")
     with pytest.raises(LoadError, match=r"config\.json: attn_logit_softcapping=50\.0 is not supported"):
         gemma3.config_from_hf({**base, "attn_logit_softcapping": 50.0}, "config.json")
+    # as the GGUF keys are (these were ZeroDivisionErrors; a pattern of -2 made a pattern nobody wrote)
+    for period in (0, -2):
+        with pytest.raises(LoadError, match=rf"config\.json: sliding_window_pattern = {period} must be >= 1"):
+            gemma3.config_from_hf({**base, "sliding_window_pattern": period}, "config.json")
+    with pytest.raises(LoadError, match=r"config\.json: query_pre_attn_scalar = 0 must be > 0"):
+        gemma3.config_from_hf({**base, "query_pre_attn_scalar": 0}, "config.json")
 
 
 # ---------------------------------------------------------------- the real 270M file (slow)
