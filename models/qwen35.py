@@ -177,7 +177,9 @@ def check_config(c: Qwen35Config) -> None:
         (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
         (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
          f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
-        (c.ssm_v_heads % c.ssm_k_heads == 0,
+        (c.ssm_k_heads >= 1, f"ssm_k_heads {c.ssm_k_heads} must be >= 1"),  # before the modulo below
+        (c.ssm_v_heads >= 1, f"ssm_v_heads {c.ssm_v_heads} must be >= 1"),
+        (c.ssm_k_heads < 1 or c.ssm_v_heads % c.ssm_k_heads == 0,
          f"ssm_v_heads {c.ssm_v_heads} must be a multiple of ssm_k_heads {c.ssm_k_heads}"),
         (0 < c.n_rot <= c.head_dim and c.n_rot % 2 == 0, f"rope_dims {c.n_rot} must be even and in 2..{c.head_dim}"),
         (c.ssm_conv_kernel >= 2, f"ssm_conv_kernel {c.ssm_conv_kernel} must be >= 2"),
@@ -391,6 +393,8 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> Qwen35C
     except KeyError as e:
         raise LoadError(f"{label}: missing key {e.args[0]!r}") from None
     kinds = text.get("layer_types")
+    if interval < 1:  # before the layer pattern below divides by it
+        raise LoadError(f"{label}: full_attention_interval {interval} must be >= 1")
     if kinds is not None:
         want = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
         if list(kinds) != want:
@@ -498,7 +502,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
         ssm_k_heads=int(key("ssm.group_count")),
         ssm_v_heads=hv,
         ssm_k_dim=int(key("ssm.state_size")),
-        ssm_v_dim=int(key("ssm.inner_size")) // hv,
+        ssm_v_dim=int(key("ssm.inner_size")) // max(hv, 1),  # hv 0: check_config names ssm_v_heads
         ssm_conv_kernel=int(key("ssm.conv_kernel")),
         full_attn_interval=int(key("full_attention_interval", 4)),
         rope_dims=int(key("rope.dimension_count", head_dim // 4)),

@@ -112,6 +112,21 @@ def test_config_from_hf(loaded):
     assert (weights["blk.0.ssm_a"].data < 0).all()  # -exp(A_log)
 
 
+@pytest.mark.parametrize("change, rule", [
+    ({"full_attention_interval": 0, "layer_types": ["linear_attention"] * 4}, "full_attention_interval 0 must be >= 1"),
+    ({"linear_num_key_heads": 0}, "ssm_k_heads 0 must be >= 1"),
+])
+def test_zero_counts_in_an_hf_config_are_named(change, rule):
+    """These were ZeroDivisionErrors (a modulo by the interval, and by the key head count)."""
+    from graphir.errors import GraphirError
+
+    base = dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    with pytest.raises(GraphirError, match=rule):
+        qwen35.check_config(qwen35.config_from_hf({**base, **change}, "config.json"))
+
+
 def test_logits_match_transformers_reference_backend(hf_model, loaded):
     ours = Runner(*loaded, backend="reference").feed(IDS)
     assert_close(ours, hf_logits(hf_model, IDS))
