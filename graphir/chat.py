@@ -104,6 +104,7 @@ class Conversation:
         self.model = model
         self.cached: list[int] = []
         self.last_prefill = 0  # tokens the last turn read (the rest was reused from the cache)
+        self.sequence: int | None = None  # the model's sequence (Model._sequence) the cached tokens are in
 
     def template(self) -> str:
         tok = self.model.tokenizer
@@ -136,13 +137,15 @@ class Conversation:
 
     def _run(self, ids: list[int], stops: set[int], max_new: int, settings: Settings) -> Iterator[int]:
         m, keep = self.model, 0
-        if m.n_past == len(self.cached):  # else the cache was used for something else since the last turn
+        # else the cache was used for something else since the last turn: another sequence (logits() of as many
+        # tokens leaves n_past where it was, over other rows), or tokens fed after ours
+        if m._sequence == self.sequence and m.n_past == len(self.cached):
             while keep < min(len(self.cached), len(ids) - 1) and self.cached[keep] == ids[keep]:
                 keep += 1
         if keep == 0 or keep < m.n_past:  # rows past `keep` differ: start over (recurrent state cannot rewind)
             m.reset()
             keep = 0
-        self.cached, self.last_prefill = list(ids), len(ids) - keep
+        self.cached, self.last_prefill, self.sequence = list(ids), len(ids) - keep, m._sequence
         # generate()'s own steps: on the gpu each token is one captured step that samples on the device
         token = m._prefill_sample(ids[keep:], settings)
         for _ in range(max_new):

@@ -120,6 +120,26 @@ def test_chat_edited_part_way_replies_as_a_fresh_run():
     assert read == len(prompt)
 
 
+def test_a_cache_overwritten_by_the_same_length_starts_over():
+    """logits() of as many tokens as the conversation holds leaves n_past where the chat left it, but other rows:
+    the next turn reused them and replied to the wrong text ('Caaaa' where a fresh model says something else)."""
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    first = [{"role": "user", "content": "Hi there"}]
+    follow = first + [{"role": "assistant", "content": ""}, {"role": "user", "content": "more"}]
+    replies = []
+    for overwrite in (False, True):
+        m = graphir.load("random:llama-tiny", backend="reference", passes="", ctx=97)
+        m.tokenizer.chat_template = template
+        m.chat(first, max_new_tokens=0)  # the cache holds the first prompt, a prefix of the follow-up's
+        if overwrite:
+            m.logits([65] * len(m.conversation.cached))
+        replies.append(m.chat(follow, max_new_tokens=5))
+        n_follow, n_first = len(m.conversation.prompt_ids(follow)), len(m.conversation.prompt_ids(first))
+        assert m.conversation.last_prefill == (n_follow if overwrite else n_follow - n_first)
+    assert replies[1] == replies[0]
+
+
 def test_cli_chat_one_turn(smollm2):
     from click.testing import CliRunner
 
