@@ -29,7 +29,7 @@ def check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np
             if arr.dtype.kind != want.kind or (want.kind == "i" and not np.can_cast(arr.dtype, want, "same_kind")):
                 raise InputError(f"input {node.name!r}: dtype {arr.dtype}, graph expects {node.dtype}")
             arr = arr.astype(want)
-        out[node.name] = np.ascontiguousarray(arr)
+        out[node.name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)  # which makes 0-d [1]
     extra = set(inputs) - {n.name for n in graph.inputs} if len(inputs) != len(out) else ()
     if extra:
         raise InputError(f"unexpected inputs {sorted(extra)}; the graph takes {[n.name for n in graph.inputs]}")

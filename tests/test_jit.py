@@ -101,6 +101,22 @@ def test_bad_dtype_and_arity_raise_input_error():
         f(np.ones(3, np.float32), np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_scalar_input_stays_a_scalar(backend):
+    """A numpy scalar (a 0-d Input) was made [1] by np.ascontiguousarray, and every op then failed as a backend
+    bug: 'reference returned [1] float32, the op's rule gives [] f32'."""
+    f = graphir.jit(lambda x: g.cont(g.neg(x)), backend=backend)
+    y = f(np.float32(1.5))
+    assert y.shape == () and y == -1.5
+
+
+def test_last_axis_ops_refuse_a_scalar():
+    """top_k of a 0-d tensor was an IndexError from its shape rule; the norms named no rule."""
+    for build in (lambda x: g.top_k(x, k=1), lambda x: g.rms_norm(x, eps=1e-6)):
+        with pytest.raises(graphir.GraphError, match="needs at least one axis"):
+            graphir.jit(build)(np.float32(1.5))
+
+
 # ---------------------------------------------------------------- reference backend input checks
 def _program():
     x = g.input("tokens", (4,), "i32")

@@ -67,6 +67,12 @@ def need_float(t: Type, what: str) -> None:
     need(t[1] in FLOAT, f"{what} must be a float tensor (f32/f16/bf16), got {t[1]}")
 
 
+def need_axis(t: Type, what: str) -> None:
+    """An op over the last axis needs one: a 0-d x failed in the shape rule (top_k's IndexError) or as a
+    reference/rule mismatch."""
+    need(len(t[0]) >= 1, f"{what} needs at least one axis (the op works over the last), got a 0-d tensor")
+
+
 def need_i32(t: Type, what: str) -> None:
     need(t[1] == "i32", f"{what} must be i32, got {t[1]}")
 
@@ -169,28 +175,34 @@ def _norm_ref(kind: str) -> Callable:
     return ref
 
 
+def _last_axis_infer(ts: list[Type], p: dict) -> Type:
+    need_axis(ts[0], "x")
+    return _unary_infer(ts, p)
+
+
 op("rms_norm", 1, "x / sqrt(mean(x^2) + eps) over the last axis", {"eps": (float, REQUIRED)})(
-    (_unary_infer, _norm_ref("rms")))
+    (_last_axis_infer, _norm_ref("rms")))
 op("l2_norm", 1, "x / sqrt(sum(x^2) + eps) over the last axis", {"eps": (float, REQUIRED)})(
-    (_unary_infer, _norm_ref("l2")))
+    (_last_axis_infer, _norm_ref("l2")))
 op("norm", 1, "(x - mean) / sqrt(var + eps) over the last axis", {"eps": (float, REQUIRED)})(
-    (_unary_infer, _norm_ref("norm")))
+    (_last_axis_infer, _norm_ref("norm")))
 
 
 # ---------------------------------------------------------------- reductions
 op("sum_rows", 1, "sum over the last axis, kept as size 1")(
-    (lambda ts, p: (need_float(ts[0], "x"), (ts[0][0][:-1] + (1,), ts[0][1]))[1],
+    (lambda ts, p: (need_float(ts[0], "x"), need_axis(ts[0], "x"), (ts[0][0][:-1] + (1,), ts[0][1]))[2],
      lambda x: x.sum(axis=-1, keepdims=True, dtype=np.float32).astype(x.dtype)))
 op("mean", 1, "mean over the last axis, kept as size 1")(
-    (lambda ts, p: (need_float(ts[0], "x"), (ts[0][0][:-1] + (1,), ts[0][1]))[1],
+    (lambda ts, p: (need_float(ts[0], "x"), need_axis(ts[0], "x"), (ts[0][0][:-1] + (1,), ts[0][1]))[2],
      lambda x: x.mean(axis=-1, keepdims=True, dtype=np.float32).astype(x.dtype)))
 op("argmax", 1, "index of the largest value along the last axis (first on ties)")(
-    (lambda ts, p: (need_float(ts[0], "x"), (ts[0][0][:-1], "i32"))[1],
+    (lambda ts, p: (need_float(ts[0], "x"), need_axis(ts[0], "x"), (ts[0][0][:-1], "i32"))[2],
      lambda x: np.argmax(x, axis=-1).astype(np.int32)))
 
 
 def _top_k_infer(ts: list[Type], p: dict) -> Type:
     need_float(ts[0], "x")
+    need_axis(ts[0], "x")
     need(1 <= p["k"] <= ts[0][0][-1], f"k={p['k']} must be in 1..{ts[0][0][-1]} (the last axis)")
     return ts[0][0][:-1] + (p["k"],), "i32"
 
@@ -326,6 +338,7 @@ op("rope", 2, "rotary embedding of the first n_dims of each head at positions[i]
 # ---------------------------------------------------------------- attention
 def _softmax_infer(ts: list[Type], p: dict) -> Type:
     need_float(ts[0], "x")
+    need_axis(ts[0], "x")
     if len(ts) == 2:
         need_float(ts[1], "mask")
         need(broadcastable(ts[1][0], ts[0][0]), f"mask {list(ts[1][0])} does not broadcast onto x {list(ts[0][0])}")
@@ -439,7 +452,7 @@ op("transpose", 1, "swap the last two axes", view=True)(
                     (ts[0][0][:-2] + ts[0][0][-1:] + ts[0][0][-2:-1], ts[0][1]))[1],
      lambda x: np.swapaxes(x, -1, -2)))
 op("cont", 1, "a contiguous copy (materializes a view)")(
-    (lambda ts, p: ts[0], lambda x: np.ascontiguousarray(x).copy()))
+    (lambda ts, p: ts[0], lambda x: np.array(x, order="C", copy=True)))  # ascontiguousarray makes 0-d [1]
 
 
 def _concat_infer(ts: list[Type], p: dict) -> Type:
