@@ -428,7 +428,9 @@ def bench(spec: str = DEFAULT_MODEL, backend: str = "auto", passes: str = "auto"
     if new_process:
         result["ttft_new_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=False)
         result["ttft_cold_process_s"] = ttft_new_process(spec, backend, passes, prompt, cold=True)
-    if llama_cpp:
+    if llama_cpp and dtype is not None:  # graphir ran converted weights; llama.cpp would run the file as stored
+        result["llama_cpp_note"] = f"no llama.cpp comparison: --dtype {dtype} converted the weights graphir ran"
+    elif llama_cpp:
         result["llama_cpp"], result["llama_cpp_note"] = _maybe_llama_cpp(
             result["source"], prefill, prompt, decode_tokens, repeats, llama_cpp_threads or _peer_threads())
     else:

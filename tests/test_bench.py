@@ -92,6 +92,20 @@ def test_bench_rejects_sizes_past_the_context() -> None:
     assert checked_lengths(256, 8, 8, 8, None, on_gpu=True) == 0
 
 
+def test_a_converted_gguf_is_not_compared_with_llama_cpp_on_the_file(tmp_path, monkeypatch) -> None:
+    """--dtype q8_0 on a GGUF: graphir runs the converted weights, llama.cpp would run the file as stored, and the
+    table's 'x llama.cpp' ratios compared two different models. The comparison is skipped, with a note."""
+    from _model_helpers import write_gguf
+    from test_api_errors import TINY as CONFIG
+    from test_api_errors import tiny_arrays
+
+    asked = []
+    monkeypatch.setattr(bench_mod, "_maybe_llama_cpp", lambda *args: (asked.append(args), ({}, ""))[1])
+    path = write_gguf(tmp_path / "m.gguf", CONFIG, tiny_arrays())
+    r = bench(str(path), repeats=1, bandwidth_mb=1, dtype="q8_0", **TINY)
+    assert asked == [] and r["llama_cpp"] is None and "--dtype q8_0" in r["llama_cpp_note"]
+
+
 def test_weight_bytes_count_a_tied_head_once_and_an_untied_embedding_as_one_row() -> None:
     tied = graphir.load("random:qwen3-tiny")
     assert tied.config.tied_embeddings and "output.weight" not in tied.weights
