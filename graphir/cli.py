@@ -171,6 +171,10 @@ def load_graph(spec: str, phase: str, draft_len: int = 4) -> Graph:
         from graphir import speculative
 
         model = _load_for_graphs(spec)
+        most = speculative.max_verify_tokens(model.config.ctx) - 1  # the bucket's rows must fit the KV cache
+        if draft_len > most:
+            raise CliError(f"--draft-len {draft_len}: a verify call of {draft_len + 1} tokens does not fit the "
+                           f"context of {model.config.ctx} tokens" + (f" (at most --draft-len {most})" if most else ""))
         bucket = speculative.verify_bucket(draft_len + 1, model.config.ctx)
         return speculative.verify_graph(model, bucket, greedy=True)
     if spec == "example":

@@ -66,6 +66,16 @@ def test_dump_json_file_round_trips(tmp_path: Path) -> None:
     assert r.stdout == dump_text(build_example("decode"))
 
 
+def test_dump_verify_past_the_context_names_the_longest_draft(tmp_path: Path) -> None:
+    """A verify graph of --draft-len 15 is 16 rows: past a context of 8 it was min()'s ValueError traceback."""
+    from test_api_errors import hf_dir
+
+    d = hf_dir(tmp_path, max_position_embeddings=8)
+    one_line_error(invoke("dump", str(d), "--phase", "verify", "--draft-len", "15"), 1,
+                   "--draft-len 15", "context of 8 tokens", "--draft-len 7", alone=False)
+    assert invoke("dump", str(d), "--phase", "verify", "--draft-len", "7").exit_code == 0
+
+
 def test_a_graph_files_phase_is_its_own(tmp_path: Path) -> None:
     """--phase of dump and coverage builds a model's graph; on a graph file holding another phase it printed the
     file's graph without a word. The file's own phase, or no --phase, is fine."""
