@@ -474,7 +474,11 @@ def _stdin_turns() -> Iterable[str]:
     stdin = click.get_text_stream("stdin")  # one wrapper: a second one would lose what the first buffered
     while True:
         click.echo("> ", err=True, nl=False)
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except UnicodeDecodeError as e:  # a line in another encoding: the codec's traceback named no input
+            raise CliError(f"stdin is not valid UTF-8: byte {e.object[e.start:e.start + 1].hex()} "
+                           f"({e.reason})") from None
         if not line:
             click.echo(err=True)
             return

@@ -15,7 +15,7 @@ from graphir.errors import InputError
 from graphir.weights import Weights
 
 from .registry import PRESETS, family_of
-from .tokenizer import TextStream
+from .tokenizer import TextStream, check_text
 
 __all__ = ["PRESETS", "ByteTokenizer", "random_weights"]
 
@@ -46,6 +46,7 @@ class ByteTokenizer:
         self.source = "byte tokenizer"
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        check_text(text, "byte tokenizer")
         return ([self.BOS] if add_bos else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:

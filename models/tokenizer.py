@@ -232,6 +232,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token text such as "<|im_start|>" maps to its single id.
         BOS is prepended when `add_bos`, or by default when the model's files ask for it."""
+        check_text(text, self.source)
         ids = self._tk.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
@@ -272,6 +273,16 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
+
+
+def check_text(text: str, source: str) -> None:
+    """`text` is UTF-8 encodable: a byte the terminal could not decode reaches argv as a lone surrogate
+    ('\udcff'), which the tokenizers library refused as 'TextInputSequence must be str'."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{source}: text is not valid UTF-8: {text[e.start]!r} at index {e.start} (a byte that "
+                         f"was not decoded as UTF-8)") from None
 
 
 class TextStream:

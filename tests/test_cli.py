@@ -311,6 +311,17 @@ def test_run_an_empty_prompt_says_so() -> None:
                    "random:llama-tiny: the prompt is empty (0 tokens); give -p TEXT", alone=False)
 
 
+def test_text_that_is_not_utf8_is_one_line() -> None:
+    """-p with a byte the terminal could not decode, and such a line on chat's stdin: one line each (they were a
+    UnicodeEncodeError and a UnicodeDecodeError traceback)."""
+    one_line_error(invoke("run", "random:llama-tiny", "-p", "ab\udcffcd", "-n", "1"), 1, "not valid UTF-8",
+                   alone=False)
+    r = CliRunner().invoke(main, ["chat", "smollm2-135m", "--backend", "reference", "-n", "2"],
+                           input=b"hi \xff there\n", catch_exceptions=False)
+    assert r.exit_code == 1 and "Traceback" not in r.output  # the error follows chat's '> ' prompt on its line
+    assert r.stderr.splitlines()[-1] == "> error: stdin is not valid UTF-8: byte ff (invalid start byte)"
+
+
 def test_check_smollm2_default() -> None:
     """The default model with the default pipeline: about 12 s on two slow cores."""
     try:

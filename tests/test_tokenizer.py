@@ -287,3 +287,13 @@ def test_named_chat_templates_take_the_default(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages[0].content }}"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
     assert Tokenizer.from_file(tmp_path / "tokenizer.json").chat_template == "{{ messages[0].content }}"
+
+
+def test_text_that_is_not_unicode_is_named(smol: Tokenizer) -> None:
+    """A byte the terminal could not decode reaches -p as a lone surrogate ('\\udcff'): encode raised the
+    tokenizers library's 'TextInputSequence must be str', the byte tokenizer a UnicodeEncodeError."""
+    from graphir.models.presets import ByteTokenizer
+
+    for tok in (smol, ByteTokenizer()):
+        with pytest.raises(InputError, match=r"text is not valid UTF-8: '\\udcff' at index 2"):
+            tok.encode("ab\udcffcd")
