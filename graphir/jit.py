@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from graphir.errors import InputError
+from graphir.errors import GraphError, InputError
 from graphir.ir import Graph, Node
 
 NUMPY_TO_DTYPE = {np.dtype("float32"): "f32", np.dtype("float16"): "f16", np.dtype("int32"): "i32"}
@@ -61,8 +61,13 @@ class Jitted:
             elif isinstance(result, dict):
                 outputs, self.kinds[key] = dict(result), "dict"
             else:
-                outputs = {f"out{i}": r for i, r in enumerate(result)}
+                outputs = {f"out{i}": r for i, r in enumerate(result)} if isinstance(result, (tuple, list)) else {}
                 self.kinds[key] = "tuple"
+            if not outputs or not all(isinstance(o, Node) for o in outputs.values()):
+                # else a missing return failed as "'NoneType' object is not iterable", a number among the outputs
+                # deep in Graph, and no outputs as 'unexpected inputs'
+                raise GraphError(f"{self.fn.__name__} must return a graph node, or a dict, tuple or list of them; "
+                                 f"got {_shown(result)}")
             graph = Graph(outputs)
             if self.passes:
                 from graphir.passes import run_pipeline
@@ -85,6 +90,18 @@ class Jitted:
         if kind == "tuple":  # a function returning (a, b) gives back a tuple, not a dict of "outN"
             return tuple(out[f"out{i}"] for i in range(len(out)))
         return out
+
+
+def _shown(result: Any) -> str:
+    """A traced function's result for an error message, its nodes as "Node"."""
+    if result is None:
+        return "None (a missing return?)"
+    if isinstance(result, (tuple, list)):
+        items = ", ".join("Node" if isinstance(r, Node) else repr(r) for r in result)
+        return (f"({items}{',' * (len(result) == 1)})" if isinstance(result, tuple) else f"[{items}]")
+    if isinstance(result, dict):
+        return "{" + ", ".join(f"{k!r}: {'Node' if isinstance(v, Node) else repr(v)}" for k, v in result.items()) + "}"
+    return repr(result)
 
 
 def jit(fn: Callable[..., Any] | None = None, *, backend: str = "reference", passes: str | None = None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from graphir.backends import reference
@@ -115,6 +117,20 @@ def test_last_axis_ops_refuse_a_scalar():
     for build in (lambda x: g.top_k(x, k=1), lambda x: g.rms_norm(x, eps=1e-6)):
         with pytest.raises(graphir.GraphError, match="needs at least one axis"):
             graphir.jit(build)(np.float32(1.5))
+
+
+@pytest.mark.parametrize("result, got", [(None, "got None (a missing return?)"), (5, "got 5"),
+                                         ("tuple", "got [Node, 3]"), ("empty", "got ()")])
+def test_a_function_that_returns_no_nodes_is_named(result, got):
+    """A missing return was "'NoneType' object is not iterable"; a number among the outputs "'int' object has no
+    attribute 'src'"; no outputs at all 'unexpected inputs ['x']; the graph takes []'."""
+    def f(x):
+        return {"tuple": lambda: [g.neg(x), 3], "empty": lambda: ()}.get(result, lambda: result)()
+
+    with pytest.raises(graphir.GraphError, match=r"f must return a graph node, or a dict, tuple or list of them"):
+        graphir.jit(f)(np.ones(3, np.float32))
+    with pytest.raises(graphir.GraphError, match=re.escape(got)):
+        graphir.jit(f)(np.ones(3, np.float32))
 
 
 # ---------------------------------------------------------------- reference backend input checks
