@@ -230,16 +230,21 @@ class Model:
         self._clear_run_stats()
         if self._queues_ahead(stop_at_eos):
             return self._generate_queued(ids.tolist(), int(max_new_tokens), settings, stop_at_eos, self._sequence)
-        seq = self._sequence
+        seq, at = self._sequence, 0  # at: n_past when this generator last yielded
 
         def prefill(prompt: list[int]) -> int:
-            nonlocal seq
+            nonlocal seq, at
             seq = self._start_sequence(seq)
-            return self._prefill_sample(prompt, settings)
+            token = self._prefill_sample(prompt, settings)
+            at = self.n_past
+            return token
 
         def step(token: int) -> int:
-            self._check_sequence(seq)
-            return self._decode_sample(token, settings)
+            nonlocal at
+            self._check_sequence(seq, at)
+            token = self._decode_sample(token, settings)
+            at = self.n_past
+            return token
 
         return generate(prefill, step, ids.tolist(), int(max_new_tokens), self.eos_ids, stop_at_eos)
 
@@ -251,13 +256,14 @@ class Model:
             self._clear_run_stats()
         return self._sequence
 
-    def _check_sequence(self, seq: int) -> None:
-        """A generator whose sequence was replaced between two of its tokens would read on from the other
-        sequence's cache and yield wrong ids without a word."""
-        if self._sequence != seq:
+    def _check_sequence(self, seq: int, at: int) -> None:
+        """A generator whose sequence another call replaced (a reset) or extended (feed() moves n_past from `at`,
+        where the generator left it) between two of its tokens would read on from that cache and yield wrong ids
+        without a word."""
+        if self._sequence != seq or self.n_past != at:
             raise InputError(f"a generate() of {self.source} was overtaken: a call between two of its tokens "
-                             f"started a new sequence (reset(), logits(), generate() or chat()), so its KV cache "
-                             f"is gone; call generate() again")
+                             f"started a new sequence or fed the cache (reset(), feed(), logits(), generate() or "
+                             f"chat()), so its KV cache is not its own; call generate() again")
 
     def _prefill_sample(self, ids: list[int], settings: Settings) -> int:
         """Read the prompt; the first new id, sampled on the host from the last logits row (once per prompt)."""
@@ -314,13 +320,15 @@ class Model:
         program = self._program(1, False, sampler=True)
         queue = get_backend(self.backend).StepQueue(program, self._state, feedback=(TOKEN_OUTPUT, "tokens"))
         n0, pushed, done = self.n_past, 0, 0
+        at = n0  # n_past as this generator left it (each push moves it)
         try:
             while done < steps:
-                self._check_sequence(seq)  # after each yield: the caller may have started another sequence
+                self._check_sequence(seq, at)  # after each yield: the caller may have used the cache since
                 t0 = time.perf_counter()
                 while pushed < steps and queue.in_flight < queue.depth:
                     self._push_step(queue, n0 + pushed, token if pushed == 0 else None, settings)
                     pushed += 1
+                at = self.n_past
                 token = int(queue.pop()[TOKEN_OUTPUT][0])
                 done += 1
                 self._add_stats("decode", 1, t0)
@@ -329,7 +337,7 @@ class Model:
                 yield token
         finally:
             queue.drain()
-            if self._sequence == seq:  # else the new sequence owns n_past and the State
+            if self._sequence == seq and self.n_past == at:  # else the call that overtook it owns them
                 self.n_past = n0 + done  # the steps whose input was yielded; KV rows past it are never read
                 if pushed > done and not self._pads_safely():
                     self._state_ahead = self.n_past

@@ -498,6 +498,7 @@ def _run(target: Model, drafter: Drafter, prompt: list[int], max_new: int, draft
     context = list(prompt)
     seq = target._sequence
     token = target._prefill_sample(prompt, settings)  # the first token, exactly as plain generation reads it
+    at = target.n_past  # where this generator left the cache: a call since the last yield moves it
     produced = 0
     while True:
         if stop_at_eos and token in target.eos_ids:
@@ -507,9 +508,10 @@ def _run(target: Model, drafter: Drafter, prompt: list[int], max_new: int, draft
         context.append(token)
         if produced == max_new:
             return
-        target._check_sequence(seq)  # a call since the last yield may have started another sequence
+        target._check_sequence(seq, at)  # a call since the last yield may have used the cache
         t0 = time.perf_counter()
         new = _step(target, drafter, context, min(draft_len, max_new - produced - 1), settings, stats)
+        at = target.n_past
         target._add_stats("decode", len(new), t0)
         for t in new[:-1]:  # the last one is the next pending token
             if stop_at_eos and t in target.eos_ids:

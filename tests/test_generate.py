@@ -80,10 +80,11 @@ def test_generators_made_before_they_run_each_start_fresh(model, greedy, draft):
 
 @pytest.mark.parametrize("draft", [None, "lookup"])
 def test_a_generator_overtaken_by_a_new_sequence_refuses_to_go_on(model, greedy, draft):
-    """logits(), reset() or another generate() between two tokens replace the cache a generator reads on: it
-    raises instead of yielding tokens of a mixed-up sequence (it went on with wrong ids, without a word)."""
+    """logits(), reset(), feed() or another generate() between two tokens replace or extend the cache a generator
+    reads on: it raises instead of yielding tokens of a mixed-up sequence (it went on with wrong ids, without a
+    word; feed() did until the generator also checked where it had left n_past)."""
     spec = {} if draft is None else {"draft": draft}
-    for overtake in (lambda: model.logits(PROMPT[:4]), model.reset,
+    for overtake in (lambda: model.logits(PROMPT[:4]), model.reset, lambda: model.feed([3, 4]),
                      lambda: list(model.generate(PROMPT[:3], 2, **spec))):
         it = model.generate(PROMPT, 12, stop_at_eos=False, **spec)
         assert [next(it), next(it)] == greedy[:2]

@@ -175,3 +175,10 @@ def test_queued_generators_start_fresh_and_refuse_an_overtaken_sequence(spec, qu
     ref.logits(PROMPT[:4])
     assert model.n_past == ref.n_past == 4
     np.testing.assert_array_equal(continuation(model), continuation(ref))
+    it = model.generate(PROMPT, 8, stop_at_eos=False)  # feed() moves n_past without a reset: caught as well
+    assert [next(it), next(it)] == want[0][:2]
+    model.feed([3, 4])
+    fed = model.n_past
+    with pytest.raises(InputError, match="fed the cache"):
+        next(it)
+    assert model.n_past == fed  # the overtaken generator's cleanup leaves n_past to the call that moved it
