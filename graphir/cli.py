@@ -18,7 +18,9 @@ a traceback: `error: <message>`, exit code 2 for a bad option, 1 for a GraphirEr
 from __future__ import annotations
 
 import importlib
+import io
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -471,7 +473,9 @@ def chat_cmd(model: str, prompt: str | None, system: str | None, n: int, tempera
 
 def _stdin_turns() -> Iterable[str]:
     """User turns typed at a '> ' prompt (on stderr, so stdout holds only replies), until EOF."""
-    stdin = click.get_text_stream("stdin")  # one wrapper: a second one would lose what the first buffered
+    # One UTF-8 wrapper of the byte stream (a second one would lose what the first buffered); click's
+    # get_text_stream did this but is deprecated and goes in Click 9.
+    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin
     while True:
         click.echo("> ", err=True, nl=False)
         try:
