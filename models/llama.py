@@ -197,7 +197,8 @@ def weights_from_gguf(config: LlamaConfig, weights: Weights) -> Weights:
 
 
 # ---------------------------------------------------------------- HF checkpoints
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# Mistral's checkpoints are llama's graph (llama.cpp converts them to `llama` GGUFs); see config_from_hf for its window
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "llama"}
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     **HF_SELF_ATTN,
@@ -227,7 +228,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise LoadError(f"{label}: architectures {archs} not supported (supported: {', '.join(HF_ARCHITECTURES)})")
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(flag):
             raise LoadError(f"{label}: {flag}=true is not supported")
     # the graph's FFN is SwiGLU: any other activation loaded and ran SiLU without a word
@@ -251,6 +252,15 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
         )
     except KeyError as e:
         raise LoadError(f"{label}: missing key {e.args[0]!r}") from None
+    # Mistral 7B v0.1: each query sees its last `window` keys (Qwen3's files carry a sliding_window too, unused
+    # unless use_sliding_window, which is refused above)
+    window = hf.get("sliding_window") if "MistralForCausalLM" in archs else None
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise LoadError(f"{label}: sliding_window {window!r} must be null or an int >= 1")
+        # up to `window` positions a sliding window is full causal attention, so the context stops there
+        # rather than the graph growing a window mask that no llama graph has
+        fields["context_length"] = min(fields["context_length"], window)
     return qwen3_config(**fields) if arch == "qwen3" else LlamaConfig(arch="llama", rope_mode="neox", **fields)
 
 

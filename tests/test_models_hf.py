@@ -132,3 +132,37 @@ def test_a_wrong_rms_eps_is_seen(tmp_path, arch):
     ours = graphir.load(str(tmp_path))
     assert ours.config.rms_eps == 0.0
     assert rel_error(ours.logits(IDS), hf_logits(model, IDS)) > 10 * REL
+
+
+@pytest.mark.parametrize("window", [None, 16, 4096])
+def test_mistral_is_llamas_graph_within_its_window(tmp_path, window):
+    """MistralForCausalLM checkpoints load as llama. Mistral 7B v0.1's sliding window is full causal attention up to
+    `window` positions, so the context stops there (16 here); null (v0.2 on) or a window past the context keeps the
+    context. The logits equal transformers' with the window in force."""
+    torch.manual_seed(3)
+    cfg = transformers.MistralConfig(**TINY, rope_theta=1e6, sliding_window=window)
+    model = transformers.MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)
+    ours = graphir.load(str(tmp_path))
+    assert ours.config.arch == "llama" and ours.config.context_length == min(window or 128, 128)
+    ids = IDS[: min(len(IDS), ours.config.context_length)]
+    assert_close(ours.logits(ids), hf_logits(model.eval(), ids))
+
+
+def test_hf_sliding_window_settings_that_are_not_honoured_are_refused(tmp_path):
+    """Qwen3 with use_sliding_window: true would need windowed layers the graph does not have (it loaded and ran
+    full attention); a Mistral window that is no positive int names the field."""
+    model = tiny_model("qwen3", tied=True)
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 8}))
+    with pytest.raises(graphir.LoadError, match="use_sliding_window=true is not supported"):
+        graphir.load(str(tmp_path))
+    cfg = {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(graphir.LoadError, match="sliding_window 0 must be null or an int >= 1"):
+        graphir.load(str(tmp_path))
