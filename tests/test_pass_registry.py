@@ -378,7 +378,7 @@ def test_verify_flag_names_the_pass(monkeypatch):
     @register_pass("test-break-shape", "a broken pass, for this test only")
     def broken(graph: Graph) -> Graph:
         out = graph.outputs["y"]
-        return Graph({"y": out.replace(shape=(1, 1))})
+        return Graph({**graph.outputs, "y": out.replace(shape=(1, 1))})  # its names kept: run_pipeline checks them
 
     try:
         graph = case_identities("f32")
@@ -421,3 +421,23 @@ def test_a_rule_that_wires_in_a_replaced_source_by_hand_fails():
     with_make = (lambda n, rw: n if n.op == "mul" else None, lambda n, rw: rw.make("add", *n.src))
     out = rewrite(graph, [to_sigmoid, with_make])
     assert [n.op for n in out.nodes() if n.op not in ("input",)] == ["sigmoid", "add"]
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda graph: None, r"pass 'test-bad-result' returned NoneType, not a Graph \(a missing return\?\)"),
+    (lambda graph: graph.outputs, r"pass 'test-bad-result' returned dict, not a Graph"),
+    (lambda graph: Graph({"renamed": graph.outputs["y"], "kept": graph.outputs["kept"]}, graph.updates, graph.meta),
+     r"pass 'test-bad-result' changed the output names \['y', 'kept'\] to \['renamed', 'kept'\]"),
+])
+def test_a_pass_that_breaks_the_result_contract_is_named(result, message):
+    """A pass returning None (or a dict) failed later as "object of type 'NoneType' has no len()" (coverage, check,
+    or the next pass); one renaming an output ran, and check() reported 'worst logits rel inf'."""
+    register_pass("test-bad-result", "a broken pass, for this test only")(result)
+    try:
+        graph = case_identities("f32")
+        for run in (lambda: run_pipeline(graph, "test-bad-result"), lambda: run_pipeline(graph, "test-bad-result,dce"),
+                    lambda: coverage(graph, "test-bad-result")):
+            with pytest.raises(GraphError, match=message):
+                run()
+    finally:
+        del PASSES["test-bad-result"]

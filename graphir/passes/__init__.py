@@ -204,7 +204,8 @@ def run_pipeline(graph: Graph, pipeline: str, verify_each: bool | None = None,
         pc = None if report is None else report[name if seen[name] == 1 else f"{name}#{seen[name]}"]
         before = len(graph)
         with recording(pc):
-            graph = PASSES[name](graph, **opts)
+            result = PASSES[name](graph, **opts)
+        graph = _checked_result(name, graph, result)
         if pc is not None:
             pc.nodes_before, pc.nodes_after = before, len(graph)
         if verify_each:
@@ -217,6 +218,19 @@ def run_pipeline(graph: Graph, pipeline: str, verify_each: bool | None = None,
 
             print(f"# after pass {name}\n{dump_text(graph)}", end="")
     return graph
+
+
+def _checked_result(name: str, before: Graph, after: Any) -> Graph:
+    """A pass's result, held to the contract every caller relies on: a Graph with the same output names.
+    Unchecked, a pass that returned None or a dict failed in the next pass or in len() ("object of type
+    'NoneType' has no len()"), and one that renamed an output passed, so check() reported rel inf for it."""
+    if not isinstance(after, Graph):
+        raise GraphError(f"pass {name!r} returned {type(after).__name__}, not a Graph"
+                         + (" (a missing return?)" if after is None else ""))
+    if list(after.outputs) != list(before.outputs):
+        raise GraphError(f"pass {name!r} changed the output names {list(before.outputs)} to {list(after.outputs)}; "
+                         f"a pass keeps every output under its name")
+    return after
 
 
 def coverage(graph: Graph, pipeline: str = "default") -> CoverageReport:
