@@ -441,3 +441,11 @@ def test_a_pass_that_breaks_the_result_contract_is_named(result, message):
                 run()
     finally:
         del PASSES["test-bad-result"]
+
+
+def test_a_bool_option_takes_only_bool_words():
+    """strict=ture (any word but 1/true/yes) parsed as False: a typo silently turned replay-lint's strict mode off."""
+    assert parse_pipeline("replay-lint{strict=TRUE}") == [("replay-lint", {"strict": True})]
+    assert parse_pipeline("replay-lint{strict=off}") == [("replay-lint", {"strict": False})]
+    with pytest.raises(GraphError, match=r"pass 'replay-lint': option strict='ture' is not a bool"):
+        parse_pipeline("replay-lint{strict=ture}")

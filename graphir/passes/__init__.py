@@ -186,10 +186,18 @@ def _typed_options(p: Pass, opts: dict[str, str]) -> dict[str, Any]:
             raise GraphError(f"pass {p.name!r}: unknown option {key!r}; it takes {sorted(defaults) or 'none'}")
         kind = type(defaults[key])
         try:
-            out[key] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+            out[key] = _parse_bool(text) if kind is bool else kind(text)
         except ValueError:
             raise GraphError(f"pass {p.name!r}: option {key}={text!r} is not a {kind.__name__}") from None
     return out
+
+
+def _parse_bool(text: str) -> bool:
+    # every other word was False, so a typo (strict=ture) silently turned an option off
+    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if text.lower() not in words:
+        raise ValueError(text)
+    return words[text.lower()]
 
 
 def run_pipeline(graph: Graph, pipeline: str, verify_each: bool | None = None,
