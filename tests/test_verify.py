@@ -295,3 +295,25 @@ def test_builder_leaf_errors():
         g.state("s", (3,), "q8_0")
     with pytest.raises(GraphError, match="const.*dtype must be f32 or i32"):
         g.const([1.0], "f16")
+
+
+def test_layout_params_hold_ints():
+    """reshape (-7, -16) of [7, 16] built a [-7, -16] node (the sizes' product matched), a view of shape (2.5, 2)
+    became [2, 2] without a word, and a string or float in strides or axes was a TypeError inside the rule."""
+    x = g.input("x", (7, 16))
+    with pytest.raises(GraphError, match=r"reshape\(input 'x'.*reshape shape \[-7, -16\] must hold non-negative ints"):
+        g.reshape(x, shape=(-7, -16))
+    with pytest.raises(GraphError, match=r"view shape \[2\.5, 2\] must hold non-negative ints, got 2\.5"):
+        g.view(x, shape=(2.5, 2), strides=(16, 1))
+    with pytest.raises(GraphError, match=r"view shape \[-2, -2\] must hold non-negative ints"):
+        g.view(x, shape=(-2, -2), strides=(1, 1))
+    with pytest.raises(GraphError, match=r"view strides \['a', 1\] must hold ints, got 'a'"):
+        g.view(x, shape=(2, 2), strides=("a", 1))
+    with pytest.raises(GraphError, match=r"permute axes \[1\.0, 0\] must hold non-negative ints"):
+        g.permute(x, axes=(1.0, 0))
+    with pytest.raises(GraphError, match=r"permute axes \['a', 1\] must hold non-negative ints"):
+        g.permute(x, axes=("a", 1))
+    assert g.reshape(x, shape=(np.int64(112),)).shape == (112,)  # numpy ints are ints
+    bad = Node("reshape", "f32", (-7, -16), (x,), Params({"shape": (-7, -16)}))
+    with pytest.raises(GraphError, match=r"node %1 reshape \[-7, -16\].*must hold non-negative ints"):
+        verify(Graph({"y": bad}))

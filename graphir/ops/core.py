@@ -77,6 +77,15 @@ def need_i32(t: Type, what: str) -> None:
     need(t[1] == "i32", f"{what} must be i32, got {t[1]}")
 
 
+def need_dims(value: Any, what: str, nonneg: bool = True) -> None:
+    """A shape-like param (a view's shape or strides, a reshape's shape, a permutation) holds ints: reshape
+    (-7, -16) of [7, 16] built a node of shape [-7, -16], a view of shape (2.5, 2) silently became [2, 2], and
+    a string or float axis was a TypeError from inside the rule."""
+    bad = [v for v in value if not isinstance(v, int) or isinstance(v, bool) or nonneg and v < 0]
+    need(not bad, f"{what} {list(value)} must hold {'non-negative ' if nonneg else ''}ints, got {bad[0]!r}"
+         if bad else "")
+
+
 def numel(shape: tuple[int, ...]) -> int:
     return int(math.prod(shape))
 
@@ -407,6 +416,8 @@ op("flash_attn", 5,
 def _view_infer(ts: list[Type], p: dict) -> Type:
     (sx, dx) = ts[0]
     shape, strides, offset = p["shape"], p["strides"], p["offset"]
+    need_dims(shape, "view shape")
+    need_dims(strides, "view strides", nonneg=False)  # a negative stride is refused below, by its own rule
     need(len(shape) == len(strides), f"view shape {list(shape)} and strides {list(strides)} differ in length")
     need(all(s >= 0 for s in strides) and offset >= 0, "view strides and offset must be >= 0")
     need(DTYPES[dx].block == 1, f"views of quantized tensors ({dx}) are not supported")
@@ -430,6 +441,7 @@ op("view", 1, "elements offset + sum(i_k * strides_k) of x's row-major element s
 
 
 def _reshape_infer(ts: list[Type], p: dict) -> Type:
+    need_dims(p["shape"], "reshape shape")
     need(numel(p["shape"]) == numel(ts[0][0]), f"cannot reshape {list(ts[0][0])} to {list(p['shape'])}: sizes differ")
     need(DTYPES[ts[0][1]].block == 1, "reshape of quantized tensors is not supported")
     return tuple(p["shape"]), ts[0][1]
@@ -441,6 +453,7 @@ op("reshape", 1, "same elements in row-major order, new shape", {"shape": (tuple
 
 def _permute_infer(ts: list[Type], p: dict) -> Type:
     sx = ts[0][0]
+    need_dims(p["axes"], "permute axes")
     need(sorted(p["axes"]) == list(range(len(sx))), f"axes {list(p['axes'])} is not a permutation of 0..{len(sx) - 1}")
     return tuple(sx[a] for a in p["axes"]), ts[0][1]
 
