@@ -93,7 +93,10 @@ def _leaf(kind: str, name: str, shape: tuple[int, ...], dtype: str) -> Node:
         raise GraphError(f"{kind}: a name is required (got {name!r})")
     if dtype not in DTYPES:
         raise GraphError(f"{kind} {name!r}: unknown dtype {dtype!r}")
-    shape = tuple(shape)
+    try:
+        shape = tuple(shape)
+    except TypeError:  # g.input("x", 5): "'int' object is not iterable" from here
+        raise GraphError(f"{kind} {name!r}: shape must be a tuple of ints, got {shape!r}") from None
     if any(not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
         raise GraphError(f"{kind} {name!r}: shape {list(shape)} must be non-negative ints")
     blk = DTYPES[dtype].block
@@ -119,7 +122,11 @@ class Builder:
     def const(self, value: Any, dtype: str = "f32", name: str | None = None) -> Node:
         if dtype not in ("f32", "i32"):
             raise GraphError(f"const {name!r}: dtype must be f32 or i32, got {dtype!r}")
-        arr = np.asarray(value, dtype={"f32": np.float32, "i32": np.int32}[dtype])
+        try:
+            arr = np.asarray(value, dtype={"f32": np.float32, "i32": np.int32}[dtype])
+        except (TypeError, ValueError) as e:  # ragged lists, strings, NaN as i32: numpy's ValueError from here
+            label = f"const {name!r}" if name else "const"
+            raise GraphError(f"{label}: value {value!r} is not a rectangular array of {dtype} numbers ({e})") from None
         return Node("const", dtype, arr.shape, (), Params({"value": tuple(arr.reshape(-1).tolist())}), name)
 
     def __getattr__(self, opname: str):
@@ -136,6 +143,8 @@ class Builder:
     # Layout helpers that read better than raw views; each is one table op.
     def rows(self, x: Node, start: int, count: int, name: str | None = None) -> Node:
         """x[start:start+count] along axis 0 of a contiguous tensor, as a view."""
+        if not x.shape:  # x.shape[0] was an IndexError
+            raise GraphError(f"rows({x.describe()}): a 0-d tensor has no rows")
         inner = x.numel // x.shape[0] if x.shape[0] else 0
         strides = contiguous_strides(x.shape)
         return make("view", x, name=name, shape=(count,) + x.shape[1:], strides=strides, offset=start * inner)

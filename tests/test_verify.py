@@ -317,3 +317,27 @@ def test_layout_params_hold_ints():
     bad = Node("reshape", "f32", (-7, -16), (x,), Params({"shape": (-7, -16)}))
     with pytest.raises(GraphError, match=r"node %1 reshape \[-7, -16\].*must hold non-negative ints"):
         verify(Graph({"y": bad}))
+
+
+def test_builder_raw_python_errors_are_graph_errors():
+    """Each of these was a raw exception from inside the builder or a shape rule: numpy's ValueError for a ragged
+    const, "'int' object is not iterable" for an int shape, IndexError for rows of a 0-d tensor and set_rows of a
+    0-d src, ZeroDivisionError for attention or a delta rule with 0 kv heads."""
+    with pytest.raises(GraphError, match=r"const: value \[\[1, 2\], \[3\]\] is not a rectangular array of f32"):
+        g.const([[1, 2], [3]])
+    with pytest.raises(GraphError, match=r"const 'c': value \['a'\] is not a rectangular array of f32"):
+        g.const(["a"], name="c")
+    with pytest.raises(GraphError, match=r"const: value \[nan\] is not a rectangular array of i32"):
+        g.const([float("nan")], "i32")
+    with pytest.raises(GraphError, match=r"input 'x': shape must be a tuple of ints, got 5"):
+        g.input("x", 5)
+    with pytest.raises(GraphError, match=r"rows\(input 's' \[\] f32\): a 0-d tensor has no rows"):
+        g.rows(g.input("s", ()), 0, 1)
+    with pytest.raises(GraphError, match=r"set_rows.*src must have a row axis, got a 0-d tensor"):
+        g.set_rows(g.state("c", (8, 4)), g.input("r", ()), g.input("i", (2,), "i32"))
+    with pytest.raises(GraphError, match=r"q heads 2 must be a multiple of kv heads 0"):
+        g.flash_attn(g.input("q", (1, 2, 8)), g.input("k", (4, 0, 8)), g.input("v", (4, 0, 8)),
+                     g.input("p", (1,), "i32"), g.input("n", (1,), "i32"), scale=1.0)
+    with pytest.raises(GraphError, match=r"v heads 2 must be a multiple of k heads 0"):
+        g.gated_delta_net(g.input("q", (2, 0, 4)), g.input("k", (2, 0, 4)), g.input("v", (2, 2, 4)),
+                          g.input("g", (2, 2)), g.input("b", (2, 2)), g.state("s", (2, 4, 4)), scale=1.0)

@@ -378,7 +378,8 @@ def _flash_attn_infer(ts: list[Type], p: dict) -> Type:
     need(sl == (1,), f"kv_len must be [1], got {list(sl)}")
     need(sk[0] == sv[0] and sk[1] == sv[1], f"k {list(sk)} and v {list(sv)} must agree on rows and heads")
     need(sq[2] == sk[2], f"q head_dim {sq[2]} != k head_dim {sk[2]}")
-    need(sq[1] % sk[1] == 0, f"q heads {sq[1]} must be a multiple of kv heads {sk[1]} (GQA)")
+    # sk[1] >= 1 first: 0 kv heads was a ZeroDivisionError from the modulo
+    need(sk[1] >= 1 and sq[1] % sk[1] == 0, f"q heads {sq[1]} must be a multiple of kv heads {sk[1]} (GQA)")
     need(p["window"] >= 0, f"window must be >= 0, got {p['window']}")
     return (sq[0], sq[1], sv[2]), "f32"
 
@@ -498,6 +499,7 @@ def _set_rows_infer(ts: list[Type], p: dict) -> Type:
     need(dd in ("f32", "f16"), f"dst must be f32 or f16 State, got {dd}")
     need_float(ts[1], "src")
     need_i32(ts[2], "row indices")
+    need(len(ss) >= 1, "src must have a row axis, got a 0-d tensor")  # ss[0] was an IndexError
     need(si == (ss[0],), f"row indices must be [n]={[ss[0]]}, got {list(si)}")
     need(ss[1:] == sd[1:], f"src rows {list(ss[1:])} do not match dst rows {list(sd[1:])}")
     return ts[0]
@@ -567,7 +569,7 @@ def _gdn_infer(ts: list[Type], p: dict) -> list[Type]:
     need(len(sv) == 3 and sv[0] == sq[0], f"v must be [tokens={sq[0]}, v_heads, d_v], got {list(sv)}")
     n, hk, dk = sq
     hv, dv = sv[1], sv[2]
-    need(hv % hk == 0, f"v heads {hv} must be a multiple of k heads {hk}")
+    need(hk >= 1 and hv % hk == 0, f"v heads {hv} must be a multiple of k heads {hk}")  # hk 0: ZeroDivisionError
     need(sg == (n, hv) and sb == (n, hv), f"g {list(sg)} and beta {list(sb)} must be [tokens, v_heads]={[n, hv]}")
     need(ss == (hv, dk, dv), f"state must be [v_heads, d_k, d_v]={[hv, dk, dv]}, got {list(ss)}")
     out = [((n, hv, dv), "f32"), (ss, ds)]
