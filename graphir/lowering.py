@@ -71,7 +71,9 @@ def fold_params(graph: Graph, weights: Weights) -> dict[int, Any]:
                 weights.derived[key] = np.concatenate([s.raw for s in srcs], axis=0)
             folded[id(n)] = ParamRef(None, weights, weights.derived[key], srcs[0].dtype, n.shape, key)
         elif all(s is not None or src.op == "const" for s, src in zip(srcs, n.src)):
-            args = [val(s) if s is not None else np.asarray(src.params["value"], np.float32).reshape(src.shape)
+            # a const in its own dtype: an i32 one read as f32 made get_rows(param, const ids) an IndexError
+            args = [val(s) if s is not None else
+                    np.asarray(src.params["value"], np.int32 if src.dtype == "i32" else np.float32).reshape(src.shape)
                     for s, src in zip(srcs, n.src)]
             folded[id(n)] = np.ascontiguousarray(OPS[n.op].ref(*args, **n.params.as_dict()))
     return folded

@@ -86,7 +86,9 @@ class CpuProgram:
                     step_nodes.append(f"node %{self.ids[id(n)]} {n.describe()}")
         self._steps = steps
         self._step_nodes = step_nodes
-        self._outputs = {name: env[id(n)] for name, n in self.graph.outputs.items()}
+        # an output that is a Param or a folded Param-only subgraph (a stacked weight) is a ParamRef: its f32
+        # values, as the reference gives them (np.array of the ParamRef was a 0-d object array)
+        self._outputs = {name: rules.val(env[id(n)]) for name, n in self.graph.outputs.items()}
 
     # ---------------------------------------------------------------- running
     def __call__(self, inputs: Mapping[str, np.ndarray], state: dict[str, np.ndarray] | None = None
