@@ -31,17 +31,40 @@ class Jitted:
         self.fn = fn
         self.backend = backend
         self.passes = passes
-        self.arg_names = list(inspect.signature(fn).parameters)
+        self.signature = inspect.signature(fn)
+        self.arg_names = list(self.signature.parameters)
+        varargs = [p.name for p in self.signature.parameters.values()
+                   if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if varargs:  # each array is an Input named after its parameter, so *args has no names to give
+            raise GraphError(f"jit: {fn.__name__} takes *{varargs[0]}; name each array parameter instead")
         self.programs: dict[tuple, Any] = {}
         self.graphs: dict[tuple, Graph] = {}
         self.kinds: dict[tuple, str] = {}  # what fn returned: "node", "dict" or "tuple"
         functools.update_wrapper(self, fn)
 
-    def _key(self, args: tuple) -> tuple:
-        if len(args) != len(self.arg_names):
-            raise InputError(f"{self.fn.__name__} takes {len(self.arg_names)} arrays, got {len(args)}")
+    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Parameter name -> the array given for it, or `_Static(default)` for a parameter left at its default:
+        arrays may be passed by keyword, and a default (eps=1e-6) reaches the function as the value it is, not
+        an Input (keywords were "unexpected keyword argument", a default 'takes 2 arrays, got 1')."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise InputError(f"{self.fn.__name__} takes {len(self.arg_names)} arrays, got {len(args)}"
+                             f"{' and ' + ', '.join(map(repr, kwargs)) if kwargs else ''} ({e})") from None
+        values: dict[str, Any] = {}
+        for name, p in self.signature.parameters.items():
+            if name in bound.arguments or isinstance(p.default, np.ndarray):  # an array default is an Input too
+                values[name] = bound.arguments.get(name, p.default)
+            else:
+                values[name] = _Static(p.default)
+        return values
+
+    def _key(self, values: dict[str, Any]) -> tuple:
         key = []
-        for name, a in zip(self.arg_names, args):
+        for name, a in values.items():
+            if isinstance(a, _Static):
+                key.append(("default", repr(a.value)))
+                continue
             a = np.asarray(a)
             if a.dtype not in NUMPY_TO_DTYPE:
                 raise InputError(f"{self.fn.__name__}: argument {name!r} has dtype {a.dtype}; "
@@ -49,12 +72,16 @@ class Jitted:
             key.append((a.shape, NUMPY_TO_DTYPE[a.dtype]))
         return tuple(key)
 
-    def graph(self, *args: np.ndarray) -> Graph:
-        key = self._key(args)
+    def graph(self, *args: np.ndarray, **kwargs: np.ndarray) -> Graph:
+        values = self._bind(args, kwargs)
+        return self._graph(values, self._key(values))
+
+    def _graph(self, values: dict[str, Any], key: tuple) -> Graph:
         if key not in self.graphs:
             from graphir.builder import g
 
-            nodes = [g.input(name, shape, dt) for name, (shape, dt) in zip(self.arg_names, key)]
+            nodes = [v.value if isinstance(v, _Static) else g.input(name, shape, dt)
+                     for (name, v), (shape, dt) in zip(values.items(), key)]
             result = self.fn(*nodes)
             if isinstance(result, Node):
                 outputs, self.kinds[key] = {"out": result}, "node"
@@ -76,20 +103,28 @@ class Jitted:
             self.graphs[key] = graph
         return self.graphs[key]
 
-    def __call__(self, *args: np.ndarray) -> Any:
-        key = self._key(args)
-        graph = self.graph(*args)
+    def __call__(self, *args: np.ndarray, **kwargs: np.ndarray) -> Any:
+        values = self._bind(args, kwargs)
+        key = self._key(values)
+        graph = self._graph(values, key)
         if key not in self.programs:
             from graphir.backends.registry import get_backend
 
             self.programs[key] = get_backend(self.backend).lower(graph)
-        out = self.programs[key](dict(zip(self.arg_names, args)), {})
+        out = self.programs[key]({k: v for k, v in values.items() if not isinstance(v, _Static)}, {})
         kind = self.kinds[key]
         if kind == "node":
             return out["out"]
         if kind == "tuple":  # a function returning (a, b) gives back a tuple, not a dict of "outN"
             return tuple(out[f"out{i}"] for i in range(len(out)))
         return out
+
+
+class _Static:
+    """A parameter left at its default: passed to the traced function as it is."""
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 def _shown(result: Any) -> str:

@@ -194,3 +194,34 @@ def test_reference_checks_each_value_against_the_rule(monkeypatch):
     prog = reference.lower(Graph({"o": g.neg(g.input("x", (3,)), name="n")}))
     with pytest.raises(BackendError, match=r"neg 'n'.*reference returned \[3\] float64, the op's rule gives \[3\] f32"):
         prog({"x": np.ones(3, np.float32)})
+
+
+TWOS = np.full(8, 2.0, np.float32)
+
+
+def test_keyword_arguments_and_defaults(rng):
+    """Arrays passed by keyword were "Jitted.__call__() got an unexpected keyword argument 'x'"; a parameter left at
+    its default was 'takes 2 arrays, got 1'. A default now reaches the function as the value it is (no Input), an
+    array default as an Input; *args has no names to give the Inputs and is refused when decorated."""
+    @graphir.jit
+    def norm(x, w, eps=1e-6):
+        return g.mul(g.rms_norm(x, eps=eps), w)
+
+    x, w = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    want = _rms(x, 1e-6) * w
+    np.testing.assert_allclose(norm(x, w), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norm(w=w, x=x), want, rtol=1e-5, atol=1e-6)
+    assert len(norm.programs) == 1 and [n.name for n in norm.graph(x, w).inputs] == ["x", "w"]
+
+    @graphir.jit
+    def scaled(x, s=TWOS):
+        return g.mul(x, s)
+
+    np.testing.assert_array_equal(scaled(x), x * 2)
+    np.testing.assert_array_equal(scaled(x, s=np.ones(8, np.float32)), x)
+    with pytest.raises(InputError, match=r"norm takes 3 arrays, got 1 and 'y' \(.*\)"):
+        norm(x, y=w)
+    with pytest.raises(graphir.GraphError, match=r"jit: f takes \*xs; name each array parameter instead"):
+        @graphir.jit
+        def f(*xs):
+            return g.add(*xs)
