@@ -449,3 +449,11 @@ def test_a_bool_option_takes_only_bool_words():
     assert parse_pipeline("replay-lint{strict=off}") == [("replay-lint", {"strict": False})]
     with pytest.raises(GraphError, match=r"pass 'replay-lint': option strict='ture' is not a bool"):
         parse_pipeline("replay-lint{strict=ture}")
+
+
+@pytest.mark.parametrize("name", ["my pass", "my.pass", "", "a,b", "x{y}"])
+def test_a_pass_name_a_pipeline_cannot_spell_is_refused(name):
+    """register_pass("my.pass", ...) registered a pass that no pipeline could run ("cannot parse at '.pass'")."""
+    with pytest.raises(GraphError, match="cannot be written in a pipeline"):
+        register_pass(name, "unreachable")(lambda graph: graph)
+    assert name not in PASSES

@@ -58,6 +58,8 @@ PASSES: dict[str, Pass] = {}
 
 def register_pass(name: str, description: str) -> Callable:
     def deco(impl: Callable) -> Callable:
+        if not isinstance(name, str) or not re.fullmatch(r"[\w-]+", name):  # what a pipeline string can name
+            raise GraphError(f"pass name {name!r} cannot be written in a pipeline; use letters, digits, '_' and '-'")
         if name in PASSES or name in (AUTO, "default", *BACKEND_PASSES):  # pipeline names
             raise GraphError(f"pass {name!r} is registered twice")
         PASSES[name] = Pass(name, description, impl)
