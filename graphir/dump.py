@@ -350,6 +350,8 @@ def load_json(text: str) -> Graph:
         return Graph.from_records(rec)
     except json.JSONDecodeError as e:
         raise GraphError(f"graph JSON: not valid JSON ({e})") from None
+    except GraphError as e:  # from_records names the node and field
+        raise GraphError(f"graph JSON: not a graphir graph record ({e})") from None
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise GraphError(f"graph JSON: not a graphir graph record ({type(e).__name__}: {e})") from None
 

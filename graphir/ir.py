@@ -230,17 +230,36 @@ class Graph:
 
     @classmethod
     def from_records(cls, rec: Mapping[str, Any]) -> Graph:
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("nodes"), list):
+            raise GraphError("graph record: 'nodes' must be a list of node records")
         built: list[Node] = []
+
+        def node(i: Any, where: str) -> Node:
+            # a negative id indexed from the end: an output of -1 silently became the last node
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(built):
+                raise GraphError(f"graph record {where}: {i!r} is not the id of an earlier node (0..{len(built) - 1})")
+            return built[i]
+
         for r in rec["nodes"]:
-            if r["id"] != len(built) or any(s >= len(built) for s in r["src"]):
+            if not isinstance(r, Mapping):
+                raise GraphError(f"graph record node {len(built)}: not a node record: {r!r}")
+            if r.get("id") != len(built) or any(isinstance(s, int) and s >= len(built) for s in r.get("src", ())):
                 raise GraphError(f"graph record node {r.get('id')}: ids must be 0..N-1 in topological order")
-            types = tuple((tuple(s), d) for s, d in r["types"]) if "types" in r else None
-            built.append(
-                Node(r["op"], r["dtype"], tuple(r["shape"]), tuple(built[s] for s in r["src"]),
-                     Params(r["params"]), r.get("name"), types)
-            )
-        return cls({k: built[i] for k, i in rec["outputs"].items()}, [built[i] for i in rec["updates"]],
-                   rec.get("meta", {}))
+            try:
+                src = tuple(node(s, f"node {len(built)} src") for s in r["src"])
+                types = tuple((tuple(s), d) for s, d in r["types"]) if "types" in r else None
+                built.append(Node(r["op"], r["dtype"], tuple(r["shape"]), src, Params(r["params"]), r.get("name"),
+                                  types))
+            except KeyError as e:
+                raise GraphError(f"graph record node {len(built)}: missing field {e}") from None
+            except (TypeError, ValueError) as e:
+                raise GraphError(f"graph record node {len(built)}: a malformed field ({type(e).__name__}: {e})"
+                                 ) from None
+        outputs, updates = rec.get("outputs"), rec.get("updates", [])
+        if not isinstance(outputs, Mapping) or not isinstance(updates, list):
+            raise GraphError("graph record: 'outputs' must map names to node ids and 'updates' list node ids")
+        return cls({k: node(i, f"output {k!r}") for k, i in outputs.items()},
+                   [node(i, "update") for i in updates], rec.get("meta", {}))
 
     def signature(self) -> str:
         """Structural hash: same ops, shapes, dtypes, params, names and wiring -> same string."""

@@ -185,3 +185,20 @@ def test_graph_views():
     ids = graph.ids()
     assert sorted(ids.values()) == list(range(len(graph)))
     assert "outputs ['y', 'v']" in repr(graph)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["outputs"].update(y=-1), r"output 'y': -1 is not the id of an earlier node"),
+    (lambda r: r["nodes"][1].update(src=[-1]), r"node 1 src: -1 is not the id of an earlier node \(0\.\.0\)"),
+    (lambda r: r["updates"].append(99), r"update: 99 is not the id of an earlier node"),
+    (lambda r: r["nodes"][1].pop("shape"), r"node 1: missing field 'shape'"),
+    (lambda r: r.update(outputs=[1]), r"'outputs' must map names to node ids"),
+])
+def test_records_name_the_bad_field(edit, message):
+    """A negative id indexed from the end, so an output of -1 silently loaded as the last node (a graph that then
+    verified); a list of outputs was an AttributeError; a missing field named neither node nor field."""
+    rec = json.loads(json.dumps(_recurrent_graph().to_records()))
+    rec["outputs"] = {"y": rec["outputs"][next(iter(rec["outputs"]))]}
+    edit(rec)
+    with pytest.raises(GraphError, match=message):
+        Graph.from_records(rec)
