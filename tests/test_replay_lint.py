@@ -68,3 +68,27 @@ def test_replay_diff_finds_what_lost_its_taint():
     assert run_pipeline(decode_step(3, baked="const"), "replay-lint")  # the const slipped past the pass
     diffs = replay_diff(lambda p: decode_step(p, baked="view"), 3, 9)
     assert any("'k_valid'" in d and "shape [4, 8] vs [10, 8]" in d for d in diffs), diffs
+
+
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen35-tiny", "random:gemma3-tiny"])
+@pytest.mark.parametrize("baked, message", [
+    ("pos", r"flash_attn 'blk\.\d+\.attn'.*its query positions const 'pos' \[1\] i32 are not computed from Inputs"),
+    ("kv_idx", r"set_rows 'blk\.\d+\.k_cache_write'.*writes KV rows at const 'kv_idx' \[1\] i32"),
+    ("kv_len", r"its KV length bound const 'kv_len' \[1\] i32"),
+])
+def test_a_model_decode_graph_with_a_baked_position_is_flagged(spec, baked, message):
+    """A decode graph whose position or KV write row was a Const (built at one position) passed the lint: every
+    replay then attended as position 3 and overwrote KV row 3. The model's own graph, and after each backend's
+    pipeline, stays clean."""
+    import numpy as np
+
+    import graphir
+    from graphir.passes.rewrite import rewrite
+
+    graph = graphir.load(spec, backend="reference").graph("decode")
+    for pipeline in ("replay-lint", "cpu,replay-lint", "gpu,replay-lint"):
+        run_pipeline(graph, pipeline)
+    to_const = (lambda n, rw: n if n.op == "input" and n.name == baked else None,
+                lambda n, rw: g.const(np.full(n.shape, 3), "i32", name=n.name))
+    with pytest.raises(GraphError, match=message):
+        run_pipeline(rewrite(graph, [to_const]), "replay-lint")

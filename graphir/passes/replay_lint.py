@@ -5,7 +5,8 @@ checks the bounds of every read of a KV cache (a State written by rows at run-ti
 value that lost its taint (a logical length built in as a plain int) would otherwise slip past:
   - a view over KV spans every row of the pool (a window of it is sized from a build-time length);
   - a gather over KV (get_rows: a slot-mapped pool) takes its row ids from an Input (the slot map);
-  - attention over KV takes its length bound (kv_len) from Inputs, never a Const.
+  - attention over KV takes its length bound (kv_len) and its query positions from Inputs, never a Const;
+  - a write of KV rows takes its row indices from Inputs.
 `replay_diff` (a test-time tool) builds a graph at two step values and lists the nodes whose
 structure differs, which also catches values that lost their taint (shapes, consts).
 """
@@ -98,9 +99,16 @@ def kv_bound_problems(graph: Graph) -> list[str]:
                        f"is a build-time length; read the whole pool and bound it with an Input (kv_len, a slot map)")
         elif id(n) in gathered and n.src[1].op != "input":
             say(n, f"gathers KV rows by {n.src[1].describe()}, not by an Input (a slot map fed per call)")
-        elif n.op.startswith("flash_attn") and any(id(s) in read for s in n.src[1:3]) \
-                and not _from_inputs_only(n.src[4]):
-            say(n, f"its KV length bound {n.src[4].describe()} is not computed from Inputs alone")
+        elif n.op.startswith("flash_attn") and any(id(s) in read for s in n.src[1:3]):
+            if not _from_inputs_only(n.src[4]):
+                say(n, f"its KV length bound {n.src[4].describe()} is not computed from Inputs alone")
+            # a Const position (a decode step built at one position) passed the lint: every replay attends as that
+            # position did, a causal mask and sliding window fixed at build time
+            elif not _from_inputs_only(n.src[3]):
+                say(n, f"its query positions {n.src[3].describe()} are not computed from Inputs alone")
+        elif n.op in ROW_WRITES and id(n.src[0]) in kv and not _from_inputs_only(n.src[-1]):
+            # the KV write row is the position's row: a Const one rewrites that row at every replayed step
+            say(n, f"writes KV rows at {n.src[-1].describe()}, not at rows computed from Inputs alone")
     return out
 
 
