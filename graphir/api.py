@@ -31,7 +31,7 @@ from graphir.backends.registry import get_backend, resolve_backend
 from graphir.cache import ProgramCache
 from graphir.chat import Conversation
 from graphir.dtypes import numpy_dtype
-from graphir.errors import InputError, LoadError
+from graphir.errors import GraphError, InputError, LoadError
 from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, registry
@@ -92,7 +92,13 @@ class Model:
 
     def graph(self, phase: str = "prefill", n_tokens: int | None = None, last_only: bool = False) -> Graph:
         """The forward graph this model runs (decode: n_tokens=1)."""
-        return registry.family_of(self.config).build(self.config, phase, n_tokens, self._dtypes, last_only)
+        graph = registry.family_of(self.config).build(self.config, phase, n_tokens, self._dtypes, last_only)
+        # more tokens than KV rows never runs: it was built, then failed at its first run as set_rows' 'row index
+        # out of range 0..255 (got 0..299)' (check(model, n_tokens=300), a researcher's own Program)
+        if graph.meta.get("n_tokens", 0) > self.config.ctx:
+            raise GraphError(f"n_tokens={graph.meta['n_tokens']} is past the model's context of {self.config.ctx} "
+                             f"KV rows; load(..., ctx=N) to raise it")
+        return graph
 
     def _graph(self, n: int, last_only: bool = False, sampler: bool = False) -> Graph:
         """The graph for n tokens, built once; `sampler`: it samples its last logits row itself

@@ -109,6 +109,18 @@ def test_graph_token_count_is_checked(model, n, rule):
     assert model.graph("prefill", np.int64(3)).meta["n_tokens"] == 3
 
 
+def test_a_graph_past_the_context_is_refused(model):
+    """model.graph('prefill', 17) at ctx 16 was built, then failed at its first run (check(model, n_tokens=17)
+    too) as set_rows' 'row index out of range 0..15 (got 0..16)'."""
+    from graphir.check import check
+
+    with raises(GraphError, "n_tokens=17 is past the model's context of 16 KV rows; load(..., ctx=N) to raise it"):
+        model.graph("prefill", 17)
+    with raises(GraphError, "n_tokens=17 is past the model's context of 16 KV rows"):
+        check(model, n_tokens=17)
+    assert model.graph("prefill", 16).meta["n_tokens"] == 16
+
+
 # ---- load specs ----
 
 def test_unknown_specs_backend_and_ctx(tmp_path):
