@@ -247,6 +247,12 @@ def check(model_or_graph: Any, weights: Weights | None = None, passes: str = "de
     """Run `passes` on a graph (or a loaded model's `phase` graph) and compare both on the reference backend.
 
     `inputs` (with an optional `state`) replaces the generated cases with that one run."""
+    # tol -1 reported 'changes the math beyond -1e+00: worst rel 0'; tol "1e-3" and seed -1 were a TypeError from
+    # a comparison and numpy's 'expected non-negative integer'
+    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.integer, np.floating)) or not tol >= 0:
+        raise GraphError(f"check: tol must be a number >= 0, got {tol!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise GraphError(f"check: seed must be an int >= 0, got {seed!r}")
     graph, weights = _graph_and_weights(model_or_graph, weights, phase, n_tokens)
     coverage = CoverageReport()
     after = run_pipeline(graph, passes, verify_each=True, report=coverage)

@@ -176,6 +176,20 @@ def test_check_rejects_other_things() -> None:
         check(Graph({"y": g.cast(grid, dtype="f32")}))
 
 
+@pytest.mark.parametrize("kw, rule", [({"tol": -1.0}, "tol must be a number >= 0, got -1.0"),
+                                      ({"tol": "1e-3"}, "tol must be a number >= 0, got '1e-3'"),
+                                      ({"tol": float("nan")}, "tol must be a number >= 0, got nan"),
+                                      ({"seed": -1}, "seed must be an int >= 0, got -1"),
+                                      ({"seed": 1.5}, "seed must be an int >= 0, got 1.5")])
+def test_check_settings_are_checked(kw, rule) -> None:
+    """tol=-1 reported 'changes the math beyond -1e+00: worst rel 0'; tol='1e-3' and seed=-1 were a TypeError from
+    a comparison and numpy's 'expected non-negative integer'."""
+    graph = Graph({"y": g.silu(g.input("x", (3, 4)))})
+    with pytest.raises(GraphError, match=rule):
+        check(graph, passes="dce", **kw)
+    assert check(graph, passes="dce", tol=np.float32(1e-3), seed=np.int64(2)).ok
+
+
 # ---------------------------------------------------------------- compare
 def test_compare_is_relative_to_the_largest_value() -> None:
     a = np.array([100.0, 0.001], np.float32)
