@@ -112,6 +112,16 @@ def test_a_scalar_input_stays_a_scalar(backend):
     assert y.shape == () and y == -1.5
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_empty_tensors_run(backend):
+    """A [0, 16] result on the cpu failed at binding with numpy's 'When changing to a larger dtype, its size must be a
+    divisor of the total size in bytes': the memory plan gives an empty result 1 byte, viewed as f32."""
+    x, w = np.zeros((0, 16), np.float32), np.ones((8, 16), np.float32)
+    assert graphir.jit(lambda x: g.rms_norm(g.silu(x), eps=1e-6), backend=backend)(x).shape == (0, 16)
+    assert graphir.jit(lambda w, x: g.mul_mat(w, x), backend=backend)(w, x).shape == (0, 8)
+    assert graphir.jit(lambda w, i: g.get_rows(w, i), backend=backend)(w, np.zeros(0, np.int32)).shape == (0, 16)
+
+
 def test_last_axis_ops_refuse_a_scalar():
     """top_k of a 0-d tensor was an IndexError from its shape rule; the norms named no rule."""
     for build in (lambda x: g.top_k(x, k=1), lambda x: g.rms_norm(x, eps=1e-6)):

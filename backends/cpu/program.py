@@ -53,7 +53,10 @@ class CpuProgram:
         slot = self.plan.slots[(id(n), k)]
         shape, dt = result_types(n)[k]
         npd = numpy_dtype(dt)
-        return self.arena[slot.offset:slot.offset + slot.nbytes].view(npd)[: int(np.prod(shape))].reshape(shape)
+        # the bytes the result needs, not slot.nbytes: the plan gives an empty result 1 byte, which no 4-byte view
+        # can take (a [0, 16] tensor was numpy's 'When changing to a larger dtype, its size must be a divisor ...')
+        nbytes = int(np.prod(shape)) * npd.itemsize
+        return self.arena[slot.offset:slot.offset + nbytes].view(npd).reshape(shape)
 
     def _bind(self, state: Mapping[str, np.ndarray]) -> None:
         env: dict[int, Any] = {}
