@@ -341,3 +341,14 @@ def test_builder_raw_python_errors_are_graph_errors():
     with pytest.raises(GraphError, match=r"v heads 2 must be a multiple of k heads 0"):
         g.gated_delta_net(g.input("q", (2, 0, 4)), g.input("k", (2, 0, 4)), g.input("v", (2, 2, 4)),
                           g.input("g", (2, 2)), g.input("b", (2, 2)), g.state("s", (2, 4, 4)), scale=1.0)
+
+
+def test_index_picking_ops_need_values_to_pick_from():
+    """argmax and sample over an empty last axis built, then failed at run time with numpy's 'attempt to get argmax
+    of an empty sequence' (reference) or 'cannot reshape array of size 0 into shape (0)'."""
+    x = g.input("x", (2, 0))
+    with pytest.raises(GraphError, match=r"argmax\(input 'x'.*x \[2, 0\] has no values along its last axis"):
+        g.argmax(x)
+    with pytest.raises(GraphError, match=r"sample\(input 'x'.*logits \[2, 0\] has no values along its last axis"):
+        g.sample(x, g.input("s", (2, 4)))
+    assert g.argmax(g.input("y", (0, 3))).shape == (0,)  # no rows is fine: nothing to pick

@@ -204,8 +204,15 @@ op("sum_rows", 1, "sum over the last axis, kept as size 1")(
 op("mean", 1, "mean over the last axis, kept as size 1")(
     (lambda ts, p: (need_float(ts[0], "x"), need_axis(ts[0], "x"), (ts[0][0][:-1] + (1,), ts[0][1]))[2],
      lambda x: x.mean(axis=-1, keepdims=True, dtype=np.float32).astype(x.dtype)))
+def need_values(t: Type, what: str) -> None:
+    """An op that picks an index along the last axis needs one to pick: over 0 values argmax and sample failed at
+    run time (numpy's 'attempt to get argmax of an empty sequence', 'cannot reshape array of size 0')."""
+    need_axis(t, what)
+    need(t[0][-1] >= 1, f"{what} {list(t[0])} has no values along its last axis to pick an index from")
+
+
 op("argmax", 1, "index of the largest value along the last axis (first on ties)")(
-    (lambda ts, p: (need_float(ts[0], "x"), need_axis(ts[0], "x"), (ts[0][0][:-1], "i32"))[2],
+    (lambda ts, p: (need_float(ts[0], "x"), need_values(ts[0], "x"), (ts[0][0][:-1], "i32"))[2],
      lambda x: np.argmax(x, axis=-1).astype(np.int32)))
 
 
@@ -233,6 +240,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "u")
 def _sample_infer(ts: list[Type], p: dict) -> Type:
     (sx, dx), (ss, ds) = ts
     need_float((sx, dx), "logits")
+    need_values((sx, dx), "logits")
     need(ds == "f32", f"sampling settings must be f32, got {ds}")
     need(ss == sx[:-1] + (len(SAMPLING_FIELDS),),
          f"sampling settings {list(ss)} must be {list(sx[:-1]) + [len(SAMPLING_FIELDS)]}: one row "
