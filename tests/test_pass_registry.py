@@ -457,3 +457,23 @@ def test_a_pass_name_a_pipeline_cannot_spell_is_refused(name):
     with pytest.raises(GraphError, match="cannot be written in a pipeline"):
         register_pass(name, "unreachable")(lambda graph: graph)
     assert name not in PASSES
+
+
+def test_an_option_a_pipeline_cannot_type_is_named():
+    """A dataclass pass with `rank: int | None = None` failed on 'p{rank=1}' with "NoneType takes no arguments"."""
+    @register_pass("test-none-option", "a pass whose option defaults to None, for this test only")
+    @dataclass(frozen=True)
+    class NoneOption:
+        rank: int | None = None
+        n: int = 1
+
+        def __call__(self, graph: Graph) -> Graph:
+            return graph
+
+    try:
+        assert parse_pipeline("test-none-option{n=2}") == [("test-none-option", {"n": 2})]
+        with pytest.raises(GraphError, match=r"pass 'test-none-option': option rank has a default of None, so a "
+                                             r"pipeline string cannot set it"):
+            parse_pipeline("test-none-option{rank=1}")
+    finally:
+        del PASSES["test-none-option"]

@@ -187,6 +187,10 @@ def _typed_options(p: Pass, opts: dict[str, str]) -> dict[str, Any]:
         if key not in defaults:
             raise GraphError(f"pass {p.name!r}: unknown option {key!r}; it takes {sorted(defaults) or 'none'}")
         kind = type(defaults[key])
+        if kind not in (bool, int, float, str):  # NoneType(text) was a TypeError; a list default split nothing
+            given = "no default" if defaults[key] is dataclasses.MISSING else f"a default of {defaults[key]!r}"
+            raise GraphError(f"pass {p.name!r}: option {key} has {given}, so a pipeline string cannot set it; give "
+                             f"the field a bool, int, float or str default")
         try:
             out[key] = _parse_bool(text) if kind is bool else kind(text)
         except ValueError:
