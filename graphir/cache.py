@@ -50,6 +50,13 @@ def key_parts(graph: Graph, backend: str, passes: str) -> dict[str, str]:
     }
 
 
+def _expanded(passes: str) -> str:
+    """`passes` as the cache keys it: with GRAPHIR_NO_FUSION set, `default` (and cpu, gpu) expands to other passes
+    (graphir.passes.default_pipeline, read when used), so a Program lowered before the flag was set was reused
+    after it. The on-disk graph cache keys on the parsed pipeline for the same reason."""
+    return f"{passes} (GRAPHIR_NO_FUSION)" if passes and flags.enabled("GRAPHIR_NO_FUSION") else passes
+
+
 class ProgramCache:
     def __init__(self, max_entries: int = 16):
         self.max_entries = max_entries
@@ -65,14 +72,14 @@ class ProgramCache:
         from graphir.passes import resolve_pipeline
 
         passes = resolve_pipeline(passes, backend)
-        key = (graph.signature(), id(weights), backend, passes)
+        key = (graph.signature(), id(weights), backend, _expanded(passes))
         hit = self._programs.get(key)
         if hit is not None and hit[0] is weights:  # `is`: an id may be reused once a store is freed
             self.hits += 1
             self._programs.move_to_end(key)
             return hit[1]
         self.misses += 1
-        parts = key_parts(graph, backend, passes)
+        parts = key_parts(graph, backend, _expanded(passes))
         if flags.enabled("GRAPHIR_DEBUG_CACHE"):
             print(f"graphir cache miss: {self.explain_miss(parts)}", file=sys.stderr)
         # the pipeline too: the cpu backend's precompile reads what the graph's decode sibling will call from it
@@ -99,7 +106,7 @@ class ProgramCache:
         process reads it from disk where an earlier one ran the same pipeline (graphir.graph_cache)."""
         if not passes:
             return graph
-        key = (graph.signature(), passes)
+        key = (graph.signature(), _expanded(passes))
         if key not in self._passed:
             from graphir.passes import run_pipeline
 

@@ -199,3 +199,20 @@ def test_one_graph_under_two_pipelines_gets_each_pipelines_result(tiny, monkeypa
         cache = ProgramCache()
         results = {first: cache.passed(graph, first), second: cache.passed(graph, second)}
         assert fused(results["default"]) and not fused(results["dce"]), (first, second)
+
+
+def test_no_fusion_set_after_a_program_was_cached_gets_a_new_one(tiny, monkeypatch, capsys):
+    """GRAPHIR_NO_FUSION is read when used, so `default` expands to fewer passes once it is set; the in-memory caches
+    keyed on the string 'default' alone and kept serving the fused Program (the disk cache keys on the expansion)."""
+    monkeypatch.setenv("GRAPHIR_NO_GRAPH_CACHE", "1")
+    fused = lambda gr: any(n.op == "add_rms_norm_mul" for n in gr.nodes())  # noqa: E731
+    cache, graph = ProgramCache(), tiny.graph("prefill", 4)
+    first = cache.get_program(graph, tiny.weights, "reference", "default")
+    assert fused(first.graph)
+    monkeypatch.setenv("GRAPHIR_NO_FUSION", "1")
+    monkeypatch.setenv("GRAPHIR_DEBUG_CACHE", "1")
+    second = cache.get_program(graph, tiny.weights, "reference", "default")
+    assert second is not first and not fused(second.graph) and not fused(cache.passed(graph, "default"))
+    assert misses_printed(capsys.readouterr().err) == ["graphir cache miss: changed: passes"]
+    monkeypatch.delenv("GRAPHIR_NO_FUSION")
+    assert cache.get_program(graph, tiny.weights, "reference", "default") is first
