@@ -477,3 +477,17 @@ def test_an_option_a_pipeline_cannot_type_is_named():
             parse_pipeline("test-none-option{rank=1}")
     finally:
         del PASSES["test-none-option"]
+
+
+def test_a_rule_whose_replacement_has_another_shape_fails_naming_it():
+    """Readers of a replaced node are rebuilt keeping their own shapes, so silu(x) [3, 4] replaced by mean(x) [3, 1]
+    passed run_pipeline; only the verifier at lowering caught it, naming the reader: "mul ... b [3, 4] does not
+    broadcast onto a [3, 1]"."""
+    from graphir.passes.rewrite import rewrite
+
+    x = g.input("x", (3, 4))
+    graph = Graph({"y": g.mul(g.silu(x, name="act"), x)})
+    to_mean = (lambda n, rw: n if n.op == "silu" else None, lambda n, rw: rw.make("mean", n.src[0], name=n.name))
+    with pytest.raises(GraphError, match=r"rewrite of silu 'act' \[3, 4\] f32: the replacement mean 'act' \[3, 1\] "
+                                         r"f32 has another shape; its readers expect \[3, 4\]"):
+        rewrite(graph, [to_mean])

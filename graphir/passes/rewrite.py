@@ -79,6 +79,14 @@ class Rewriter:
             stack.extend(x.src)
         built.update(seen)
 
+    @staticmethod
+    def _check_shape(old: Node, new: Node) -> None:
+        """The readers of `old` are rebuilt on `new` keeping their own shapes, so a replacement of another shape gave
+        a graph that only the verifier caught, naming a reader downstream rather than the rewrite."""
+        if new.shape != old.shape or (new.dtype == "tuple") != (old.dtype == "tuple"):
+            raise GraphError(f"rewrite of {old.describe()}: the replacement {new.describe()} has another shape; "
+                             f"its readers expect {list(old.shape)}")
+
     def rebuild(self, old: Node) -> Node:
         """`old` with its sources swapped for their rebuilt versions (itself if none changed)."""
         src = tuple(self.new(s) for s in old.src)
@@ -88,6 +96,7 @@ class Rewriter:
         """Make `new` stand in for a node the walker has not reached yet."""
         if id(old) in self._visited:
             raise GraphError(f"rewrite: {old.describe()} was already rebuilt; a rule may only replace later nodes")
+        self._check_shape(old, new)
         self._visited.add(id(old))
         self._memo[id(old)] = new
 
@@ -102,6 +111,7 @@ class Rewriter:
                 continue
             r = rewrite_fn(m, self)
             if r is not None:
+                self._check_shape(n, r)
                 self._check_wiring(n, r)
                 self._memo[id(n)] = r
                 return
