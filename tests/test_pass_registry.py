@@ -491,3 +491,31 @@ def test_a_rule_whose_replacement_has_another_shape_fails_naming_it():
     with pytest.raises(GraphError, match=r"rewrite of silu 'act' \[3, 4\] f32: the replacement mean 'act' \[3, 1\] "
                                          r"f32 has another shape; its readers expect \[3, 4\]"):
         rewrite(graph, [to_mean])
+
+
+def test_an_error_inside_a_pass_names_the_pass():
+    """A rewrite error ("rewrite of mul ...: the replacement reads the old silu") named no pass, and a pass's own
+    exception said nothing of the pipeline it was raised in."""
+    from graphir.passes.rewrite import rewrite
+
+    by_hand = (lambda n, rw: n if n.op == "mul" else None, lambda n, rw: g.add(*n.src))
+    to_sigmoid = (lambda n, rw: n if n.op == "silu" else None, lambda n, rw: rw.make("sigmoid", n.src[0]))
+    register_pass("test-stale", "a broken pass, for this test only")(
+        lambda graph: rewrite(graph, [to_sigmoid, by_hand]))
+
+    @register_pass("test-raises", "a pass that raises, for this test only")
+    def raises(graph: Graph) -> Graph:
+        raise ValueError("boom")
+
+    try:
+        x = g.input("x", (3, 4))
+        graph = Graph({"y": g.mul(g.silu(x), x)})
+        with pytest.raises(GraphError, match=r"^pass 'test-stale': rewrite of mul .* reads the old silu"):
+            run_pipeline(graph, "dce,test-stale")
+        with pytest.raises(ValueError, match="boom") as info:
+            run_pipeline(graph, "dce,test-raises")
+        assert info.value.__notes__ == ["graphir: raised in pass 'test-raises' of the pipeline 'dce,test-raises'"]
+        with pytest.raises(GraphError, match=r"^replay-lint: "):  # a pass that names itself is left as it is
+            run_pipeline(case_baked_position("f32"), "replay-lint")
+    finally:
+        del PASSES["test-stale"], PASSES["test-raises"]

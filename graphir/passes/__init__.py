@@ -217,8 +217,17 @@ def run_pipeline(graph: Graph, pipeline: str, verify_each: bool | None = None,
         seen[name] = seen.get(name, 0) + 1
         pc = None if report is None else report[name if seen[name] == 1 else f"{name}#{seen[name]}"]
         before = len(graph)
-        with recording(pc):
-            result = PASSES[name](graph, **opts)
+        try:
+            with recording(pc):
+                result = PASSES[name](graph, **opts)
+        except GraphError as e:
+            if name in str(e):  # the pass named itself ("replay-lint: ...", "shard-tp: ...")
+                raise
+            # the rewrite walker's errors ("rewrite of silu 'act' ...") named no pass, in a pipeline of twenty
+            raise GraphError(f"pass {name!r}: {e}") from None
+        except Exception as e:  # a pass's own bug: its traceback stands, and says which pass it was in
+            e.add_note(f"graphir: raised in pass {name!r} of the pipeline {pipeline!r}")
+            raise
         graph = _checked_result(name, graph, result)
         if pc is not None:
             pc.nodes_before, pc.nodes_after = before, len(graph)
