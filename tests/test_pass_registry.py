@@ -519,3 +519,12 @@ def test_an_error_inside_a_pass_names_the_pass():
             run_pipeline(case_baked_position("f32"), "replay-lint")
     finally:
         del PASSES["test-stale"], PASSES["test-raises"]
+
+
+def test_a_repeated_option_or_a_pipeline_that_is_no_string_is_refused():
+    """{max_rows=1,max_rows=16} read as 16 without a word; run_pipeline(graph, None) was "'NoneType' object is not
+    subscriptable"."""
+    with pytest.raises(GraphError, match=r"option 'max_rows' is given twice"):
+        parse_pipeline("q16-activations{max_rows=1,max_rows=16}")
+    with pytest.raises(GraphError, match=r'pipeline must be a string of pass names \("" for none\), got None'):
+        run_pipeline(case_identities("f32"), None)

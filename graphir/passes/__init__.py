@@ -146,6 +146,8 @@ _ITEM = re.compile(r"\s*([\w-]+)\s*(?:\{([^}]*)\})?\s*(?:,|$)")
 def parse_pipeline(spec: str) -> list[tuple[str, dict[str, Any]]]:
     """`"a,b{x=1,y=foo}"` -> [("a", {}), ("b", {"x": 1, "y": "foo"})]; `default` expands in place.
     Parsing checks every name and option without running anything: callers validate with it."""
+    if not isinstance(spec, str):  # run_pipeline(graph, None) was "'NoneType' object is not subscriptable"
+        raise GraphError(f"pipeline must be a string of pass names (\"\" for none), got {spec!r}")
     out: list[tuple[str, dict[str, Any]]] = []
     pos = 0
     while spec[pos:].strip():
@@ -176,6 +178,8 @@ def _parse_options(spec: str, text: str) -> dict[str, str]:
         key, eq, value = part.partition("=")
         if not eq:
             raise GraphError(f"pipeline {spec!r}: option {part!r} needs a value (key=value)")
+        if key.strip() in opts:  # the last one won without a word: {max_rows=1,max_rows=16} read as 16
+            raise GraphError(f"pipeline {spec!r}: option {key.strip()!r} is given twice")
         opts[key.strip()] = value.strip()
     return opts
 
