@@ -151,8 +151,22 @@ class Graph:
 
     def __init__(self, outputs: Mapping[str, Node], updates: Iterable[Node] = (),
                  meta: Mapping[str, Any] | None = None):
+        # checked here: a number, an array or a list given as outputs failed later as "'int' object has no
+        # attribute 'src'" (toposort) or "cannot convert dictionary update sequence element #0 to a sequence"
+        if not isinstance(outputs, Mapping):
+            raise GraphError(f"Graph outputs must map names to nodes, got a {type(outputs).__name__}")
         self.outputs: dict[str, Node] = dict(outputs)
+        for k, v in self.outputs.items():
+            if not isinstance(k, str):
+                raise GraphError(f"Graph output name {k!r} is a {type(k).__name__}: outputs map str names to nodes")
+            if not isinstance(v, Node):
+                raise GraphError(f"Graph output {k!r} is a {type(v).__name__}: outputs map str names to nodes")
+        if isinstance(updates, Node):
+            raise GraphError(f"Graph updates must be a list of State writes, got one node ({updates.describe()})")
         self.updates: tuple[Node, ...] = tuple(updates)
+        for u in self.updates:
+            if not isinstance(u, Node):
+                raise GraphError(f"Graph updates must be State write nodes, got a {type(u).__name__}")
         self.meta: dict[str, Any] = dict(meta or {})
         self._nodes: list[Node] | None = None
         self._leaves: dict[str, list[Node]] = {}

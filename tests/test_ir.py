@@ -202,3 +202,18 @@ def test_records_name_the_bad_field(edit, message):
     edit(rec)
     with pytest.raises(GraphError, match=message):
         Graph.from_records(rec)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda x: Graph({"y": 3}), r"Graph output 'y' is a int: outputs map str names to nodes"),
+    (lambda x: Graph({0: g.neg(x)}), r"Graph output name 0 is a int: outputs map str names to nodes"),
+    (lambda x: Graph([g.neg(x)]), r"Graph outputs must map names to nodes, got a list"),
+    (lambda x: Graph({"y": x}, updates=g.assign(g.state("s", (3,)), x)),
+     r"Graph updates must be a list of State writes, got one node \(assign"),
+    (lambda x: Graph({"y": x}, updates=[None]), r"Graph updates must be State write nodes, got a NoneType"),
+])
+def test_graph_checks_its_outputs_and_updates(make, message):
+    """A number among the outputs failed in toposort as "'int' object has no attribute 'src'", a list of outputs as
+    "cannot convert dictionary update sequence element #0", one update node as "'Node' object is not iterable"."""
+    with pytest.raises(GraphError, match=message):
+        make(g.input("x", (3,)))
