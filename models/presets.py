@@ -15,7 +15,7 @@ from graphir.errors import InputError
 from graphir.weights import Weights
 
 from .registry import PRESETS, family_of
-from .tokenizer import TextStream, check_text
+from .tokenizer import TextStream, check_text, id_marker
 
 __all__ = ["PRESETS", "ByteTokenizer", "random_weights"]
 
@@ -63,7 +63,7 @@ class ByteTokenizer:
     def _marker(self, i: int) -> str:
         if not self.vocab_size <= i < self.n_ids:
             raise InputError(f"byte tokenizer: token id {i} out of range [0, {self.n_ids})")
-        return f"<|id {i}|>"
+        return id_marker(i)
 
 
 class ByteStreamDecoder(TextStream):

@@ -96,6 +96,11 @@ def _byte_level_bytes(token: str) -> bytes:
         return token.encode("utf-8")
 
 
+def id_marker(i: int) -> str:
+    """The text of a model's id that its tokenizer has no token for (a padded or random vocabulary's)."""
+    return f"<|id {i}|>"
+
+
 class Tokenizer:
     """Text <-> token ids, plus the BOS/EOS facts and chat template generation needs."""
 
@@ -250,18 +255,14 @@ class Tokenizer:
             if i < self.vocab_size:
                 run.append(i)
                 continue
-            pieces += [self._tk.decode(run, skip_special_tokens=False), self._marker(i)]
+            pieces += [self._tk.decode(run, skip_special_tokens=False), id_marker(i)]
             run = []
         return "".join(pieces) + self._tk.decode(run, skip_special_tokens=False)
 
     def token(self, i: int) -> str:
         """The vocabulary string of one id (byte-level or ▁-encoded, as stored)."""
         self._check_ids([i])
-        return (self._tk.id_to_token(i) or "") if i < self.vocab_size else self._marker(i)
-
-    @staticmethod
-    def _marker(i: int) -> str:
-        return f"<|id {i}|>"
+        return (self._tk.id_to_token(i) or "") if i < self.vocab_size else id_marker(i)
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
@@ -325,7 +326,7 @@ class StreamDecoder(TextStream):
         self.tok._check_ids([token_id])
         if self.tok._byte_level:
             if token_id >= self.tok.vocab_size:  # a marker ends any unfinished character, as decode() has it
-                return self._utf8.decode(b"", final=True) + self.tok._marker(token_id)
+                return self._utf8.decode(b"", final=True) + id_marker(token_id)
             return self._utf8.decode(self.tok._token_bytes(token_id))
         self._ids.append(token_id)
         done = self.tok.decode(self._ids[self._prefix : self._read])
