@@ -32,7 +32,7 @@ from graphir.cache import ProgramCache
 from graphir.chat import Conversation
 from graphir.dtypes import numpy_dtype
 from graphir.errors import GraphError, InputError, LoadError
-from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, generate, with_sampler
+from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, check_max_new_tokens, generate, with_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, registry
 from graphir.models.default_model import DEFAULT_MODEL
@@ -228,8 +228,7 @@ class Model:
             return speculative.generate(self, draft, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
                                         top_p, seed, stop_at_eos)
         ids = self._check_ids(prompt_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         self._check_fits(len(ids), int(max_new_tokens))
         settings = Settings(temperature, top_k, top_p, seed)
         self.reset()

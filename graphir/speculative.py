@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from graphir.errors import GraphError, InputError
-from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, with_sampler
+from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, check_max_new_tokens, with_sampler
 from graphir.ir import Graph
 from graphir.models import registry
 from graphir.ops import SAMPLING_FIELDS
@@ -465,8 +465,7 @@ def generate(target: Model, drafter: Any, prompt_ids: Sequence[int], max_new_tok
     sampled output has the target's distribution. Everything is checked before the first token is asked
     for; target.stats gains verify_calls, draft_tokens, accepted_tokens (see `last_stats`)."""
     ids = target._check_ids(prompt_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     if isinstance(draft_len, bool) or not isinstance(draft_len, (int, np.integer)) or not 1 <= draft_len:
         raise InputError(f"draft_len must be an int >= 1, got {draft_len!r}")
     if draft_len > MAX_DRAFT_LEN:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from graphir.errors import BackendError, InputError
+from graphir.generate import check_max_new_tokens
 
 BACKENDS = ("gpu", "cpu")  # the backends with a collective between processes
 JOIN_S = 5.0  # seconds a worker gets to exit after close() before it is killed
@@ -189,8 +190,7 @@ class TensorParallelModel:
         if draft is not None:
             raise InputError("speculative decoding (draft=) does not run with tp > 1 yet")
         ids = self._check_ids(prompt_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         if len(ids) + max_new_tokens > self.config.ctx:
             raise InputError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} exceeds the context "
                              f"of {self.config.ctx} (load(..., ctx=N) to raise it)")
