@@ -478,6 +478,8 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
 
         return tp_workers.load(str(spec), backend, dtype, ctx, passes, threads, tp)  # type: ignore[return-value]
     config, weights, tokenizer, eos, source = _resolve(str(spec), dtype)
+    if tokenizer is not None:  # the model's ids past the tokenizer's own print as markers (models/tokenizer.py)
+        tokenizer.n_ids = max(config.n_vocab, tokenizer.vocab_size)
     if dtype is not None and not str(spec).startswith("random:"):
         weights = loader.convert_weights(weights, dtype)
     if ctx is not None:
@@ -528,7 +530,7 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         weights = presets.random_weights(config, dtype or preset_dtype if direct else preset_dtype)
         if not direct:
             weights = loader.convert_weights(weights, dtype)
-        tok = presets.ByteTokenizer(config.n_vocab)
+        tok = presets.ByteTokenizer()
         if config.n_vocab < tok.vocab_size:
             raise LoadError(f"{spec}: vocab {config.n_vocab} is smaller than the byte tokenizer's {tok.vocab_size}")
         config = loader.with_ctx(config, min(config.context_length, loader.DEFAULT_MAX_CTX))
@@ -538,8 +540,6 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         config, weights, hf = loader.load_hf(path)
         tok_file = path / TOKENIZER_FILE
         tok = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
-        if tok is not None:
-            tok.n_ids = max(config.n_vocab, tok.vocab_size)  # the model's ids past the tokenizer's print as markers
         eos = tok.eos_ids if tok else _ids(hf.get("eos_token_id"))
         return config, weights, tok, eos, str(path)
     if path.is_file():
@@ -547,7 +547,6 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
             raise LoadError(f"{path}: not a .gguf file or a model directory")
         config, weights, f = loader.load_gguf(path)
         tok = Tokenizer.from_gguf(f.metadata, source=f.label)
-        tok.n_ids = max(config.n_vocab, tok.vocab_size)
         tok.chat_template = tok.chat_template or registry.family_of(config).default_chat_template
         return config, weights, tok, tok.eos_ids, str(path)
     raise LoadError(f"{spec}: no such file or directory, and not a named model ({', '.join(NAMED_MODELS)}) "
