@@ -74,13 +74,10 @@ def geometry_for(n_out: int, geometry: str | None = None) -> str:
 def steps(w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
     """The launch of y2 = x2 @ w^T (x2: [m, n_in] f32, 16-byte aligned: matmul._gemv_steps stages it), a token
     of m in each of m blocks per row block (common.cuh GEMV1_TOKEN_BLOCK): each row is the 1-token kernel's."""
-    n_out, n_in = w.shape
-    m = x2.shape[0]
-    codes, scales = w.derived("q4_0_tc", repack)
+    n_out, m = w.shape[0], x2.shape[0]
     cfg = geometry_for(n_out, geometry)
     tiles, warps = GEOMETRIES[cfg]
-    return [Launch("gemv_tc.cu", f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles) * m, 32 * warps,
-                   (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)), i32(m)))]
+    return [_launch(f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles) * m, warps, w, x2, y2, n_out)]
 
 
 def sw_serves(w: GpuParam) -> bool:
@@ -91,11 +88,18 @@ def sw_serves(w: GpuParam) -> bool:
 def sw_steps(w: GpuParam, x2: Any, y2: Any) -> list:
     """The launch of y2 = silu(x2 @ gate^T) * (x2 @ up^T), w = [gate; up] (2 half rows, half % 16 == 0), x2 [m, n_in]
     f32 16-byte aligned, y2 [m, half]: the plain product's tiles in gate/up pairs, a token of m in each of m blocks."""
-    n_rows, n_in = w.shape
-    half, m = n_rows // 2, x2.shape[0]
-    codes, scales = w.derived("q4_0_tc", repack)
+    n_rows, m = w.shape[0], x2.shape[0]
+    half = n_rows // 2
     warps = GEOMETRIES[geometry_for(n_rows)][1] if SW_GEOMETRY == "auto" else int(SW_GEOMETRY.rpartition("w")[2])
     if warps not in SW_WARPS:
         raise ValueError(f"gemv_tc.SW_GEOMETRY {SW_GEOMETRY!r}: no gemv_tc_sw_q4_0_t2w{warps} (warps {SW_WARPS})")
-    return [Launch("gemv_tc.cu", f"gemv_tc_sw_q4_0_t2w{warps}", (half // 16) * m, 32 * warps,
-                   (codes, scales, x2, y2, i32(half), i32(n_in), i32(n_groups(n_in)), i32(m)))]
+    return [_launch(f"gemv_tc_sw_q4_0_t2w{warps}", (half // 16) * m, warps, w, x2, y2, half)]
+
+
+def _launch(name: str, blocks: int, warps: int, w: GpuParam, x2: Any, y2: Any, n_out: int) -> Launch:
+    """A gemv_tc.cu kernel over w's repacked tiles (derived once per weight store): every kernel there takes
+    the same arguments, n_out being the rows it writes (the plain product's, or half of the gate|up rows)."""
+    codes, scales = w.derived("q4_0_tc", repack)
+    n_in, m = w.shape[1], x2.shape[0]
+    return Launch("gemv_tc.cu", name, blocks, 32 * warps,
+                  (codes, scales, x2, y2, i32(n_out), i32(n_in), i32(n_groups(n_in)), i32(m)))
