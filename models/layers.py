@@ -28,9 +28,13 @@ def rms_norm_mul(x: Node, w: Node, eps: float, name: str) -> Node:
     return g.mul(g.rms_norm(x, eps=eps), w, name=name)
 
 
-def project_heads(p: ParamNodes, weight: str, h: Node, heads: int, head_dim: int) -> Node:
-    """h [n, d_model] through `weight`, split into heads: [n, heads, head_dim]."""
-    return g.reshape(g.mul_mat(p(weight), h), shape=(h.shape[0], heads, head_dim))
+def project_heads(p: ParamNodes, weight: str, h: Node, heads: int, head_dim: int, bias: str | None = None) -> Node:
+    """h [n, d_model] through `weight` (plus `bias` [heads * head_dim] when named), split into heads:
+    [n, heads, head_dim]."""
+    y = g.mul_mat(p(weight), h)  # [n, heads * head_dim]
+    if bias is not None:
+        y = g.add(y, p(bias))  # broadcast over tokens; stack-projections stacks it with its weight's rows
+    return g.reshape(y, shape=(h.shape[0], heads, head_dim))
 
 
 def norm_rope_qk(c: AttentionConfig, p: ParamNodes, b: str, q: Node, k: Node, pos: Node,
@@ -60,14 +64,19 @@ def slot_rows(cache: Node, slot_map: Node, name: str) -> Node:
 
 def attention(c: AttentionConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx: Node, kv_len: Node, *,
               rope: Mapping[str, Any], scale: float, cache_rows: int, window: int = 0, qk_norm: bool = True,
-              slot_map: Node | None = None) -> Node:
-    """Block i's GQA attention of h [n, d_model]: q/k/v projections, q/k norms (when `qk_norm`) and
+              qkv_bias: bool = False, slot_map: Node | None = None) -> Node:
+    """Block i's GQA attention of h [n, d_model]: q/k/v projections (with their biases when `qkv_bias`: Qwen2),
+    q/k norms (when `qk_norm`) and
     `rope`, the new k/v rows written at kv_idx into State caches [cache_rows, n_kv, head_dim], flash_attn
     over the cache (over the slot map's rows when there is one) with `scale` and `window`, attn_output."""
     b, hd = f"blk.{i}.", c.head_dim
-    q = project_heads(p, b + "attn_q.weight", h, c.n_heads, hd)  # [n, n_head, head_dim]
-    k = project_heads(p, b + "attn_k.weight", h, c.n_kv_heads, hd)  # [n, n_kv, head_dim]
-    v = project_heads(p, b + "attn_v.weight", h, c.n_kv_heads, hd)  # [n, n_kv, head_dim]
+
+    def bias(x: str) -> str | None:
+        return b + f"attn_{x}.bias" if qkv_bias else None
+
+    q = project_heads(p, b + "attn_q.weight", h, c.n_heads, hd, bias("q"))  # [n, n_head, head_dim]
+    k = project_heads(p, b + "attn_k.weight", h, c.n_kv_heads, hd, bias("k"))  # [n, n_kv, head_dim]
+    v = project_heads(p, b + "attn_v.weight", h, c.n_kv_heads, hd, bias("v"))  # [n, n_kv, head_dim]
     q, k = norm_rope_qk(c, p, b, q, k, pos, rope, qk_norm)
     cache_shape = (cache_rows, c.n_kv_heads, hd)  # [ctx or slots, n_kv, head_dim]
     k_all = g.set_rows(g.state(b + "k_cache", cache_shape), k, kv_idx, name=b + "k_cache_write")

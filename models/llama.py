@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM2; Qwen3 through options): config, graph builder, file names, presets.
+"""The Llama family (Llama, SmolLM2; Qwen2/2.5 and Qwen3 through options): config, graph builder, file names, presets.
 
 Each block, pre-norm with residuals:
     x = x + attn(rms_norm(x) * attn_norm)          GQA, rope on q/k, KV written into State
@@ -21,7 +21,9 @@ pool and every gather over it reads an Input); the host picks slots (graphir/kv_
 Rope layout: convert_hf_to_gguf.py permutes the Q/K rows of `llama` models so that llama.cpp's
 NORM rope (adjacent pairs) equals HF's rotate_half (NEOX, halves) on the original rows. Rather
 than undo that permutation we pick the rope mode per source: GGUF llama -> "norm", HF -> "neox".
-Qwen3 is NEOX in both (llama.cpp does not permute it).
+Qwen2 and Qwen3 are NEOX in both (llama.cpp does not permute them).
+
+Qwen2 (and 2.5) is Llama with biases on the q, k and v projections (o_proj has none): `qkv_bias`.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from .names import HF_CAUSAL_LM_GLOBAL, HF_MLP, HF_SELF_ATTN, NameMap
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    arch: str  # "llama" or "qwen3": names the family in dumps and errors
+    arch: str  # "llama", "qwen2" or "qwen3": names the family in dumps and errors
     n_vocab: int
     d_model: int
     n_layers: int
@@ -71,6 +73,7 @@ class LlamaConfig:
     rope_mode: str = "neox"  # "norm" for GGUF llama files (Q/K rows permuted at conversion), else "neox"
     rms_eps: float = 1e-5
     qk_norm: bool = False  # Qwen3: RMS norm of each q/k head before rope
+    qkv_bias: bool = False  # Qwen2: q, k and v projections add a bias [their rows] (o_proj has none)
     tied_embeddings: bool = False  # no output.weight; token_embd.weight is the head
     context_length: int = 2048  # trained context
     ctx: int = 2048  # KV-cache capacity in rows (a build-time shape); with kv_slots, the positions a slot map holds
@@ -88,6 +91,10 @@ def param_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[b + "attn_k.weight"] = (kv_dim, c.d_model)
         shapes[b + "attn_v.weight"] = (kv_dim, c.d_model)
         shapes[b + "attn_output.weight"] = (c.d_model, q_dim)
+        if c.qkv_bias:
+            shapes[b + "attn_q.bias"] = (q_dim,)
+            shapes[b + "attn_k.bias"] = (kv_dim,)
+            shapes[b + "attn_v.bias"] = (kv_dim,)
         if c.qk_norm:
             shapes[b + "attn_q_norm.weight"] = (c.head_dim,)
             shapes[b + "attn_k_norm.weight"] = (c.head_dim,)
@@ -142,7 +149,7 @@ def _attention(c: LlamaConfig, p: ParamNodes, i: int, h: Node, pos: Node, kv_idx
                slot_map: Node | None = None) -> Node:
     rope = {"n_dims": c.head_dim, "mode": c.rope_mode, "theta": float(c.rope_theta)}
     return attention(c, p, i, h, pos, kv_idx, kv_len, rope=rope, scale=1.0 / math.sqrt(c.head_dim),
-                     cache_rows=c.kv_slots or c.ctx, qk_norm=c.qk_norm, slot_map=slot_map)
+                     cache_rows=c.kv_slots or c.ctx, qk_norm=c.qk_norm, qkv_bias=c.qkv_bias, slot_map=slot_map)
 
 
 def _silu_times(gate: Node, up: Node, name: str) -> Node:
@@ -150,14 +157,31 @@ def _silu_times(gate: Node, up: Node, name: str) -> Node:
     return g.mul(g.silu(gate), up, name=name)  # [n, d_ff]
 
 
+# Each arch's fixed options; fields a file states (theta, eps) override the defaults
+_ARCH_OPTIONS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_mode": "neox"},  # a llama GGUF asks for "norm" (its permuted Q/K rows)
+    "qwen2": {"qkv_bias": True, "rope_mode": "neox", "rope_theta": 1_000_000.0, "rms_eps": 1e-6},
+    "qwen3": {"qk_norm": True, "rope_mode": "neox", "rope_theta": 1_000_000.0, "rms_eps": 1e-6},
+}
+
+
+def arch_config(arch: str, **fields: Any) -> LlamaConfig:
+    """A LlamaConfig of `arch` with that arch's fixed options (_ARCH_OPTIONS) under `fields`."""
+    return LlamaConfig(**{**_ARCH_OPTIONS[arch], "arch": arch, **fields})
+
+
 def qwen3_config(**fields: Any) -> LlamaConfig:
     """A LlamaConfig with Qwen3's fixed options (arch, q/k norms, neox rope, theta 1e6, eps 1e-6)."""
-    defaults = {"arch": "qwen3", "qk_norm": True, "rope_mode": "neox", "rope_theta": 1_000_000.0, "rms_eps": 1e-6}
-    return LlamaConfig(**{**defaults, **fields})
+    return arch_config("qwen3", **fields)
 
 
-# ---------------------------------------------------------------- GGUF files (llama.cpp `llama`, `qwen3`)
-GGUF_ARCHS = ("llama", "qwen3")
+def qwen2_config(**fields: Any) -> LlamaConfig:
+    """A LlamaConfig with Qwen2's fixed options (arch, q/k/v biases, neox rope, theta 1e6, eps 1e-6)."""
+    return arch_config("qwen2", **fields)
+
+
+# ---------------------------------------------------------------- GGUF files (llama.cpp `llama`, `qwen2`, `qwen3`)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: str = "gguf") -> LlamaConfig:
@@ -175,7 +199,6 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     if int(key("rope.dimension_count", head_dim)) != head_dim:
         raise LoadError(f"{label}: partial rope ({arch}.rope.dimension_count != head_dim {head_dim}) is not supported")
     fields = dict(
-        arch=arch,
         n_vocab=tensors["token_embd.weight"].shape[0],
         d_model=d_model,
         n_layers=int(key("block_count")),
@@ -188,7 +211,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
         tied_embeddings="output.weight" not in tensors,
         context_length=int(key("context_length")),
     )
-    return qwen3_config(**fields) if arch == "qwen3" else LlamaConfig(rope_mode="norm", **fields)
+    return arch_config(arch, **fields, **({"rope_mode": "norm"} if arch == "llama" else {}))
 
 
 def weights_from_gguf(config: LlamaConfig, weights: Weights) -> Weights:
@@ -198,10 +221,14 @@ def weights_from_gguf(config: LlamaConfig, weights: Weights) -> Weights:
 
 # ---------------------------------------------------------------- HF checkpoints
 # Mistral's checkpoints are llama's graph (llama.cpp converts them to `llama` GGUFs); see config_from_hf for its window
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "llama"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "MistralForCausalLM": "llama"}
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     **HF_SELF_ATTN,
+    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2's (qkv_bias)
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     **HF_MLP,
 }
@@ -220,7 +247,9 @@ def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
             "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
             "head_dim": c.head_dim, "intermediate_size": c.d_ff, "rope_theta": c.rope_theta,
             "rms_norm_eps": c.rms_eps, "tie_word_embeddings": c.tied_embeddings,
-            "max_position_embeddings": c.context_length, "attention_bias": False, "mlp_bias": False}
+            "max_position_embeddings": c.context_length,
+            # Qwen2's q/k/v biases are its architecture's, not a flag; Llama's attention_bias would add o_proj's too
+            **({} if c.qkv_bias else {"attention_bias": False, "mlp_bias": False})}
 
 
 def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaConfig:
@@ -231,6 +260,10 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(flag):
             raise LoadError(f"{label}: {flag}=true is not supported")
+    # Qwen2's configs list a kind per layer; anything but full attention would need windowed layers
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise LoadError(f"{label}: layer_types {other} are not supported (only full_attention)")
     # the graph's FFN is SwiGLU: any other activation loaded and ran SiLU without a word
     if hf.get("hidden_act", "silu") not in HF_ACTIVATIONS:
         raise LoadError(f"{label}: hidden_act {hf.get('hidden_act')!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
@@ -261,7 +294,7 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
         # up to `window` positions a sliding window is full causal attention, so the context stops there
         # rather than the graph growing a window mask that no llama graph has
         fields["context_length"] = min(fields["context_length"], window)
-    return qwen3_config(**fields) if arch == "qwen3" else LlamaConfig(arch="llama", rope_mode="neox", **fields)
+    return arch_config(arch, **fields)
 
 
 def weights_from_hf(config: LlamaConfig, raw: Weights) -> Weights:
@@ -272,10 +305,16 @@ def weights_from_hf(config: LlamaConfig, raw: Weights) -> Weights:
 
 
 # ---------------------------------------------------------------- random presets
-_QWEN3_VOCAB = 151936
+_QWEN3_VOCAB = 151936  # Qwen2.5's too
 PRESETS: dict[str, tuple[LlamaConfig, str]] = {
     "llama-tiny": (LlamaConfig(arch="llama", n_vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                head_dim=16, d_ff=96, rope_mode="norm", context_length=256, ctx=256), "f32"),
+    # q_dim 96 != d_model 64, 3 query heads a KV head, 300 ids, d_ff 160: rows still whole q8_0/q4_0 blocks
+    "qwen2-tiny": (qwen2_config(n_vocab=300, d_model=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16,
+                                d_ff=160, tied_embeddings=True, context_length=256, ctx=256), "f32"),
+    # Qwen/Qwen2.5-0.5B's shapes (its config.json)
+    "qwen2.5-0.5b": (qwen2_config(n_vocab=_QWEN3_VOCAB, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                                  head_dim=64, d_ff=4864, tied_embeddings=True, context_length=32768), "bf16"),
     "qwen3-tiny": (qwen3_config(n_vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                 d_ff=96, tied_embeddings=True, context_length=256, ctx=256), "f32"),
     "qwen3-0.6b": (qwen3_config(n_vocab=_QWEN3_VOCAB, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8,
@@ -288,7 +327,12 @@ PRESETS: dict[str, tuple[LlamaConfig, str]] = {
 
 
 def random_weights(config: LlamaConfig, dtype: str = "f32", seed: int = 0) -> Weights:
-    return random_init.random_weights(config.arch, param_shapes(config), dtype, seed)
+    return random_init.random_weights(config.arch, param_shapes(config), dtype, seed, _random_bias)
+
+
+def _random_bias(name: str, shape: tuple[int, ...], rng: Any) -> Any:
+    # biases centred on 0 with about q/k/v's own scale (the norms' law, 1 + 0.1 * normal, would shift every row alike)
+    return 0.5 * rng.standard_normal(shape) if name.endswith(".bias") else None
 
 
 FAMILY = Family(

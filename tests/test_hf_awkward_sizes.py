@@ -47,6 +47,13 @@ def _qwen3():
         tie_word_embeddings=True))
 
 
+def _qwen2():  # q/k/v biases; q_dim 120 != hidden 72
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=72, intermediate_size=200, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=40, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=True))
+
+
 def _gemma3():
     return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=72, intermediate_size=152, num_hidden_layers=7, num_attention_heads=3,
@@ -62,19 +69,22 @@ def _qwen35():
         rms_norm_eps=1e-6, tie_word_embeddings=False))
 
 
-FAMILIES = {"llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3, "qwen35": _qwen35}
+FAMILIES = {"llama": _llama, "qwen3": _qwen3, "qwen2": _qwen2, "gemma3": _gemma3, "qwen35": _qwen35}
 BACKENDS = ["reference", "cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])]
 
 
 def _redraw(model) -> None:
-    """Weights at unit-ish scale (HF's 0.02 init and unit or zero norms would hide mistakes); Qwen3.5's decay
-    parameters keep HF's init (rates in [0.01, 16])."""
+    """Weights at unit-ish scale (HF's 0.02 init and unit or zero norms would hide mistakes), biases (Qwen2's q/k/v,
+    zero in HF's init, so a dropped one would pass) centred on 0; Qwen3.5's decay parameters keep HF's init (rates
+    in [0.01, 16])."""
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias")):
                 continue
-            if p.ndim == 1:
+            if name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.ndim == 1:
                 p.copy_(0.1 * torch.randn_like(p) + (0.0 if "norm" in name and _zero_centred(model, name) else 1.0))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)

@@ -2,7 +2,7 @@
 
 1. outputs and final State equal the unrewritten graph's on the reference backend (same inputs,
    copies of the same random state), on every TARGETED_CASES graph (f32 and q8_0 weights),
-   the example decoder and the tiny llama / qwen3 models, prefill and decode;
+   the example decoder and the tiny llama / qwen3 / qwen2 models, prefill and decode;
 2. the verifier passes after the pass;
 3. the pass fires where it must: on its targeted case, and (coverage matched > 0) on model graphs.
 """
@@ -54,12 +54,15 @@ ROUNDING = {"gemm-bf16": 1e-4, "gemm-bf16-out": 3e-5, "attn-bf16": 1e-4, "kv-f16
 # with the unsharded graph through graphir.tp.shard_state.
 VALUE_PASSES = sorted(set(PASSES) - {"shard-tp"})
 KV_OFFSET = 2  # new tokens go to cache rows 2..; rows 0..1 hold (random) earlier keys
-MODELS = ("llama-tiny", "qwen3-tiny")
+MODELS = ("llama-tiny", "qwen3-tiny", "qwen2-tiny")
 MODEL_FUSIONS = {  # fusions `default` must apply to each tiny model
     "llama-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-rope-set-rows",
                    "fuse-mul-mat-swiglu"),
     "qwen3-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-qk-norm-rope",
                    "fuse-rope-set-rows", "fuse-mul-mat-swiglu"),
+    # q/k/v biases: stacked with their weights, so the rope and KV-write fusions still read views of one product
+    "qwen2-tiny": ("stack-projections", "fold-reshape-view", "fuse-add-rms-norm-mul", "fuse-rope-set-rows",
+                   "fuse-mul-mat-swiglu"),
 }  # Qwen3.5's list: tests/test_qwen35.py test_passes_fire_on_the_model_graph
 
 

@@ -6,6 +6,16 @@
 The stacked weight is built from Params only, so a backend computes it once and caches it.
 One launch instead of three, and x is read once (the decode mat-vec is bandwidth bound).
 
+Biased projections (Qwen2's q, k, v: add(mul_mat(w, x), b), b a 1-D Param of w's rows) stack their
+biases the same way, so the group adds one stacked bias and the views are taken of that sum:
+
+    y = add(mul_mat(concat(wq, wk, wv), x), concat(bq, bk, bv));  q, k, v = cols(y, ...)
+
+The views then stay views of one tensor (fold-reshape-view and the rope/KV-write fusions read them in
+place, as for Llama); an add per view would read three strided views and write three copies. When only
+some projections of a group have a bias (or one's product has another reader) the weights still stack
+and each bias is added to its view.
+
 Only projections of at most `max_rows` rows of x stack. A prefill matmul is compute bound, so
 stacking saves it nothing, while its column views are strided [rows, cols] blocks that a backend
 copies before most consumers: on an H200, Qwen3-8B's 4096-token prefill spent 41 of 184 ms in
@@ -56,22 +66,56 @@ def _group(mm: Node, rw: Rewriter, max_rows: int) -> list[Node] | None:
     return sorted(group, key=lambda u: rw.order[id(u)])
 
 
+def _concat_rows(leaves: list[Node]) -> Node:
+    """The Params stacked on axis 0 (a Param-only subgraph: lowering folds it once), named a+b+c."""
+    stacked = leaves[0]
+    for w in leaves[1:]:
+        stacked = g.concat(stacked, w, axis=0)
+    return stacked.replace(name="+".join(w.name for w in leaves))
+
+
+def _bias_add(mm: Node, rw: Rewriter) -> Node | None:
+    """add(mm, b), mm's only reader, with b a 1-D Param of mm's rows: the bias of a projection."""
+    add = rw.sole_user(mm)
+    if add is None or add.op != "add" or add.src[0] is not mm:
+        return None
+    b = add.src[1]
+    return add if b.op == "param" and b.shape == (mm.shape[-1],) else None
+
+
+def _stacked_biases(group: list[Node], rw: Rewriter) -> list[Node] | None:
+    """Each projection's bias add, when all have one, over distinct weights, with biases of one dtype."""
+    adds = [_bias_add(u, rw) for u in group]
+    if not any(adds):
+        return None
+    if not all(adds) or len({u.src[0].name for u in group}) < len(group) or len({a.src[1].dtype for a in adds}) > 1:
+        rw.reject(group[0], "not every projection of the group has its own bias of one dtype: each bias is added "
+                            "to its view")
+        return None
+    return adds
+
+
 def _stack(group: list[Node], rw: Rewriter) -> Node:
     weights = list({u.src[0].name: u.src[0] for u in group}.values())  # a weight used twice is stacked once
-    stacked = weights[0]
-    for w in weights[1:]:
-        stacked = g.concat(stacked, w, axis=0)
-    stacked = stacked.replace(name="+".join(w.name for w in weights))
-    y = rw.make("mul_mat", stacked, group[0].src[1], name="+".join(map(_label, group)))
+    y = rw.make("mul_mat", _concat_rows(weights), group[0].src[1], name="+".join(map(_label, group)))
     start = {}
     offset = 0
     for w in weights:
         start[w.name], offset = offset, offset + w.shape[0]
-    views = [g.cols(y, start[u.src[0].name], u.src[0].shape[0], name=u.name) for u in group]
-    for u, view in zip(group[1:], views[1:], strict=True):
-        rw.replace(u, view)
-    rw.matched(group[0], "stacked " + " + ".join(map(_label, group)))
-    return views[0]
+
+    def views(of: Node, names: list[Node]) -> list[Node]:
+        return [g.cols(of, start[u.src[0].name], u.src[0].shape[0], name=n.name) for u, n in zip(group, names)]
+
+    products = views(y, group)
+    for u, view in zip(group[1:], products[1:], strict=True):
+        rw.replace(u, view)  # the walker puts products[0] in group[0]'s place (the return below)
+    adds = _stacked_biases(group, rw)
+    if adds:  # one add of the stacked bias; its views stand in for the bias adds (the products go unread)
+        biased = rw.make("add", y, _concat_rows([a.src[1] for a in adds]), name=y.name + "+bias")
+        for a, view in zip(adds, views(biased, adds), strict=True):
+            rw.replace(a, view)
+    rw.matched(group[0], "stacked " + " + ".join(map(_label, group)) + (" with their biases" if adds else ""))
+    return products[0]
 
 
 # The first projection of a group (in topological order) builds the stack; the rest become its views.
