@@ -23,7 +23,6 @@ SOA = ("gemv_soa", "q8_0", "param", "a")  # as gemv_repacked.prepare builds it f
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHIR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(weight_cache, "MIN_BYTES", 0)  # these tensors are small
     return tmp_path / "cache"
 
 
@@ -57,6 +56,7 @@ def stored(path) -> Weights:
     weight_cache.attach(w)
     for k, v in derive(w).items():
         w.derived[k] = v
+    weight_cache.flush(w)  # as a Program does after binding
     return w
 
 
@@ -121,18 +121,86 @@ def test_every_module_that_repacks_kept_weights_is_in_the_code_hash():
     assert {"gemv_q8x.py", "gemv_repacked.py"} <= derivers <= set(weight_cache._CODE)
 
 
-def test_a_corrupt_entry_is_derived_again(tmp_path):
+def segments() -> list:
+    return sorted(weight_cache.cache_root().rglob("*.seg"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "array bytes", "header", "magic", "empty"])
+def test_a_corrupt_segment_is_derived_again_and_rewritten(tmp_path, damage):
+    """A segment cut short, with overwritten array bytes, an unreadable header or no header: its entries miss (no
+    exception), are derived afresh, and the next flush writes a segment that later processes read back whole."""
     write_file(tmp_path / "m.bin", 0)
     stored(tmp_path / "m.bin")
-    for f in weight_cache.cache_root().rglob("*.npy"):
-        f.write_bytes(f.read_bytes()[:200])
-    assert not from_disk(mapped(tmp_path / "m.bin"), CONCAT)
+    (seg,) = segments()
+    data = bytearray(seg.read_bytes())
+    if damage == "truncated":
+        data = data[:len(data) - 100]
+    elif damage == "array bytes":
+        data[-10:] = bytes(10)  # the last array's last bytes, where its digest samples
+    elif damage == "header":
+        data[len(weight_cache.MAGIC) + 12] ^= 0xFF
+    elif damage == "magic":
+        data[0] ^= 0xFF
+    else:
+        data = bytearray()
+    seg.write_bytes(bytes(data))
+    w = mapped(tmp_path / "m.bin")
+    fresh = derive(w)
+    weight_cache.attach(w)
+    missed = [k for k in (CONCAT, SOA) if k not in w.derived]
+    assert missed  # a truncated or zeroed tail misses the last entry at least; a bad header misses all
+    for k in missed:
+        w.derived[k] = fresh[k]
+    weight_cache.flush(w)
+    w = mapped(tmp_path / "m.bin")
+    for key in (CONCAT, SOA):
+        assert from_disk(w, key) and same(w.derived[key], fresh[key])
+
+
+def test_one_segment_a_flush_and_only_new_entries_written(tmp_path):
+    """A binding's entries go into one file; a later process that reads them back writes nothing, and one that
+    derives a further entry writes that entry alone."""
+    write_file(tmp_path / "m.bin", 0)
+    w = mapped(tmp_path / "m.bin")
+    weight_cache.attach(w)
+    w.derived[CONCAT] = derive(w)[CONCAT]
+    weight_cache.flush(w)
+    assert len(segments()) == 1
+    w = mapped(tmp_path / "m.bin")
+    weight_cache.attach(w)
+    assert CONCAT in w.derived and SOA not in w.derived
+    weight_cache.flush(w)
+    assert len(segments()) == 1  # nothing new
+    w.derived[SOA] = derive(w)[SOA]
+    weight_cache.flush(w)
+    assert len(segments()) == 2
+    w = mapped(tmp_path / "m.bin")
+    assert from_disk(w, CONCAT) and from_disk(w, SOA)
+
+
+def test_too_many_segments_are_cleared_before_the_next(tmp_path, monkeypatch):
+    monkeypatch.setattr(weight_cache, "MAX_SEGMENTS", 3)
+    write_file(tmp_path / "m.bin", 0)
+    for _ in range(5):
+        stored(tmp_path / "m.bin")
+    assert 1 <= len(segments()) <= 3
+    assert from_disk(mapped(tmp_path / "m.bin"), SOA)
+
+
+def test_kept_arrays_are_aligned_for_numba(tmp_path):
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    w = mapped(tmp_path / "m.bin")
+    weight_cache.attach(w)
+    for a in (w.derived[CONCAT], *[x for x in w.derived[SOA] if x is not None]):
+        assert a.flags.aligned and a.ctypes.data % weight_cache.ALIGN == 0
 
 
 def test_weights_not_mapped_from_a_file_are_not_kept(tmp_path):
     w = mapped_in_memory = Weights({n: Weight("q8_0", (ROWS, N_IN), np.zeros((ROWS, 136), np.uint8)) for n in "ab"})
     weight_cache.attach(mapped_in_memory)
     w.derived[CONCAT] = np.zeros((2 * ROWS, 136), np.uint8)
+    weight_cache.flush(w)
     assert not weight_cache.cache_root().exists()
 
 

@@ -2,7 +2,7 @@
 
 lower():  verify -> fold Param-only subgraphs (stacked weights) -> plan the arena by
 liveness -> bind every node to a kernel with its input and output arrays fixed. Stacked and
-repacked weights are kept on disk for later processes (weight_cache.py).
+repacked weights are kept on disk for later processes (weight_cache.py), written after binding.
 A call then copies the Inputs in, runs the bound steps and copies the outputs out;
 nothing is allocated or looked up per step, which is what makes replay cheap.
 """
@@ -110,6 +110,7 @@ class CpuProgram:
                 rules.RECORD = None
             self._bound_state = key
             self._unwrapped = False
+            weight_cache.flush(self.weights)  # what the binding derived, one segment on disk for later processes
             precompile.prepare(recorded, self.pipeline)  # a cold numba cache: compile them with a helper process
         for name, arr in feeds.items():
             self.input_buffers[name][...] = arr

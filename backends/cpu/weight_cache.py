@@ -1,21 +1,24 @@
 """Derived weights on disk: stacked projections and repacked GEMV layouts, kept for later processes.
 
 Lowering derives arrays from a model's weights once per process, into `weights.derived`: stacked
-q|k|v and gate|up copies (graphir.lowering.fold_params: 0.06 s for SmolLM2's prefill graph) and the
-GEMV's structure-of-arrays repacks (gemv_repacked.repack: 0.05 s for the Q8_0 head before the first
-token, ~0.2 s for every weight when decode binds). Both are pure functions of bytes in the model file,
-so a cpu Program's `weights.derived` becomes a DerivedCache: an entry missing in memory is read back
-from $GRAPHIR_CACHE_DIR/weights (memory-mapped copy-on-write: no copy, writeable as numba's
-signatures expect), and a new one is written there.
+q|k|v and gate|up copies (graphir.lowering.fold_params) and the GEMVs' repacked layouts
+(gemv_repacked.repack, gemv_q8x.repack: 0.06-0.1 s for SmolLM2's 121 products, 90 of them under 1 MiB,
+before a second process's first token). Both are pure functions of bytes in the model file, so a cpu
+Program's `weights.derived` becomes a DerivedCache: an entry missing in memory is read back from
+$GRAPHIR_CACHE_DIR/weights (memory-mapped copy-on-write: no copy, writeable as numba's signatures
+expect), and what a Program's binding derived is written there (`flush`) as one segment file: a header
+indexing its entries, then their arrays. One file a binding, not one an entry: opening and checking 61
+entry files took 0.04 s of a first token, their 90 smaller siblings were not kept at all.
 
 An entry is keyed by the file's identity (real path, device, inode, size, mtime_ns, ctime_ns), the byte
 range, dtype and shape of every source tensor in it, the derivation's key and a hash of the code that
-derives (this module, gemv_repacked.py, matmul.py, graphir/lowering.py). It also records a digest of
-the first and last 4 KiB of every source range, checked against the live mapping when read, and the
-shapes and dtypes of its arrays. Only weights that are memory-mapped file data take part (GGUF and
-safetensors loads); converted, random or in-memory weights never do, nor entries under MIN_BYTES.
-Writing a file's entries removes those of its earlier identities and earlier deriving code. Unwritable
-or unreadable entries are skipped: the array is derived as if there were none.
+derives (this module, gemv_repacked.py, gemv_q8x.py, matmul.py, graphir/lowering.py). It also records a
+digest of the first and last 4 KiB of every source range, checked against the live mapping when read,
+and each array's dtype, shape, place in the segment and a digest of its own first and last 4 KiB, checked
+when read (a truncated or overwritten segment misses). Only weights that are memory-mapped file data
+take part (GGUF and safetensors loads); converted, random or in-memory weights never do. Segments of a
+file's earlier identities and earlier deriving code are removed when one is written. Unwritable or
+unreadable segments and entries are skipped: the array is derived as if there were none.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import json
 import mmap
 import os
 import shutil
+import struct
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +39,10 @@ import numpy as np
 from graphir import flags, graph_cache
 
 KINDS = ("concat0", "gemv_soa", "gemv_q8x")  # derivations kept on disk (weights.derived key prefixes)
-MIN_BYTES = 1 << 20  # smaller entries derive faster than a file is opened and checked
-SAMPLE = 4096  # bytes digested at each end of a source range
+SAMPLE = 4096  # bytes digested at each end of a source range and of a kept array
+MAGIC = b"graphir weights 1\n"  # a segment: MAGIC, u64 header length, the JSON header, arrays from ALIGN on
+ALIGN = 64  # arrays start 64-byte aligned in the file (numba types unaligned arrays apart)
+MAX_SEGMENTS = 16  # more in one folder (entries derived again and again): all removed before the next is written
 _CODE = ("weight_cache.py", "gemv_repacked.py", "gemv_q8x.py", "matmul.py")  # beside this file; and graphir/lowering.py
 
 
@@ -87,7 +94,9 @@ class DerivedCache(dict):
         super().__init__(items or {})
         self._weights = weights
         self._tried: set = set()  # keys looked up on disk already (a miss is not looked up again)
-        self._identities: dict[str, list[Any] | None] = {}
+        self._identities: dict[str, tuple[list[Any], Path] | None] = {}  # file -> (identity, its folder)
+        self._indexes: dict[Path, dict[str, list]] = {}  # folder -> entry name -> [(mapping, data start, header)]
+        self._pending: dict[Path, dict[str, tuple]] = {}  # folder -> entry name -> (manifest, arrays, is_tuple)
 
     def __contains__(self, key: object) -> bool:
         return super().__contains__(key) or self._load(key)
@@ -104,10 +113,16 @@ class DerivedCache(dict):
         super().__setitem__(key, value)
         self._tried.add(key)
         items = _arrays(value)
-        entry = self._entry(key) if items is not None and sum(a.nbytes for a in items if a is not None) >= MIN_BYTES \
-            else None
+        entry = self._entry(key) if items is not None else None
         if entry is not None:
-            _store(*entry, items, isinstance(value, tuple))
+            folder, name, manifest = entry
+            self._pending.setdefault(folder, {})[name] = (manifest, items, isinstance(value, tuple))
+
+    def flush(self) -> None:
+        """Write what was derived since the last flush: one segment a model file (CpuProgram, after binding)."""
+        pending, self._pending = self._pending, {}
+        for folder, entries in pending.items():
+            _write_segment(folder, entries)
 
     def _sources(self, part: Any, out: list) -> Any:
         """`part` of a key with every ("param", name) replaced by its file range, dtype and shape (into `out`)."""
@@ -124,8 +139,8 @@ class DerivedCache(dict):
             return part
         raise LookupError(repr(part))
 
-    def _entry(self, key: Any) -> tuple[Path, dict] | None:
-        """(the entry's path stem, its manifest without arrays) for a key kept on disk, else None."""
+    def _entry(self, key: Any) -> tuple[Path, str, dict] | None:
+        """(the segment folder, the entry's name, its manifest without arrays) for a key kept on disk, else None."""
         if not (isinstance(key, tuple) and key and key[0] in KINDS):
             return None
         # gemv_soa / gemv_q8x keys end with the repacked weight's own key, flattened: ("param", name), ("concat0", ...)
@@ -136,21 +151,23 @@ class DerivedCache(dict):
         except LookupError:
             return None
         files = {where[0] for where, _ in sources}
-        if len(files) != 1 or sum(where[2] for where, _ in sources) < MIN_BYTES:
+        if len(files) != 1:
             return None
-        ident = self._identity(files.pop())
-        if ident is None:
+        known = self._identity(files.pop())
+        if known is None:
             return None
+        ident, folder = known
         text = json.dumps([ident, spec, code_hash()])
-        # one folder per (file, identity and code): writing into a new one removes the file's older ones
-        version = hashlib.sha256(json.dumps([ident, code_hash()]).encode()).hexdigest()[:16]
-        stem = cache_root() / hashlib.sha256(ident[0].encode()).hexdigest()[:16] / version / \
-            hashlib.sha256(text.encode()).hexdigest()[:32]
-        return stem, {"key": text, "digests": [_digest(a) for _, a in sources]}
+        name = hashlib.sha256(text.encode()).hexdigest()[:32]
+        return folder, name, {"key": text, "digests": [_digest(a) for _, a in sources]}
 
-    def _identity(self, path: str) -> list[Any] | None:
+    def _identity(self, path: str) -> tuple[list[Any], Path] | None:
         if path not in self._identities:  # once per process: the mapping was made from this file as it was then
-            self._identities[path] = identity(path)
+            ident = identity(path)
+            # one folder per (file, identity and code): writing into a new one removes the file's older ones
+            version = hashlib.sha256(json.dumps([ident, code_hash()]).encode()).hexdigest()[:16]
+            folder = cache_root() / hashlib.sha256(ident[0].encode()).hexdigest()[:16] / version if ident else None
+            self._identities[path] = (ident, folder) if ident else None
         return self._identities[path]
 
     def _load(self, key: Any) -> bool:
@@ -158,11 +175,17 @@ class DerivedCache(dict):
             return False
         self._tried.add(key)
         entry = self._entry(key)
-        value = _read(*entry) if entry is not None else None
-        if value is None:
+        if entry is None:
             return False
-        super().__setitem__(key, value)
-        return True
+        folder, name, manifest = entry
+        if folder not in self._indexes:
+            self._indexes[folder] = _read_index(folder)
+        for candidate in self._indexes[folder].get(name, ()):
+            value = _value(*candidate, manifest)
+            if value is not None:
+                super().__setitem__(key, value)
+                return True
+        return False
 
 
 def attach(weights: Any) -> None:
@@ -173,6 +196,13 @@ def attach(weights: Any) -> None:
         weights.derived = DerivedCache(weights, derived)
 
 
+def flush(weights: Any) -> None:
+    """Write what `weights.derived` derived since its last flush, where it is a DerivedCache."""
+    derived = getattr(weights, "derived", None)
+    if isinstance(derived, DerivedCache):
+        derived.flush()
+
+
 def _arrays(value: Any) -> list[np.ndarray | None] | None:
     items = list(value) if isinstance(value, tuple) else [value]
     if not all(v is None or isinstance(v, np.ndarray) and v.dtype != object for v in items):
@@ -180,41 +210,98 @@ def _arrays(value: Any) -> list[np.ndarray | None] | None:
     return items
 
 
-def _store(stem: Path, manifest: dict, items: list[np.ndarray | None], is_tuple: bool) -> None:
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _write_segment(folder: Path, entries: dict[str, tuple]) -> None:
+    header: dict[str, Any] = {}
+    blobs: list[tuple[int, np.ndarray]] = []
+    end = 0
+    for name, (manifest, items, is_tuple) in entries.items():
+        arrays: list[Any] = []
+        for a in items:
+            if a is None:
+                arrays.append(None)
+                continue
+            a = a if a.flags.c_contiguous else a.copy(order="C")
+            off = _aligned(end)
+            arrays.append([a.dtype.str, list(a.shape), off, int(a.nbytes), _digest(a)])
+            blobs.append((off, a))
+            end = off + a.nbytes
+        header[name] = {**manifest, "tuple": is_tuple, "arrays": arrays}
+    head = json.dumps(header).encode()
+    start = _aligned(len(MAGIC) + 8 + len(head))
+    tmp = folder / f".{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        for old in stem.parent.parent.iterdir():  # the file's earlier identities or code: stale
-            if old != stem.parent:
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.parent.iterdir():  # the file's earlier identities or code: stale
+            if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
-        tmp = f".{os.getpid()}.tmp"
-        for i, a in enumerate(items):
-            if a is not None:
-                path = stem.with_suffix(f".{i}.npy")
-                with open(path.with_suffix(tmp), "wb") as f:
-                    np.save(f, np.ascontiguousarray(a))
-                path.with_suffix(tmp).replace(path)
-        meta = {**manifest, "tuple": is_tuple,
-                "arrays": [None if a is None else [a.dtype.str, list(a.shape)] for a in items]}
-        stem.with_suffix(tmp).write_text(json.dumps(meta))
-        stem.with_suffix(tmp).replace(stem.with_suffix(".json"))  # last: an entry is whole once this exists
+        segments = list(folder.glob("*.seg"))
+        if len(segments) >= MAX_SEGMENTS:
+            for s in segments:
+                s.unlink(missing_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+            for off, a in blobs:
+                f.seek(start + off)
+                f.write(a.reshape(-1).view(np.uint8).data)
+            f.truncate(start + end)
+        tmp.replace(tmp.with_name(f"{uuid.uuid4().hex}.seg"))  # whole once it has its name
     except OSError:
-        pass
+        tmp.unlink(missing_ok=True)
 
 
-def _read(stem: Path, manifest: dict) -> Any:
+def _read_index(folder: Path) -> dict[str, list]:
+    """Entry name -> [(the segment's mapping, where its arrays start, the entry's header)] of every readable
+    segment in `folder`."""
+    index: dict[str, list] = {}
     try:
-        meta = json.loads(stem.with_suffix(".json").read_text())
+        segments = sorted(folder.glob("*.seg"))
+    except OSError:
+        return index
+    for seg in segments:
+        try:
+            with open(seg, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                lead = f.read(len(MAGIC) + 8)
+                if lead[:len(MAGIC)] != MAGIC:
+                    continue
+                (n,) = struct.unpack("<Q", lead[len(MAGIC):])
+                start = _aligned(len(MAGIC) + 8 + n)
+                if start > size:
+                    continue
+                header = json.loads(f.read(n))
+            mm = np.memmap(seg, np.uint8, mode="c")
+        except (OSError, ValueError, struct.error):
+            continue
+        if isinstance(header, dict):
+            for name, meta in header.items():
+                index.setdefault(name, []).append((mm, start, meta))
+    return index
+
+
+def _value(mm: np.memmap, start: int, meta: Any, manifest: dict) -> Any:
+    """The entry `meta` describes, as arrays mapped from `mm`, if it is the one `manifest` asks for and its arrays
+    are whole; else None."""
+    try:
         if meta.get("key") != manifest["key"] or meta.get("digests") != manifest["digests"]:
             return None  # a hash collision, or source bytes that changed under an unchanged identity
         items: list[np.ndarray | None] = []
-        for i, want in enumerate(meta["arrays"]):
+        for want in meta["arrays"]:
             if want is None:
                 items.append(None)
                 continue
-            a = np.load(stem.with_suffix(f".{i}.npy"), mmap_mode="c")
-            if [a.dtype.str, list(a.shape)] != want:
+            dt, shape, off, nbytes, check = want
+            dtype = np.dtype(dt)
+            if dtype.hasobject or off < 0 or nbytes != int(np.prod(shape)) * dtype.itemsize \
+                    or start + off + nbytes > mm.size:
                 return None
-            items.append(a.view(np.ndarray))
-    except (OSError, ValueError, KeyError, TypeError):
+            a = mm[start + off:start + off + nbytes].view(dtype).reshape(shape).view(np.ndarray)
+            if _digest(a) != check:
+                return None
+            items.append(a)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
-    return tuple(items) if meta["tuple"] else items[0]
+    return tuple(items) if meta.get("tuple") else items[0]
