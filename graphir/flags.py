@@ -15,6 +15,7 @@
 | GRAPHIR_NO_PRECOMPILE=1 | cpu backend, cold numba cache: no helper process compiles matmul kernels meanwhile |
 | GRAPHIR_NO_GRAPH_CACHE=1 | models run their pass pipelines every time instead of reading earlier results from disk |
 | GRAPHIR_NO_WEIGHT_CACHE=1 | cpu backend: stacked and repacked weights derived in memory, never on disk |
+| GRAPHIR_NO_HEADER_CACHE=1 | GGUF headers parsed every time, never read from or written to disk |
 | GRAPHIR_DEBUG_THREADS=1 | cpu backend, auto threads: each window's busy, steal, own CPU and count, to stderr |
 
 A flag is on when its variable is set to anything but "" or "0".
@@ -38,6 +39,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_NO_PRECOMPILE": "cpu backend: this process compiles every kernel itself, with no helper process",
     "GRAPHIR_NO_GRAPH_CACHE": "run pass pipelines every time; never read or write passed graphs on disk",
     "GRAPHIR_NO_WEIGHT_CACHE": "cpu backend: derive stacked and repacked weights in memory, never on disk",
+    "GRAPHIR_NO_HEADER_CACHE": "parse GGUF headers every time; never read or write parsed headers on disk",
     "GRAPHIR_DEBUG_THREADS": "cpu backend: print each auto-threads window (busy, steal, own CPU, count) to stderr",
 }
 

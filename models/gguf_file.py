@@ -29,6 +29,8 @@ from graphir.dtypes import BY_GGML_ID, DTYPES
 from graphir.errors import LoadError
 from graphir.weights import Weight, Weights
 
+from . import gguf_cache
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -186,9 +188,24 @@ class GGUFFile:
                 if self.file_size < len(GGUF_MAGIC):
                     raise LoadError(f"{self.label}: {_too_short(f.read())}")
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    self._parse(mm)
+                    kept = gguf_cache.read(self.path, mm)  # an earlier process's parse of these bytes
+                    if kept is not None:
+                        self._restore(kept)
+                    else:
+                        self._parse(mm)
+                        gguf_cache.write(self.path, mm, self._state())
         except OSError as e:
             raise LoadError(f"{self.label}: cannot read GGUF file: {e.strerror or e}") from None
+
+    def _state(self) -> dict[str, Any]:
+        """What `_parse` found, as gguf_cache keeps it (tensors as plain tuples)."""
+        return {"version": self.version, "metadata": self.metadata, "alignment": self.alignment,
+                "data_offset": self.data_offset, "tensors": [tuple(vars(t).values()) for t in self.tensors.values()]}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.version, self.metadata, self.alignment = state["version"], state["metadata"], state["alignment"]
+        self.data_offset = state["data_offset"]
+        self.tensors = {t[0]: TensorInfo(*t) for t in state["tensors"]}
 
     def _parse(self, mm: mmap.mmap) -> None:
         cur = _Cursor(mm, self.file_size, self.label)

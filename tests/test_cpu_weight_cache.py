@@ -234,3 +234,12 @@ def test_the_off_switch_neither_reads_nor_writes(tmp_path, cache_dir, monkeypatc
     assert sorted(p for p in cache_dir.rglob("*") if p.is_file()) == before
     monkeypatch.delenv("GRAPHIR_NO_WEIGHT_CACHE")
     assert from_disk(mapped(tmp_path / "m.bin"), CONCAT)  # the entry was there all along
+
+
+def test_an_unwritable_cache_derives_every_time(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRAPHIR_CACHE_DIR", str(blocker))  # a file where the folder would go
+    write_file(tmp_path / "m.bin", 0)
+    stored(tmp_path / "m.bin")
+    assert not from_disk(mapped(tmp_path / "m.bin"), CONCAT)

@@ -23,6 +23,7 @@ unreadable segments and entries are skipped: the array is derived as if there we
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -250,7 +251,8 @@ def _write_segment(folder: Path, entries: dict[str, tuple]) -> None:
             f.truncate(start + end)
         tmp.replace(tmp.with_name(f"{uuid.uuid4().hex}.seg"))  # whole once it has its name
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a cache folder that cannot exist (a file in its place)
+            tmp.unlink(missing_ok=True)
 
 
 def _read_index(folder: Path) -> dict[str, list]:
