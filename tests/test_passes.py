@@ -253,6 +253,38 @@ def test_stack_views_land_on_the_original_outputs():
     assert gate.params["offset"] == again.params["offset"] == 0 and gate.src[0].src[0].shape == (144, 96)
 
 
+def _biased_projections(biased: str, raw_too: bool = False) -> Graph:
+    """q [N, 40], k and v [N, 24] of one x, each in `biased` plus its bias; `raw_too` also outputs q's product."""
+    x = g.input("x", (N, 96))
+    out = {}
+    for name, rows in (("q", 40), ("k", 24), ("v", 24)):
+        y = out[name + "_raw"] = g.mul_mat(g.param(f"attn_{name}.weight", (rows, 96)), x)
+        if name in biased:
+            out[name] = g.add(y, g.param(f"attn_{name}.bias", (rows,)))
+    keep = {k: v for k, v in out.items() if not k.endswith("_raw") or (raw_too and k == "q_raw") or k[0] not in biased}
+    return Graph(keep, meta={"case": "biased projections"})
+
+
+@pytest.mark.parametrize("biased, raw_too, stacked_bias", [("qkv", False, True), ("qv", False, False),
+                                                           ("qkv", True, False)])
+def test_stack_adds_a_groups_biases_once(biased, raw_too, stacked_bias):
+    """Qwen2's q/k/v: all biased, one add of the stacked biases and the views in the bias adds' places; a projection
+    without a bias, or a product read elsewhere too, leaves each bias added to its view. Same values either way."""
+    graph = _biased_projections(biased, raw_too)
+    out = run_pipeline(graph, "stack-projections,dce", verify_each=True)
+    mms, adds = [n for n in out.nodes() if n.op == "mul_mat"], [n for n in out.nodes() if n.op == "add"]
+    assert len(mms) == 1 and mms[0].shape == (N, 88)
+    if stacked_bias:
+        assert len(adds) == 1 and adds[0].src[0] is mms[0] and adds[0].src[1].shape == (88,)
+        assert [(out.outputs[k].op, out.outputs[k].params["offset"]) for k in "qkv"] == [("view", 0), ("view", 40),
+                                                                                         ("view", 64)]
+        assert all(out.outputs[k].src[0] is adds[0] for k in "qkv")
+    else:
+        assert len(adds) == len(biased) and all(a.src[0].op == "view" and a.src[1].op == "param" for a in adds)
+    weights = random_weights(graph)
+    assert_close(run(graph, weights)[0], run(out, weights)[0], f"biased {biased}")
+
+
 def test_rejections_name_the_site_and_the_reason():
     report = coverage(case_add_norm("f32"), "fuse-add-rms-norm-mul")
     (site, why), = report["fuse-add-rms-norm-mul"].rejected
