@@ -309,8 +309,9 @@ _QWEN3_VOCAB = 151936  # Qwen2.5's too
 PRESETS: dict[str, tuple[LlamaConfig, str]] = {
     "llama-tiny": (LlamaConfig(arch="llama", n_vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                head_dim=16, d_ff=96, rope_mode="norm", context_length=256, ctx=256), "f32"),
-    # q_dim 96 != d_model 64, 3 query heads a KV head, 300 ids, d_ff 160: rows still whole q8_0/q4_0 blocks
-    "qwen2-tiny": (qwen2_config(n_vocab=300, d_model=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16,
+    # q_dim 96 != d_model 64, 3 query heads a KV head, d_ff 160: rows still whole q8_0/q4_0 blocks; the other tiny
+    # presets' 272 ids, so that they draft for each other (speculative decoding needs one vocabulary)
+    "qwen2-tiny": (qwen2_config(n_vocab=272, d_model=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16,
                                 d_ff=160, tied_embeddings=True, context_length=256, ctx=256), "f32"),
     # Qwen/Qwen2.5-0.5B's shapes (its config.json)
     "qwen2.5-0.5b": (qwen2_config(n_vocab=_QWEN3_VOCAB, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,

@@ -18,7 +18,7 @@ from graphir.ir import Graph, Node
 from graphir.passes import PASSES, register_pass
 from graphir.passes.rewrite import Rewriter, rewrite
 
-MODELS = ("llama-tiny", "qwen3-tiny")
+MODELS = ("llama-tiny", "qwen3-tiny", "qwen2-tiny")
 
 
 @cache

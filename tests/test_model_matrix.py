@@ -7,8 +7,8 @@ them, 16-bit activation codes under the cpu's `q16-activations`, f16 KV rows und
 45-token prefill (the backend's chunks), on decode steps after it, on a 3-token call (a verify-sized product), and on
 a prefill of a single token into a fresh cache. Each comparison is the largest difference over the largest logit, so
 a wrong row, head, block or position fails it by orders of magnitude.
-Families: llama, qwen3 (q/k norms, neox rope), qwen35 (Gated DeltaNet layers), gemma3 (sliding windows, GeGLU,
-embedding scale).
+Families: llama, qwen3 (q/k norms, neox rope), qwen2 (q/k/v biases, stacked with their weights), qwen35 (Gated
+DeltaNet layers), gemma3 (sliding windows, GeGLU, embedding scale).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from _gpu_helpers import assert_rel_close, gpu_only, host
 
 import graphir
 
-FAMILIES = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny", "random:gemma3-tiny"]
+FAMILIES = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny", "random:gemma3-tiny"]
 DTYPES = [None, "f16", "bf16", "q8_0", "q4_0"]
 # |backend - reference| / max |reference logit|, for every weight type: both compute in f32 from the same weights (the
 # gpu's q4_0 products keep f32 x too: gemv_tc splits x into two f16 halves, ~2^-22)

@@ -191,7 +191,7 @@ def test_config_to_hf_rebuilds_the_model():
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the head is the embedding
     hf.config._attn_implementation = "eager"
-    ids = [3, 17, 250, 99, 0, 299, 42, 42, 7, 128, 64, 5, 6, 7, 8, 9, 10, 11]
+    ids = [3, 17, 250, 99, 0, 271, 42, 42, 7, 128, 64, 5, 6, 7, 8, 9, 10, 11]  # within the preset's 272 ids
     assert_close(our_logits(ours, ids), hf_logits(hf.eval(), ids), "HF model from config_to_hf", 1e-5)
 
 
@@ -260,3 +260,26 @@ def test_tensor_parallel_splits_each_bias_with_its_rows():
     assert {"blk.0.attn_q.bias@0[0:48]", "blk.0.attn_q.bias@0[48:96]", "blk.0.attn_k.bias@0[0:16]",
             "blk.0.attn_v.bias@0[16:32]"} <= names, sorted(n for n in names if "bias" in n)
     assert_same_math(model, model.graph("decode"), 2, "reference")
+
+
+def test_cli_runs_dumps_and_checks_the_preset():
+    """`graphir run` generates what the API does; `graphir dump --phase verify --passes default` shows the stacked
+    bias; `graphir check` holds the gpu pipeline's passes to the reference on the decode graph."""
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    def invoke(*args: str):
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+    r = invoke("run", "random:qwen2-tiny", "--backend", "reference", "-p", "hello", "-n", "6")
+    assert r.exit_code == 0, r.output
+    model = graphir.load("random:qwen2-tiny", backend="reference")
+    ids = model.tokenizer.encode("hello")
+    assert r.stdout.strip() == ("hello" + model.tokenizer.decode(list(model.generate(ids, 6)))).strip()
+    r = invoke("dump", "random:qwen2-tiny", "--phase", "verify", "--passes", "default", "--layers", "0")
+    assert r.exit_code == 0, r.output
+    assert '"blk.0.attn_q.bias+blk.0.attn_k.bias+blk.0.attn_v.bias"' in r.stdout
+    r = invoke("check", "random:qwen2-tiny", "-p", "gpu", "--phase", "decode")
+    assert r.exit_code == 0, r.output
+    assert "stack-projections: 6 matched" in r.stdout and r.stdout.splitlines()[-1].startswith("ok: pipeline 'gpu'")

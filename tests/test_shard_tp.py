@@ -26,7 +26,7 @@ from graphir.run_inputs import new_state
 
 REL = 1e-5
 REL_DEEP = 1e-4  # tests/test_cpu_models.py's REL_BACKENDS: same math, another summation order
-TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny"]
 BACKENDS = ["reference", "cpu"]
 START = 5  # the new tokens come after START rows of random KV / recurrent state
 
@@ -231,7 +231,7 @@ def test_smollm2_all_layers(smollm2):
     assert_same_math(smollm2, smollm2.graph("decode"), 2, "reference", tol=REL_DEEP)
 
 
-@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"])
+@pytest.mark.parametrize("spec", ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny"])
 def test_load_with_shard_tp_generates_the_unsharded_tokens(spec):
     """graphir.load(..., passes="shard-tp{n=2},default"): the model makes State for the ranks' graphs,
     greedy tokens equal the unsharded model's, and a second sequence starts from reset state

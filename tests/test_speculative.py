@@ -24,7 +24,8 @@ from graphir.ops import SAMPLING_FIELDS, sample_row
 from graphir.passes import run_pipeline
 
 BACKENDS = ["reference", "cpu"]
-TINY = {"random:llama-tiny": "random:qwen3-tiny", "random:qwen3-tiny": "random:llama-tiny"}  # target: other family
+TINY = {"random:llama-tiny": "random:qwen3-tiny", "random:qwen3-tiny": "random:llama-tiny",
+        "random:qwen2-tiny": "random:llama-tiny"}  # target: other family
 # prompt lengths around the prefill buckets (8, 32, 128) and the context end; one per draft length
 PROMPT_LENGTHS = [1, 7, 8, 9, 31, 33, 127, 129]
 CTX = 176
@@ -159,7 +160,7 @@ def verify_rows_and_decode_steps(model: Model, prompt: list[int], tokens: list[i
 # tokens), keeping the state after each token, so its rows are the decode steps' as well.
 GPU_TARGETS = [("random:llama-tiny", "f32"), ("random:qwen3-tiny", "bf16"), ("random:gemma3-tiny", "f16"),
                ("random:llama-tiny", "q4_0"), ("random:qwen3-tiny", "q8_0"), ("random:qwen35-tiny", "f32"),
-               ("random:qwen35-tiny", "q4_0")]
+               ("random:qwen35-tiny", "q4_0"), ("random:qwen2-tiny", "bf16")]
 
 
 # The tiny presets' rows (64 and 96 inputs) give each lane of a 2..16-token float GEMV at most one 8-value unit, so
@@ -236,7 +237,8 @@ def load_cpu(spec: str, **kw) -> Model:
 
 
 @pytest.fixture(scope="module", params=[("random:llama-tiny", "q4_0"), ("random:llama-tiny", "q4_1"),
-                                        ("random:qwen3-tiny", "q4_0"), ("random:gemma3-tiny", "q4_1")],
+                                        ("random:qwen3-tiny", "q4_0"), ("random:gemma3-tiny", "q4_1"),
+                                        ("random:qwen2-tiny", "q4_0")],
                 ids=lambda p: f"{p[0][7:]}-{p[1]}")
 def quantized(request):
     """(target, drafters): a tiny model in 4 bits on the cpu pipeline; a q8_0 copy and prompt lookup."""
