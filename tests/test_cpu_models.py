@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REL_BACKENDS = 1e-4  # cpu vs reference: same math, different summation order (tiles, fused ops)
 REL_HF = 1e-3  # vs transformers: torch's kernels and its own rope/attention formulation
-TINY_PRESETS = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+TINY_PRESETS = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny"]
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
 
 

@@ -122,7 +122,7 @@ def test_missing_cupy_is_one_clear_line(monkeypatch):
 
 # ---------------------------------------------------------------- whole models (GPU suite)
 REL = 1e-3  # of max |logit|: gpu vs reference (f32 math, different summation orders and fusions)
-TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny"]
 
 
 @pytest.mark.gpu
@@ -141,7 +141,7 @@ def test_tiny_models_gpu_equal_reference(spec, passes):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("passes", ["default", "default,kv-f16"])
-@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:llama-tiny"])
+@pytest.mark.parametrize("spec", ["random:qwen3-tiny", "random:llama-tiny", "random:qwen2-tiny"])
 def test_q_k_v_writes_run_as_one_launch_bitwise(spec, passes, monkeypatch):
     """Each attention layer's q rope, K cache write and V cache write run as one qkv_* launch
     (lowering.merge_kv_writes) with bitwise the logits and KV caches of three launches

@@ -36,6 +36,7 @@ def _decode_pair(spec: str, ctx: int, dtype: str | None = None, passes: str = "d
 # model's 64-wide rows) and its staged ones (Qwen3-0.6B's, the LM head included)
 DECODE_CASES = [("random:llama-tiny", None, "default"), ("random:qwen3-tiny", None, "default"),
                 ("random:qwen35-tiny", None, "default"), ("random:qwen3-tiny", "q4_0", "default,q8-activations"),
+                ("random:qwen2-tiny", None, "default"),
                 ("random:qwen3-0.6b", "q4_0", "default,q8-activations")]
 
 

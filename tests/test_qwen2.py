@@ -249,6 +249,19 @@ def test_passed_real_graph_equals_unpassed_on_the_reference(pipeline):
     assert_close(our_logits(passed, ids), our_logits(plain, ids), f"{pipeline} vs no passes", 1e-5)
 
 
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_runs_the_real_preset_as_the_reference_does():
+    """random:qwen2.5-0.5b (24 layers, bf16 weights) on the gpu's own pipeline against the reference backend running
+    the same pipeline and prompt chunks: an 11-token prefill, 4 decode steps (stacked q|k|v and biases) and a 25-token
+    call (bf16 GEMMs, biases added to each product). The bound is test_model_matrix.py's for the `auto` pipelines."""
+    gpu = graphir.load("random:qwen2.5-0.5b", backend="gpu", ctx=128)
+    ref = graphir.load("random:qwen2.5-0.5b", backend="reference", passes=gpu.passes, ctx=128)
+    ref.prefill_buckets, ref.call_cost = gpu.prefill_buckets, gpu.call_cost
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, 256, 40)]
+    assert_close(our_logits(gpu, ids), our_logits(ref, ids), f"gpu ({gpu.passes}) vs reference", 1e-2)
+
+
 def test_tensor_parallel_splits_each_bias_with_its_rows():
     """shard-tp: a q/k/v bias is sliced by the rows its rank's weight keeps (its heads), and the sharded graph
     computes the unsharded logits."""
