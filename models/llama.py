@@ -226,15 +226,16 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Q
 HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     **HF_SELF_ATTN,
-    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2's (qkv_bias)
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     **HF_MLP,
 }
+HF_QKV_BIAS = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias"}  # Qwen2's (qkv_bias)
 HF_ACTIVATIONS = ("silu", "swish")  # transformers' names of the same function
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a cached buffer in old checkpoints, not a weight
-HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
+HF_NAMES = NameMap(HF_CAUSAL_LM_GLOBAL, {**HF_LAYER, **HF_QKV_BIAS})
+# without qkv_bias a bias in the file has no place in the graph: said with the file's name, as any other stranger
+_HF_NAMES_NO_BIAS = NameMap(HF_CAUSAL_LM_GLOBAL, HF_LAYER)
 
 
 def config_to_hf(c: LlamaConfig) -> dict[str, Any]:
@@ -299,7 +300,8 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
 
 def weights_from_hf(config: LlamaConfig, raw: Weights) -> Weights:
     checked_config(config, check_config, raw.source)
-    out = rename_hf(config, raw, HF_NAMES, lambda name: bool(HF_IGNORED.match(name)))
+    names = HF_NAMES if config.qkv_bias else _HF_NAMES_NO_BIAS
+    out = rename_hf(config, raw, names, lambda name: bool(HF_IGNORED.match(name)))
     check_weights(config, out, param_shapes(config), HF_NAMES.to_file)
     return out
 

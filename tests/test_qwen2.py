@@ -195,6 +195,18 @@ def test_config_to_hf_rebuilds_the_model():
     assert_close(our_logits(ours, ids), hf_logits(hf.eval(), ids), "HF model from config_to_hf", 1e-5)
 
 
+def test_the_real_preset_is_what_qwen25_05bs_config_reads_as():
+    """Qwen/Qwen2.5-0.5B's config.json (as published, transformers 4.43) loads as the qwen2.5-0.5b preset's config:
+    its sliding_window is unused (use_sliding_window false), max_window_layers ignored."""
+    hf = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+          "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+          "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+          "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+          "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+          "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    assert family_of(REAL).config_from_hf(hf, "config.json") == REAL
+
+
 # ---------------------------------------------------------------- the passes on the real graph
 def real_graph(phase: str, n_tokens: int | None = None, **changes):
     c = dataclasses.replace(REAL, ctx=64, **changes)
