@@ -27,7 +27,6 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -383,6 +382,8 @@ def dump_html(graph: Graph, layers: set[int] | None = None, title: str = "graphi
         "docs": {op: OPS[op].doc for op in ops if op in OPS},
         "writes": [op for op in ops if op in OPS and OPS[op].writes],
     }
+    from importlib import resources  # here, not at import: it pulls in tempfile and shutil (4 ms of `graphir run`)
+
     template = resources.files("graphir").joinpath("dump_template.html").read_text(encoding="utf-8")
     return (template.replace("__TITLE__", _html_escape(title))
             .replace("__GRAPH_JSON__", _script_json(graph.to_records()))

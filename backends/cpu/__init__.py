@@ -23,6 +23,9 @@ else:
     from graphir.gc_pause import gc_paused
 
     with gc_paused():
+        from . import numba_import
+
+        numba_import.import_numba()  # without PyYAML where numba would not read a config file with it
         from . import link_private
 
         link_private.install()

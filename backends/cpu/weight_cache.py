@@ -85,7 +85,9 @@ def identity(path: str) -> list[Any] | None:
 
 def _digest(a: np.ndarray) -> str:
     b = a.reshape(-1).view(np.uint8)
-    return hashlib.blake2b(b[:SAMPLE].tobytes() + b[-SAMPLE:].tobytes(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(b[:SAMPLE], digest_size=16)  # hashed in place: no copies (~800 digests a first token)
+    h.update(b[-SAMPLE:])
+    return h.hexdigest()
 
 
 class DerivedCache(dict):
@@ -96,6 +98,7 @@ class DerivedCache(dict):
         self._weights = weights
         self._tried: set = set()  # keys looked up on disk already (a miss is not looked up again)
         self._identities: dict[str, tuple[list[Any], Path] | None] = {}  # file -> (identity, its folder)
+        self._digests: dict[tuple[str, int, int], str] = {}  # a source range's _digest
         self._indexes: dict[Path, dict[str, list]] = {}  # folder -> entry name -> [(mapping, data start, header)]
         self._pending: dict[Path, dict[str, tuple]] = {}  # folder -> entry name -> (manifest, arrays, is_tuple)
 
@@ -160,7 +163,13 @@ class DerivedCache(dict):
         ident, folder = known
         text = json.dumps([ident, spec, code_hash()])
         name = hashlib.sha256(text.encode()).hexdigest()[:32]
-        return folder, name, {"key": text, "digests": [_digest(a) for _, a in sources]}
+        return folder, name, {"key": text, "digests": [self._source_digest(*src) for src in sources]}
+
+    def _source_digest(self, where: tuple[str, int, int], a: np.ndarray) -> str:
+        """_digest of a source range, once per process (a weight is a source of several entries)."""
+        if where not in self._digests:
+            self._digests[where] = _digest(a)
+        return self._digests[where]
 
     def _identity(self, path: str) -> tuple[list[Any], Path] | None:
         if path not in self._identities:  # once per process: the mapping was made from this file as it was then
