@@ -84,13 +84,11 @@ def _bias_add(mm: Node, rw: Rewriter) -> Node | None:
 
 
 def _stacked_biases(group: list[Node], rw: Rewriter) -> list[Node] | None:
-    """Each projection's bias add, when all have one, over distinct weights, with biases of one dtype."""
+    """Each projection's bias add, when all have one, over distinct weights, with biases of one dtype. Otherwise
+    None, and no rejection: the weights still stack (Qwen3.5's alpha projection adds dt_bias, its group-mates
+    nothing; fuse-gated-delta-net-raw reads that add as it is)."""
     adds = [_bias_add(u, rw) for u in group]
-    if not any(adds):
-        return None
     if not all(adds) or len({u.src[0].name for u in group}) < len(group) or len({a.src[1].dtype for a in adds}) > 1:
-        rw.reject(group[0], "not every projection of the group has its own bias of one dtype: each bias is added "
-                            "to its view")
         return None
     return adds
 
