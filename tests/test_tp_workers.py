@@ -30,7 +30,7 @@ from graphir.tp_workers import TpWorkerError
 
 REL = 1e-5
 REL_BACKENDS = 1e-4
-TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen2-tiny", "random:qwen35-tiny"]
 PROMPT = [(7 * i + 3) % 256 for i in range(37)]  # 37 tokens: a 32-token chunk and a padded (or exact) rest
 DEATH_S = 4.0  # a failure must surface within a few seconds (about 0.1 s here; a stuck peer is never waited for)
 
