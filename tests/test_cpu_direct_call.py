@@ -115,3 +115,32 @@ def test_program_bad_token_id_in_a_weight_table_is_a_backend_error():
     for bad in (-1, 9):
         with pytest.raises(BackendError, match=rf"get_rows: id {bad} out of range 0\.\.8"):
             program({"ids": np.array([0, bad], np.int32)})
+
+
+@numba.njit
+def _scale_ro(x, a, out):
+    for i in range(x.shape[0]):
+        out[i] = x[i] * a
+
+
+def test_first_call_types_arrays_itself_and_takes_a_read_only_overload(tmp_path):
+    """first_call compiles for the types numba's typeof gives (arrays typed without typeof), and where the kernel has
+    one overload typed with read-only inputs (matmul's, compiling disabled) calls it as the dispatcher would."""
+    from graphir.backends.cpu.direct_call import first_call
+
+    x, out = np.arange(6, dtype=np.float32), np.zeros(6, np.float32)
+    ro = numba.types.Array(numba.float32, 1, "C", readonly=True)
+    _scale_ro.compile((ro, numba.float32, numba.float32[::1]))
+    _scale_ro.disable_compile()
+    call = first_call(_scale_ro, x, np.float32(2), out)
+    np.testing.assert_array_equal(out, x * 2)
+    assert call is next(iter(_scale_ro.overloads.values())).entry_point
+    call(x, np.float32(3), out)
+    np.testing.assert_array_equal(out, x * 3)
+    assert len(_scale_ro.overloads) == 1
+    # a memmap is typed as an ndarray, as typeof types it
+    fresh = numba.njit(_scale_into.py_func)
+    x.tofile(tmp_path / "x.bin")
+    first_call(fresh, np.memmap(tmp_path / "x.bin", np.float32, mode="r+"), np.float32(2), out)
+    np.testing.assert_array_equal(out, x * 2)
+    assert list(fresh.overloads) == [tuple(numba.typeof(a) for a in (x, np.float32(2), out))]

@@ -30,18 +30,24 @@ def entry_point(kernel: Any, args: Sequence[Any]) -> Callable[..., Any] | None:
     overloads = getattr(kernel, "overloads", None)
     if overloads is None:
         return None
+    sig = _signature(kernel, args)
+    cres = overloads.get(sig) if sig is not None else None
+    return cres.entry_point if cres is not None else None
+
+
+def _signature(kernel: Any, args: Sequence[Any]) -> tuple | None:
+    """The argument types numba's dispatcher gives `args` (typeof_pyval), arrays typed here (`_array_type`)."""
     try:
-        sig = tuple(_array_type(kernel, a) if type(a) is np.ndarray else kernel.typeof_pyval(a) for a in args)
+        return tuple(_array_type(kernel, a) if type(a) in _ARRAYS else kernel.typeof_pyval(a) for a in args)
     except (TypeError, ValueError):
         return None
-    cres = overloads.get(sig)
-    return cres.entry_point if cres is not None else None
 
 
 # numba's type of an ndarray argument, from what numba's typeof reads of it (numba.core.typing.typeof._typeof_ndarray:
 # dtype, ndim, C, F or any layout, read-only), worked out once per kind. A new process types ~1500 arguments before
 # its first token: 30 ms through typeof, whose MaskedArray check also imports numpy.ma (15 ms), for ~20 kinds.
 _ARRAY_TYPES: dict[tuple[Any, ...], Any] = {}
+_ARRAYS = (np.ndarray, np.memmap)  # typeof types an np.memmap (a GGUF weight's view) as it types an ndarray
 
 
 def _array_type(kernel: Any, a: np.ndarray) -> Any:
@@ -59,10 +65,47 @@ def _array_type(kernel: Any, a: np.ndarray) -> Any:
 
 
 def first_call(kernel: Any, *args: Any) -> Callable[..., Any]:
-    """`kernel(*args)` through the dispatcher (which compiles the kernel or loads it from numba's cache), then what to
-    call from now on with arguments of the same types: the overload's entry point, or the dispatcher itself."""
-    kernel(*args)
-    return entry_point(kernel, args) or kernel
+    """`kernel(*args)`, then what to call from now on with arguments of the same types: the overload's entry point, or
+    the dispatcher itself. The overload is compiled or loaded from numba's cache by `kernel.compile` for the types
+    `_signature` gives, as the dispatcher's first call would for the types its typeof gives (the same types), but
+    without typing every array through typeof, whose MaskedArray check imports numpy.ma (0.03 s of a second
+    process's first token on the 2-core machine); where that compile fails (a literal argument numba asks for,
+    compiling disabled) the call goes through the dispatcher as before."""
+    call = _compiled(kernel, args)
+    if call is None:
+        kernel(*args)
+        return entry_point(kernel, args) or kernel
+    call(*args)
+    return call
+
+
+def _compiled(kernel: Any, args: Sequence[Any]) -> Callable[..., Any] | None:
+    overloads, compile_ = getattr(kernel, "overloads", None), getattr(kernel, "compile", None)
+    sig = _signature(kernel, args) if overloads is not None and compile_ is not None else None
+    if sig is None:
+        return None
+    if sig not in overloads:
+        sig = _read_only_twin(sig, overloads) or sig
+    if sig not in overloads:
+        try:
+            compile_(sig)
+        except Exception:  # whatever the dispatcher's own call makes of it (it raises the user-facing error)
+            return None
+    cres = overloads.get(sig)
+    return cres.entry_point if cres is not None else None
+
+
+def _read_only_twin(sig: tuple, overloads: Any) -> tuple | None:
+    """The one compiled signature that is `sig` with some writeable arrays typed read-only (matmul's kernels type
+    their inputs so, and compile nothing else): the overload the dispatcher converts such arguments to."""
+    if len(overloads) != 1:
+        return None
+    (have,) = overloads.keys()
+    if len(have) != len(sig) or not all(
+            h == w or isinstance(h, types.Array) and isinstance(w, types.Array) and not h.mutable and w.mutable
+            and h == w.copy(readonly=True) for h, w in zip(have, sig)):
+        return None
+    return have
 
 
 class KernelCall:
