@@ -65,3 +65,25 @@ def write_gguf(path: Path, c: LlamaConfig, tensors: Mapping[str, np.ndarray], ar
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def redraw_hf_weights(model: Any) -> None:
+    """An HF transformers model's parameters redrawn at unit-ish scale, in place: HF's init (std 0.02, norms of
+    exactly 1 or 0, zero biases) would hide a transposed weight, a dropped norm or a dropped bias. Matrices (and
+    conv kernels) get std 1 / sqrt(fan-in), biases 0.5, norm weights 0.1 around what leaves x unscaled (0 for
+    the norms that scale by 1 + w: Gemma 3's and Qwen3.5's, but for the DeltaNet's gated norm; 1 elsewhere).
+    Qwen3.5's decay parameters (A_log, dt_bias) keep HF's init, which puts the rates in their working range."""
+    import torch
+
+    arch = model.config.model_type
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.ndim == 1:
+                one_plus_w = arch.startswith("gemma3") or arch.startswith("qwen3_5") and "linear_attn.norm" not in name
+                p.copy_(0.1 * torch.randn_like(p) + (0.0 if one_plus_w else 1.0))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)

@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 from _gpu_helpers import gpu_only, host
+from _model_helpers import redraw_hf_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -73,34 +74,12 @@ FAMILIES = {"llama": _llama, "qwen3": _qwen3, "qwen2": _qwen2, "gemma3": _gemma3
 BACKENDS = ["reference", "cpu", pytest.param("gpu", marks=[pytest.mark.gpu, gpu_only])]
 
 
-def _redraw(model) -> None:
-    """Weights at unit-ish scale (HF's 0.02 init and unit or zero norms would hide mistakes), biases (Qwen2's q/k/v,
-    zero in HF's init, so a dropped one would pass) centred on 0; Qwen3.5's decay parameters keep HF's init (rates
-    in [0.01, 16])."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(0.1 * torch.randn_like(p) + (0.0 if "norm" in name and _zero_centred(model, name) else 1.0))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)
-
-
-def _zero_centred(model, name: str) -> bool:
-    """Gemma 3's and Qwen3.5's norms scale by (1 + w), except Qwen3.5's gated DeltaNet norm."""
-    arch = model.config.model_type
-    return arch.startswith("gemma3") or (arch.startswith("qwen3_5") and "linear_attn.norm" not in name)
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def saved(request, tmp_path_factory):
     """(family, directory, token ids, transformers' logits for all of them)."""
     model = FAMILIES[request.param]()
-    _redraw(model)
+    torch.manual_seed(0)
+    redraw_hf_weights(model)
     model.config._attn_implementation = "eager"
     model.eval()
     path = tmp_path_factory.mktemp(request.param)

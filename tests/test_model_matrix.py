@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _gpu_helpers import assert_rel_close, gpu_only, host
+from _model_helpers import redraw_hf_weights
 
 import graphir
 
@@ -78,11 +79,7 @@ def _wide_hf(family: str, path) -> None:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
             **WIDE, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
             linear_num_key_heads=1, linear_num_value_heads=2))
-    with torch.no_grad():  # unit-ish scale; Qwen3.5's decay parameters keep HF's init
-        for name, p in model.named_parameters():
-            if not name.endswith(("A_log", "dt_bias")):
-                p.copy_(0.1 * torch.randn_like(p) + 1.0 if p.ndim == 1 else
-                        torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)
+    redraw_hf_weights(model)
     model.save_pretrained(path)
 
 

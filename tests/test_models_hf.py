@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _model_helpers import permute_for_norm_rope, write_gguf  # noqa: E402
+from _model_helpers import permute_for_norm_rope, redraw_hf_weights, write_gguf  # noqa: E402
 from graphir.models.llama import HF_NAMES  # noqa: E402
 
 import graphir  # noqa: E402
@@ -38,12 +38,7 @@ def tiny_model(arch: str, tied: bool, seed: int = 0):
     else:
         cfg = transformers.Qwen3Config(**TINY, rope_theta=1e6, tie_word_embeddings=tied)
         model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    redraw_hf_weights(model)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -142,9 +137,7 @@ def test_mistral_is_llamas_graph_within_its_window(tmp_path, window):
     torch.manual_seed(3)
     cfg = transformers.MistralConfig(**TINY, rope_theta=1e6, sliding_window=window)
     model = transformers.MistralForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
+    redraw_hf_weights(model)
     model.config._attn_implementation = "eager"
     model.save_pretrained(tmp_path)
     ours = graphir.load(str(tmp_path))

@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from _gpu_helpers import gpu_only, host
-from _model_helpers import write_gguf
+from _model_helpers import redraw_hf_weights, write_gguf
 from graphir.models.presets import PRESETS, ByteTokenizer
 from graphir.models.registry import family_of
 
@@ -50,14 +50,7 @@ def tiny_qwen2(tied: bool = True, seed: int = 0):
         vocab_size=VOCAB, hidden_size=72, intermediate_size=200, num_hidden_layers=3, num_attention_heads=3,
         num_key_value_heads=1, head_dim=40, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_word_embeddings=tied))
-    with torch.no_grad():  # unit-ish scale; biases centred on 0, norms on 1
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    redraw_hf_weights(model)  # biases too: HF's are zero, so a dropped one would pass
     model.config._attn_implementation = "eager"
     return model.eval()
 

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gguf  # noqa: E402
+from _model_helpers import redraw_hf_weights  # noqa: E402
 from graphir.backends.registry import get_backend  # noqa: E402
 from graphir.models import qwen35  # noqa: E402
 from graphir.models.gguf_file import GGUFFile  # noqa: E402
@@ -34,14 +35,7 @@ def tiny_hf(tied: bool = False, seed: int = 0):
     """A tiny HF model, weights redrawn at unit-ish scale (HF's 0.02 init and zero norms would hide mistakes)."""
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TINY, tie_word_embeddings=tied))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue  # HF's init: decay rates in [0.01, 16], dt_bias 1
-            if p.ndim == 1:  # zero-centred norms (x * (1 + w)), but the DeltaNet's gated norm is plain
-                p.copy_(0.1 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1 if p.ndim == 3 else 1] ** 0.5)
+    redraw_hf_weights(model)  # zero-centred norms (x * (1 + w)) but the DeltaNet's gated norm; HF's decay init
     model.config._attn_implementation = "eager"
     return model.eval()
 
