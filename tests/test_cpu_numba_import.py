@@ -43,13 +43,14 @@ import sys
 import graphir
 m = graphir.load("smollm2-135m", backend="cpu")
 m.logits(m.tokenizer.encode("The capital of France is"))
-print("imported:", sorted(n for n in ("yaml", "numpy.ma") if n in sys.modules))
+print("imported:", sorted(n for n in ("yaml", "numpy.ma", "numba.np.arrayobj") if n in sys.modules))
 """
 
 
-def test_a_second_process_reaches_its_first_logits_without_yaml_or_numpy_ma():
+def test_a_second_process_reaches_its_first_logits_without_yaml_numpy_ma_or_arrayobj():
     """numpy.ma (0.03 s) came with numba's typeof at each kernel's first call (direct_call.first_call types
-    arrays itself); yaml with numba's import."""
+    arrays itself); yaml with numba's import; numba.np.arrayobj (0.025-0.035 s) with the cache loads of kernels
+    that allocate or view arrays (stack_array.py)."""
     from graphir.models.default_model import smollm2_path
 
     try:

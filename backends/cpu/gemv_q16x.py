@@ -41,12 +41,13 @@ from numba.extending import intrinsic
 
 from . import gemv_q8x as GQ
 from .prefetch import prefetch
+from .stack_array import as_i32, bits_as_f32
 
 __all__ = ["FORMATS", "quantize_x", "prepare", "block_isums", "AVX2", "WORDS_ORDER"]
 
 # compiled into the kernels here: gemv_q8x's quantizer, row loop, emitters and (portable path) attention's f16
 # widening; prefetch's intrinsic
-CACHE_DEPENDS = ("gemv_q8x.py", "attention.py", "prefetch.py")
+CACHE_DEPENDS = ("gemv_q8x.py", "attention.py", "prefetch.py", "stack_array.py")
 FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # gemv_q8x's format codes
 AVX2 = GQ.AVX2
 Q16_MAX = np.float32(32767.0)
@@ -68,12 +69,12 @@ def _words_blocks(x, xq, dx, sx, full):
     NaN), the scales of all blocks in one loop (its divisions side by side; sx holds 1 / d until the codes are
     summed), the codes without branches, evens and odds as two strided streams. quantize_blocks' loop (a bounds test
     and a scatter through WORDS_ORDER an element) stays scalar."""
-    bits = x.view(np.int32)
+    bits = as_i32(x)  # x.view(np.int32) (stack_array.py: numba's view made loading this kernel import arrayobj)
     for b in range(full):
         top = np.int32(0)
         for j in range(32 * b, 32 * b + 32):
             top = max(top, bits[j] & np.int32(0x7FFFFFFF))
-        dx[b] = np.int32(top).view(np.float32) / Q16_MAX
+        dx[b] = bits_as_f32(np.int32(top)) / Q16_MAX
     for b in range(full):
         d = dx[b]
         sx[b] = np.float32(1.0) / d if d >= GQ.F32_TINY else np.float32(0.0)

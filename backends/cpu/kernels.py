@@ -12,6 +12,9 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import exp_parts
+from .stack_array import as_f32, stack_f32, stack_i32
+
+CACHE_DEPENDS = ("attention.py", "stack_array.py")  # compiled into the kernels: exp_parts, the stack scratch
 
 JIT = dict(cache=True, fastmath=True, nogil=True)
 
@@ -85,9 +88,9 @@ def _swiglu_piece(a, b, out, r, c0, c1):
     is a call per element (SmolLM2 prefill-512: swiglu 65 ms with expf, 2 threads). exp(-a) is clamped to
     [e^-87, e^88], inside f32 and far past where silu is a or 0 in f32."""
     n = c1 - c0
-    poly = np.empty(SWIGLU_PIECE, np.float32)
-    bits = np.empty(SWIGLU_PIECE, np.int32)
-    pow2 = bits.view(np.float32)
+    poly = stack_f32(SWIGLU_PIECE)  # scratch on the stack (stack_array.py: np.empty made every process loading
+    bits = stack_i32(SWIGLU_PIECE)  # this kernel import numba.np.arrayobj; 0.03 s of a first token)
+    pow2 = as_f32(bits)
     for i in range(n):
         poly[i], bits[i] = exp_parts(min(max(-a[r, c0 + i], np.float32(-87.0)), np.float32(88.0)))
     for i in range(n):

@@ -53,6 +53,9 @@ from graphir.errors import GraphError
 
 from . import direct_call, precompile
 from .lazy_table import LazyTable
+from .stack_array import stack_f32  # noqa: F401  (used by the generated get_rows kernels)
+
+CACHE_DEPENDS = ("stack_array.py",)  # compiled into the get_rows kernels
 
 __all__ = ["matmul", "prepare_matmul", "get_rows", "SUPPORTED"]
 
@@ -401,8 +404,7 @@ def _kernel_{name}_{mode}(w, w16, x, y, ids, tab, kv, nth):
     nsup = max(1, min(nunits, nth))
     per = (nunits + nsup - 1) // nsup
     for s in prange(nsup):
-        buf = np.empty((rt, {buf_cols}), np.float32)
-        scr = np.empty(16, np.float32)
+{scratch}
         for u in range(s * per, min(nunits, (s + 1) * per)):
             r0 = u * rt
             nr = min(rt, n_out - r0)
@@ -410,12 +412,18 @@ def _kernel_{name}_{mode}(w, w16, x, y, ids, tab, kv, nth):
 {then}
 """
 
-_MODE_PARTS = {  # what differs between the modes: sizes, the dequantized tile's destination, the product
-    "gemv": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="GEMV_ROWS", buf_cols="n_in", dst="buf",
+_ALLOCATED = """\
+        buf = np.empty((rt, n_in), np.float32)
+        scr = np.empty(16, np.float32)"""
+# get_rows writes into y and needs only the 16 floats: on the stack (stack_array.py), as np.empty made every process
+# that loads the kernel from numba's cache import numba.np.arrayobj (0.025 s of a first token)
+_STACK = "        scr = stack_f32(16)"
+_MODE_PARTS = {  # what differs between the modes: sizes, scratch, the dequantized tile's destination, the product
+    "gemv": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="GEMV_ROWS", scratch=_ALLOCATED, dst="buf",
                  then="            _dot(buf, nr, x, y, r0)"),
     "tile": dict(n_out="w.shape[0]", n_in="x.shape[1]", rt="_tile_rows(n_out, x.shape[0], n_in, nth)",
-                 buf_cols="n_in", dst="buf", then="            _dot(buf, nr, x, y, r0)"),
-    "rows": dict(n_out="ids.shape[0]", n_in="y.shape[1]", rt="GEMV_ROWS", buf_cols="0", dst="y[r0:r0 + nr]",
+                 scratch=_ALLOCATED, dst="buf", then="            _dot(buf, nr, x, y, r0)"),
+    "rows": dict(n_out="ids.shape[0]", n_in="y.shape[1]", rt="GEMV_ROWS", scratch=_STACK, dst="y[r0:r0 + nr]",
                  then=""),
 }
 
