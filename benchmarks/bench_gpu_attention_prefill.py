@@ -63,7 +63,7 @@ def use_variant(name: str) -> None:
 
     defines, mt, q_shared, warps = VARIANTS[name]
     kernels.SOURCES[attention.TC_FILE] = tuple(defines)
-    kernels.module.cache_clear()  # Launches made before keep their compiled kernels
+    kernels.clear()  # Launches made before keep their compiled kernels
     attention.TC_MT, attention.TC_Q_SHARED, attention.TC_WARPS = mt, dict(q_shared), warps
 
 

@@ -250,7 +250,7 @@ def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] =
 
     shipped = dict(kernels.SOURCES)
     kernels.SOURCES.update({k: v + defines for k, v in shipped.items() if k in files})
-    kernels.module.cache_clear()
+    kernels.clear()
     os.environ["GRAPHIR_NO_PDL"] = "0" if pdl_on else "1"
     try:
         with stream():
@@ -261,7 +261,7 @@ def recaptured_us(program, state, graph_only, n: int, defines: tuple[str, ...] =
     finally:
         del os.environ["GRAPHIR_NO_PDL"]
         kernels.SOURCES.update(shipped)
-        kernels.module.cache_clear()
+        kernels.clear()
 
 
 def kernel_table(program, top: int) -> None:

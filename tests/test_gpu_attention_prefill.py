@@ -338,10 +338,10 @@ def recompile(monkeypatch):
         monkeypatch.setitem(kernels.SOURCES, attention.TC_FILE, defines)
         for name, value in mirrors.items():
             monkeypatch.setattr(attention, name, value)
-        kernels.module.cache_clear()  # Launches made before keep their compiled kernels
+        kernels.clear()  # Launches made before keep their compiled kernels
 
     yield use
-    kernels.module.cache_clear()  # monkeypatch restores SOURCES next; the module is compiled again on use
+    kernels.clear()  # monkeypatch restores SOURCES next; the module is compiled again on use
 
 
 @tensor_cores

@@ -9,6 +9,7 @@ passes here is what the backend would load at run time.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -67,3 +68,29 @@ def test_compiles_with_hipcc(name, arch, tmp_path):
 def test_every_source_is_listed():
     on_disk = {p.name for p in kernels.KERNEL_DIR.glob("*.cu")}
     assert on_disk == set(kernels.SOURCES), "kernels.SOURCES must list exactly the .cu files beside it"
+
+
+def _entries(name: str, defines: tuple[str, ...]) -> set[str]:
+    """The kernels (PTX entries) of source `name` compiled with `defines`, checked free of warnings."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(kernels.source(name), name, [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90", *kernels.nvrtc_options(defines)])
+    except nvrtc.NVRTCError:
+        pytest.fail(f"{name} with {defines}:\n{nvrtc.getProgramLog(prog)}")
+    log = nvrtc.getProgramLog(prog)
+    assert "warning" not in log, f"{name} with {defines} compiles with warnings:\n{log}"
+    return set(re.findall(r"\.entry\s+(\w+)\s*\(", nvrtc.getPTX(prog).decode()))
+
+
+@pytest.mark.parametrize("name", sorted(kernels.PARTS))
+def test_parts_hold_each_kernel_of_the_file_once(name):
+    """A source compiled in parts (kernels.PARTS): every kernel of the whole file is in exactly one part, and the
+    parts define nothing else, so a lookup across the parts finds each kernel, once."""
+    whole = _entries(name, kernels.SOURCES[name])
+    units = [_entries(name, d) for d in kernels.unit_defines(name)]
+    assert len(units) == kernels.PARTS[name] and all(units), f"{name}: an empty part"
+    union = set().union(*units)
+    twice = sorted(k for k in union if sum(k in u for u in units) > 1)
+    assert not twice, f"{name}: kernels in more than one part: {twice[:5]}"
+    assert union == whole, f"{name}: parts miss {sorted(whole - union)[:5]}, add {sorted(union - whole)[:5]}"

@@ -336,7 +336,7 @@ def test_late_peer_is_waited_for_and_missing_peer_is_an_error_not_a_hang():
 def _job_planted_stale_parity(rank: int, comm) -> list:
     """The sites graph compiled with the planted bug: the summing reads the other parity's buffer."""
     kernels.SOURCES["p2p.cu"] = ("GRAPHIR_TEST_P2P_STALE_PARITY",)
-    kernels.module.cache_clear()
+    kernels.clear()
     program = _lower(_sites_graph())
     return [program(_feeds(rank, call, SIZES)) for call in range(6)]
 

@@ -141,9 +141,9 @@ def test_kernels_without_their_wait_are_caught(monkeypatch):
     what the kernel ahead has not written yet, and the comparison must see it."""
     planted = {k: v + ("GRAPHIR_TEST_SKIP_PDL_WAIT",) for k, v in kernels.SOURCES.items()}
     monkeypatch.setattr(kernels, "SOURCES", planted)
-    kernels.module.cache_clear()
+    kernels.clear()
     try:
         assert _first_difference("random:qwen3-tiny", 48, monkeypatch)[0] is not None
     finally:
         monkeypatch.undo()
-        kernels.module.cache_clear()
+        kernels.clear()

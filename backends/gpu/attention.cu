@@ -498,6 +498,7 @@ DEVICE void attn_decode_tile(int s, const float* __restrict__ q, const KV* __res
 #ifndef COMBINE_PRE
 #define COMBINE_PRE 4
 #endif
+#if IN_PART(0)
 extern "C" __global__ void __launch_bounds__(ATTN_COMBINE_THREADS)
 attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
              const int* __restrict__ pos, const int* __restrict__ kv_len, float* __restrict__ out, int hq, int dv,
@@ -584,6 +585,7 @@ attn_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
         __syncthreads();  // sm is rewritten by the next column run
     }
 }
+#endif  // IN_PART(0)
 
 // ---------------------------------------------------------------- prefill
 template <typename KV, int GB, int NV, int T, bool VEC>
@@ -697,8 +699,12 @@ DEVICE void attn_prefill(const float* __restrict__ q, const KV* __restrict__ k, 
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 8, 2, true, _d256_g8)       \
     ATTN_DEFINE_PREFILL(KVNAME, KVT, 256, 1, 4, false, _any)
 
+#if IN_PART(0)
 ATTN_DEFINE_KV(f32, float)
+#endif
+#if IN_PART(1)
 ATTN_DEFINE_KV(f16, u16)
+#endif
 
 // Decode: attn_decode_<kv><suffix>, the same suffixes as prefill. The shape classes run
 // attn_decode_tile (16-byte loads: attention.py sends shapes it cannot load to `_any`, which runs
@@ -752,5 +758,9 @@ ATTN_DEFINE_KV(f16, u16)
     ATTN_DEFINE_ROW(KVNAME, KVT, 256, 1, 4, _any)
 
 // The shipped R per (KV dtype, GQA class):  g1 g4 g8
+#if IN_PART(2)
 ATTN_DEFINE_DECODE_KV(f16, u16,              4, 2, 2)
+#endif
+#if IN_PART(3)
 ATTN_DEFINE_DECODE_KV(f32, float,            2, 2, 1)
+#endif

@@ -4,12 +4,20 @@ Every source includes common.cuh (the CUDA/HIP portability layer) and has `#ifnd
 for everything it is specialized on, so each file also compiles on its own (what CI checks with
 NVRTC and hipcc, without a GPU). Kernels are `extern "C"`, one name per specialization, so a
 file is compiled once per process and every specialization the backend can emit is in SOURCES.
+
+A process's first kernel request compiles every source at once, side by side in threads (NVRTC and
+hiprtc run without the GIL), the requested file's translation units first; the two large files are
+compiled in parts (PARTS), so a first run waits for about its largest part rather than for all the
+files in turn. Later processes load the binaries from CuPy's disk cache (CUPY_CACHE_DIR).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +59,90 @@ def nvrtc_options(defines: tuple[str, ...] = ()) -> list[str]:
     return [f"-I{KERNEL_DIR}", "-std=c++17", *(f"-D{d}" for d in defines)]
 
 
-@functools.cache
-def module(name: str) -> Any:
-    """The compiled RawModule of one source file (NVRTC on CUDA, hiprtc on ROCm)."""
+# Sources compiled as several translation units: part k is the file with -DGRAPHIR_PART=k and holds the sections
+# marked `#if IN_PART(k)` (common.cuh); each kernel is in exactly one part (tests/test_gpu_kernels_compile.py).
+# nvcc -cubin for sm_90 on the 2-core CI machine (2026-12-04): matmul.cu 43.9 s whole, its parts 1.5-7.4 s;
+# attention.cu 27.1 s whole.
+PARTS: dict[str, int] = {"matmul.cu": 8, "attention.cu": 4}
+
+
+def unit_defines(name: str) -> list[tuple[str, ...]]:
+    """The -D options of each translation unit of source `name`: its SOURCES options, and a part's number."""
+    parts = PARTS.get(name, 0)
+    return [SOURCES[name] + (f"GRAPHIR_PART={k}",) for k in range(parts)] if parts else [SOURCES[name]]
+
+
+class Compiled:
+    """A source file's compiled translation units; a kernel is looked up in the unit that defines it."""
+
+    def __init__(self, name: str, units: list[Any]):
+        self.name, self.units = name, units
+        self._found: dict[str, Any] = {}
+
+    def get_function(self, kernel: str) -> Any:
+        fn = self._found.get(kernel)
+        if fn is None:
+            from .device import cupy
+
+            for unit in self.units:
+                try:
+                    fn = unit.get_function(kernel)
+                    break
+                except cupy().cuda.driver.CUDADriverError:  # not in this unit (CUDA_ERROR_NOT_FOUND)
+                    continue
+            else:
+                raise KeyError(f"{self.name}: no kernel {kernel!r} in any of its {len(self.units)} translation units")
+            self._found[kernel] = fn
+        return fn
+
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_units: dict[str, list[Future]] = {}  # source -> its translation units, compiling or compiled
+_modules: dict[str, Compiled] = {}
+
+
+def _compile_unit(name: str, defines: tuple[str, ...]) -> Any:
     from .device import cupy
 
-    return cupy().RawModule(code=source(name), options=tuple(nvrtc_options(SOURCES[name])))
+    unit = cupy().RawModule(code=source(name), options=tuple(nvrtc_options(defines)))
+    unit.compile()
+    return unit
+
+
+def _submit(name: str) -> list[Future]:
+    """`name`'s units, submitted to the pool if they were not (call with _lock held)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 4, thread_name_prefix="graphir-nvrtc")
+    if name not in _units:
+        _units[name] = [_pool.submit(_compile_unit, name, d) for d in unit_defines(name)]
+    return _units[name]
+
+
+def module(name: str) -> Compiled:
+    """The compiled kernels of one source file (NVRTC on CUDA, hiprtc on ROCm). The first request in a
+    process starts every other source compiling behind this one."""
+    done = _modules.get(name)
+    if done is not None:
+        return done
+    with _lock:
+        first = not _units
+        futures = _submit(name)
+        if first:
+            for other in SOURCES:
+                _submit(other)
+    compiled = Compiled(name, [f.result() for f in futures])
+    _modules[name] = compiled
+    return compiled
+
+
+def clear() -> None:
+    """Forget every compiled source, so the next request compiles with SOURCES as it is now (tests and
+    benchmarks that compile with extra -D switches). Launches made before keep their kernels."""
+    with _lock:
+        _units.clear()
+        _modules.clear()
 
 
 def get(name: str, kernel: str) -> Any:

@@ -160,8 +160,10 @@ DEVICE void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float
         PDL_ENTRY();                                                                                      \
         gemv_impl<F, 1>(W, row_bytes, X, Y, n_out, n_in, 1);                                              \
     }
+#if IN_PART(0)
 FOR_EACH_QUANT(DEFINE_GEMV)
 FOR_EACH_FLOAT(DEFINE_GEMV)
+#endif
 
 // ---------------------------------------------------------------- 2..16 tokens, float weights
 // gemvm<M>_<fmt> (f32, f16, bf16): a speculative verify call's GEMV, M = 2, 4, 8 or 16 tokens (m <= M run).
@@ -271,7 +273,9 @@ DEVICE void gemvm_impl(const u8* __restrict__ W, long long row_bytes, const floa
 #define DEFINE_GEMVM(name, F)                   \
     DEFINE_GEMVM_CFG(name, F, g64r4, 64, 4)     \
     DEFINE_GEMVM_CFG(name, F, g128r2, 128, 2)
+#if IN_PART(1)
 FOR_EACH_FLOAT(DEFINE_GEMVM)
+#endif
 
 // ---------------------------------------------------------------- 2..16 tokens, float weights: row sets
 // gemvm<M>_<fmt>_j<J>w<WB>r<NR> (matmul.py GEMVM_CONFIGS): gemvm_impl's product, laid out for what bounds it.
@@ -427,7 +431,15 @@ DEVICE void gemvm_sets_impl(const u8* __restrict__ W, long long row_bytes, const
     X(name, F, j4w8r2, 4, 8, 2, 64)        \
     X(name, F, j4w8r4, 4, 8, 4, 64)
 #define DEFINE_GEMVM_SETS(name, F) FOR_EACH_GEMVM_SETS_CFG(DEFINE_GEMVM_SETS_CFG, name, F)
-FOR_EACH_FLOAT(DEFINE_GEMVM_SETS)
+#if IN_PART(2)
+DEFINE_GEMVM_SETS(f32, Ff32)
+#endif
+#if IN_PART(5)
+DEFINE_GEMVM_SETS(f16, Ff16)
+#endif
+#if IN_PART(6)
+DEFINE_GEMVM_SETS(bf16, Fbf16)  // FOR_EACH_FLOAT, one format a part
+#endif
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 2
 // gemv1v2_<fmt>_<cfg>: the decode step's GEMV with a tunable geometry, for the benchmark to pick
@@ -588,7 +600,12 @@ DEVICE void gemv1v2_impl(const u8* __restrict__ W, long long row_bytes, const fl
     }
 #define DEFINE_GEMV1V2(name, F) \
     FOR_EACH_GEMV1_CFG(DEFINE_GEMV1V2_CFG, name, F) FOR_EACH_GEMV1_CFG(DEFINE_GEMV1SW_CFG, name, F)
-FOR_EACH_WIDE(DEFINE_GEMV1V2)
+#if IN_PART(3)
+FOR_EACH_WIDE_A(DEFINE_GEMV1V2)
+#endif
+#if IN_PART(7)
+FOR_EACH_WIDE_B(DEFINE_GEMV1V2)
+#endif
 
 // ---------------------------------------------------------------- m == 1 GEMV, version 3
 // gemv1v3_<fmt>_<cfg> (q8_0, q4_0, q4_k; cfg r2 / r4 = rows per 32-lane group): the decode GEMV
@@ -848,7 +865,9 @@ DEVICE void gemv1v3_q4_k(const u8* __restrict__ W, long long row_bytes, const fl
         GEMV1_TOKEN_BLOCK();                                                                              \
         GEMV1V3_BODY_##name(NR);                                                                          \
     }
+#if IN_PART(4)
 FOR_EACH_GEMV1_V3(DEFINE_GEMV1V3)
+#endif
 
 // ---------------------------------------------------------------- dequantize to f32 (prefill)
 // out[row, :] = the row's values, row-major [rows, n_in]. One thread per unit, grid-stride.
@@ -902,6 +921,7 @@ DEVICE void dequant_float_impl(const u8* __restrict__ W, long long row_bytes, fl
         PDL_ENTRY();                                                                                            \
         dequant_float_impl<F>(W, row_bytes, out, rows, n_in);                                                   \
     }
+#if IN_PART(4)  // to the end of the file
 FOR_EACH_QUANT(DEFINE_DEQUANT)
 FOR_EACH_FLOAT(DEFINE_DEQUANT_FLOAT)
 
@@ -962,3 +982,4 @@ extern "C" __global__ void cast_f32_bf16_v4(const float* __restrict__ x, u16* __
     }
     if (first < n - 4 * n4) y[4 * n4 + first] = f32_to_bf16(x[4 * n4 + first]);
 }
+#endif  // IN_PART(4)

@@ -617,8 +617,10 @@ struct RowChunks {
     M(q4_k, Fq4_k) M(q5_k, Fq5_k) M(q6_k, Fq6_k) M(iq4_xs, Fiq4_xs)
 #define FOR_EACH_FLOAT(M) M(f32, Ff32) M(f16, Ff16) M(bf16, Fbf16)
 // gemv1v2: every format with the traits it reads fastest with (wide loads where they differ).
-#define FOR_EACH_WIDE(M) \
-    M(q4_0, Fq4_0w) M(q4_1, Fq4_1w) M(q5_0, Fq5_0w) M(q5_1, Fq5_1w) M(q8_0, Fq8_0w) \
+// In two halves, compiled in separate parts of matmul.cu (common.cuh IN_PART).
+#define FOR_EACH_WIDE_A(M) M(q4_0, Fq4_0w) M(q4_1, Fq4_1w) M(q5_0, Fq5_0w) M(q5_1, Fq5_1w) M(q8_0, Fq8_0w)
+#define FOR_EACH_WIDE_B(M) \
     M(q4_k, Fq4_kw) M(q5_k, Fq5_kw) M(q6_k, Fq6_k) M(iq4_xs, Fiq4_xs) M(f32, Ff32) M(f16, Ff16) M(bf16, Fbf16)
+#define FOR_EACH_WIDE(M) FOR_EACH_WIDE_A(M) FOR_EACH_WIDE_B(M)
 
 #endif  // GRAPHIR_QUANT_CUH
