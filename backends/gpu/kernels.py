@@ -141,7 +141,8 @@ def module(name: str) -> Compiled:
     compiled = Compiled(name, [f.result() for f in futures])
     _modules[name] = compiled
     if cold:
-        threading.Thread(target=_mark_when_compiled, args=(marker, list(_units.values())), daemon=True).start()
+        # not a daemon: a process that ends first still writes the marker (its exit waits for the compiles anyway)
+        threading.Thread(target=_mark_when_compiled, args=(marker, list(_units.values()))).start()
     return compiled
 
 
