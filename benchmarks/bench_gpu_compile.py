@@ -69,7 +69,7 @@ def main() -> None:
         cold = run(PARALLEL, units)
         warm = run(PARALLEL, units)
         for what, t in (("cold", cold), ("warm", warm)):
-            print(f"kernels.module, {what}: matmul.cu after {t['matmul.cu']:.2f} s, every source after {t['all']:.2f} s")
+            print(f"kernels.module, {what}: matmul.cu after {t['matmul.cu']:.2f} s, every source {t['all']:.2f} s")
 
 
 if __name__ == "__main__":
