@@ -5,8 +5,8 @@ CuPy kernel cache, then the same with the cache those runs filled.
     python benchmarks/bench_gpu_compile.py [--no-whole]
 
 Prints the seconds per source compiled whole (NVRTC, as the backend compiled them until the parts), their sum, and
-the wall time until kernels.module has every source, cold (no CuPy cache, no graphir marker: every source started at
-the first request) and warm (both there: each source loaded when asked for). --no-whole skips the whole-file runs.
+the wall time until kernels.module has every source, cold (an empty CuPy cache) and warm (the cache those runs
+filled). --no-whole skips the whole-file runs.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ print(json.dumps({"matmul.cu": t_first, "all": time.perf_counter() - t}))
 
 
 def run(code: str, cache: str) -> dict:
-    env = {**os.environ, "CUPY_CACHE_DIR": cache, "GRAPHIR_CACHE_DIR": os.path.join(cache, "graphir"),
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "CUPY_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -4,7 +4,6 @@ and how a kernel is found among a file's parts (the real compiles: tests/test_gp
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from graphir.backends.gpu import kernels
@@ -32,15 +31,7 @@ class FakeUnit:
 
 
 @pytest.fixture
-def marker(tmp_path, monkeypatch):
-    """Where kernels keeps its 'this set of sources was compiled here' marker: absent at the start."""
-    path = tmp_path / "gpu-kernels" / "fingerprint"
-    monkeypatch.setattr(kernels, "_marker", lambda: path)
-    return path
-
-
-@pytest.fixture
-def compiled(monkeypatch, marker):
+def compiled(monkeypatch):
     """The units compiled, in the order the pool started them; kernels' caches empty before and after."""
     order, lock = [], threading.Lock()
 
@@ -55,13 +46,6 @@ def compiled(monkeypatch, marker):
     kernels.clear()
 
 
-def wait_for(path, seconds: float = 10.0) -> bool:
-    end = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < end:
-        time.sleep(0.01)
-    return path.exists()
-
-
 def test_first_request_compiles_every_unit_of_every_source_once(compiled):
     m = kernels.module("rope.cu")
     assert m.get_function("k_rope.cu_all") == "rope.cu:all:k_rope.cu_all"
@@ -70,30 +54,6 @@ def test_first_request_compiles_every_unit_of_every_source_once(compiled):
     want = sorted((name, d) for name in kernels.SOURCES for d in kernels.unit_defines(name))
     assert sorted(compiled) == want  # each once, though rope.cu was asked for twice
     assert len(want) == len(kernels.SOURCES) + sum(n - 1 for n in kernels.PARTS.values())
-
-
-def test_a_cold_start_marks_the_sources_compiled_and_a_warm_one_compiles_on_demand(compiled, marker):
-    kernels.module("rope.cu")
-    assert wait_for(marker), "every unit compiled, but no marker written"
-    kernels.clear()
-    compiled.clear()
-    kernels.module("norm.cu")  # the marker is there: only what is asked for
-    kernels.module("matmul.cu")
-    assert sorted(compiled) == sorted([("norm.cu", kernels.SOURCES["norm.cu"])]
-                                      + [("matmul.cu", d) for d in kernels.unit_defines("matmul.cu")])
-
-
-def test_no_marker_after_a_failed_compile(compiled, marker, monkeypatch):
-    def broken(name, defines):
-        if name == "p2p.cu":
-            raise RuntimeError("planted compile error")
-        return FakeUnit(name, defines)
-
-    monkeypatch.setattr(kernels, "_compile_unit", broken)
-    kernels.module("rope.cu")
-    assert not wait_for(marker, 0.5)
-    with pytest.raises(RuntimeError, match="planted"):
-        kernels.module("p2p.cu")
 
 
 def test_requested_source_is_submitted_first(compiled, monkeypatch):

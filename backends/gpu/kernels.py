@@ -5,14 +5,14 @@ for everything it is specialized on, so each file also compiles on its own (what
 NVRTC and hipcc, without a GPU). Kernels are `extern "C"`, one name per specialization, so a
 file is compiled once per process and every specialization the backend can emit is in SOURCES.
 
-Every source's translation units compile side by side in threads (NVRTC and hiprtc run without the
-GIL); the two large files are compiled in parts (PARTS). Where this set of sources has not been compiled
-on this machine before (no marker under $GRAPHIR_CACHE_DIR/gpu-kernels for its fingerprint), the first
-kernel request starts every source, the requested one first, so a first run waits for about its largest
-part rather than for all the files in turn (H200, 16 CPUs: 75.8 s -> 8.8 s). Once they all compiled, the
-marker lets later processes load each source from CuPy's disk cache (CUPY_CACHE_DIR) only when asked for
-(every source loaded at once took 0.61 s there, the sources whole and in turn 0.24 s). A wrong marker
-(CuPy's cache emptied, ours not) costs only the side-by-side start of other files.
+A process's first kernel request compiles every source at once, side by side in threads (NVRTC and
+hiprtc run without the GIL), the requested file's translation units first; the two large files are
+compiled in parts (PARTS), so a first run waits for about its largest part rather than for all the
+files in turn (H200, 16 CPUs: 75.8 s -> 8.8 s). Later processes load the binaries from CuPy's disk
+cache (CUPY_CACHE_DIR), also all at once (0.61 s for every source there, 0.24 s whole and in turn).
+Tried and dropped: a marker under $GRAPHIR_CACHE_DIR saying a set of sources was compiled, so that a
+warm process would load each source only when asked for; with CuPy's cache emptied and the marker kept
+(as `graphir bench --new-process` does for its cold run) a first token took 40.4 s instead of ~17.
 """
 
 from __future__ import annotations
@@ -133,40 +133,12 @@ def module(name: str) -> Compiled:
     with _lock:
         first = not _units
         futures = _submit(name)
-        marker = _marker() if first else None
-        cold = marker is not None and not marker.exists()
-        if cold:
+        if first:
             for other in SOURCES:
                 _submit(other)
     compiled = Compiled(name, [f.result() for f in futures])
     _modules[name] = compiled
-    if cold:
-        # not a daemon: a process that ends first still writes the marker (its exit waits for the compiles anyway)
-        threading.Thread(target=_mark_when_compiled, args=(marker, list(_units.values()))).start()
     return compiled
-
-
-def _marker() -> Path:
-    """The file that says this machine compiled this set of sources (with these options, this CuPy, this
-    device) into CuPy's cache: its name is their fingerprint."""
-    from graphir.graph_cache import base_dir
-
-    from .device import cupy
-
-    cp = cupy()
-    h = hashlib.sha256(cp.__version__.encode() + str(cp.cuda.Device().compute_capability).encode())
-    for name in sorted(SOURCES):
-        h.update(name.encode() + source(name).encode() + repr(unit_defines(name)).encode())
-    return base_dir() / "gpu-kernels" / h.hexdigest()[:32]
-
-
-def _mark_when_compiled(path: Path, units: list[list[Future]]) -> None:
-    try:
-        if all(f.exception() is None for futures in units for f in futures):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch()
-    except OSError:  # an unwritable cache folder: later processes start every source again, nothing worse
-        pass
 
 
 def clear() -> None:
