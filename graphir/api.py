@@ -447,7 +447,8 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     `threads` fixes the cpu backend's kernel threads (1..numba's pool; per process, as numba's pool is);
     None leaves them as they are: auto unless set, i.e. the whole pool while the machine is quiet and
     one thread fewer per core other programs keep busy (graphir/backends/cpu/threads.py).
-    A model from an HF directory without tokenizer.json loads with `tokenizer` None.
+    A model from an HF directory without tokenizer.json, or a GGUF file without tokenizer metadata, loads with
+    `tokenizer` None.
     `tp` > 1: tensor parallel over that many processes, one per GPU (gpu, NCCL) or sharing memory
     (cpu); the result is a graphir.tp_workers.TensorParallelModel with generate, logits and close.
     `kv_slots` N: the KV cache is a pool of N slots addressed through a slot map (graphir/kv_slots.py;
@@ -546,6 +547,8 @@ def _resolve(spec: str, dtype: str | None) -> tuple[ModelConfig, Weights, Any, s
         if path.suffix.lower() != ".gguf":  # m.GGUF too
             raise LoadError(f"{path}: not a .gguf file or a model directory")
         config, weights, f = loader.load_gguf(path)
+        if "tokenizer.ggml.tokens" not in f.metadata:  # weights alone (as an HF folder without tokenizer.json)
+            return config, weights, None, _ids(f.metadata.get("tokenizer.ggml.eos_token_id")), str(path)
         tok = Tokenizer.from_gguf(f.metadata, source=f.label)
         tok.chat_template = tok.chat_template or registry.family_of(config).default_chat_template
         return config, weights, tok, tok.eos_ids, str(path)

@@ -380,6 +380,9 @@ def run_cmd(model: str, prompt: str, n: int, temperature: float, top_k: int, top
     lm = api.load(model, backend=backend, passes=pipeline, ctx=ctx, dtype=dtype,
                   **({"threads": threads} if threads else {}), **({"tp": tp} if tp > 1 else {}))
     load_s = time.perf_counter() - t0
+    if lm.tokenizer is None:  # a GGUF file without tokenizer metadata (folders are checked before loading)
+        raise CliError(f"{model}: has no tokenizer (no tokenizer.ggml.tokens); `graphir run` needs one to encode "
+                       f"the prompt (graphir.load() loads this model without a tokenizer: generate from token ids)")
     ids = lm.tokenizer.encode(prompt)
     click.echo(f"prompt: {len(ids)} tokens", err=True)
     if not ids:  # -p '' and a tokenizer that adds no BOS: the model's own check speaks of an array's shape

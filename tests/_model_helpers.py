@@ -30,9 +30,10 @@ def permute_for_norm_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, c: LlamaConfig, tensors: Mapping[str, np.ndarray], arch: str | None = None,
-               skip_keys: tuple[str, ...] = (), extra: Mapping[str, Any] | None = None) -> Path:
+               skip_keys: tuple[str, ...] = (), extra: Mapping[str, Any] | None = None, tokenizer: bool = True) -> Path:
     """A GGUF with llama.cpp's metadata keys for `c` (prefix `arch`, default c.arch) and f32/f16 `tensors`;
-    `extra` adds more keys under the prefix (bool, int: uint32, float: float32, str, or a list: an array)."""
+    `extra` adds more keys under the prefix (bool, int: uint32, float: float32, str, or a list: an array);
+    tokenizer=False leaves the tokenizer's keys out but for the EOS id."""
     arch = arch or c.arch
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (extra or {}).items():
@@ -53,10 +54,11 @@ def write_gguf(path: Path, c: LlamaConfig, tensors: Mapping[str, np.ndarray], ar
     for key, (value, add) in keys.items():
         if key not in skip_keys:
             add(f"{arch}.{key}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(byte_level_tokens(c.n_vocab))
-    w.add_token_merges(MERGES)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(byte_level_tokens(c.n_vocab))
+        w.add_token_merges(MERGES)
     w.add_eos_token_id(c.n_vocab - 1)
     for name, arr in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(arr))

@@ -252,6 +252,33 @@ def test_gguf_loads(tmp_path):
     assert m.tokenizer.eos_ids == {TINY.n_vocab - 1} and m.eos_ids == {TINY.n_vocab - 1}
 
 
+def test_gguf_without_tokenizer_loads_without_one_and_runs_from_ids(tmp_path):
+    """Weights alone, as an HF folder without tokenizer.json: the model loads with no tokenizer, its EOS from the
+    file, and computes what the same file with a tokenizer does; `graphir run` says why it cannot encode a prompt."""
+    from click.testing import CliRunner
+
+    from graphir.cli import main
+
+    bare = graphir.load(str(write_gguf(tmp_path / "bare.gguf", TINY, tiny_arrays(), tokenizer=False)))
+    full = graphir.load(str(write_gguf(tmp_path / "full.gguf", TINY, tiny_arrays())))
+    assert bare.tokenizer is None and bare.eos_ids == full.eos_ids == {TINY.n_vocab - 1}
+    ids = [3, 17, 250, 9, 101]
+    np.testing.assert_array_equal(np.asarray(bare.logits(ids)), np.asarray(full.logits(ids)))
+    assert list(bare.generate(ids, 4)) == list(full.generate(ids, 4))
+    r = CliRunner().invoke(main, ["run", str(tmp_path / "bare.gguf"), "--backend", "reference", "-n", "2"])
+    assert r.exit_code != 0 and "has no tokenizer (no tokenizer.ggml.tokens)" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_gguf_with_a_malformed_token_list_is_refused(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_list", lambda self, tokens: self.add_array(
+        "tokenizer.ggml.tokens", [1, 2, 3]))
+    with raises(LoadError, "tokenizer.ggml.tokens is missing or not a list of strings"):
+        graphir.load(str(write_gguf(tmp_path / "m.gguf", TINY, tiny_arrays())))
+
+
 def test_gguf_unknown_architecture(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", TINY, tiny_arrays(), arch="mamba")
     with raises(LoadError, "m.gguf", "architecture 'mamba' is not supported"):
