@@ -6,6 +6,7 @@ tests/test_passes.py runs every pass on every case, the example and the tiny mod
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -528,3 +529,29 @@ def test_a_repeated_option_or_a_pipeline_that_is_no_string_is_refused():
         parse_pipeline("q16-activations{max_rows=1,max_rows=16}")
     with pytest.raises(GraphError, match=r'pipeline must be a string of pass names \("" for none\), got None'):
         run_pipeline(case_identities("f32"), None)
+
+
+@pytest.mark.parametrize("spec, rule", [
+    ("stack-projections{max_rows=-3}", "max_rows=-3 must be >= 0"),
+    ("gemm-bf16{min_rows=0}", "min_rows=0 must be >= 1"),
+    ("q8-activations{max_rows=-1}", "'q8-activations': option max_rows=-1 must be >= 0"),
+    ("q16-activations{max_rows=-2}", "'q16-activations': option max_rows=-2 must be >= 0"),
+    ("attn-bf16{max_decode_queries=-1}", "max_decode_queries=-1 must be >= 0"),
+    ("shard-tp{n=0}", "n=0 must be >= 1"),
+    ("shard-tp{rank=-4}", "rank=-4 must be >= -1"),
+])
+def test_a_count_option_out_of_range_is_refused_when_parsed(spec, rule):
+    """A negative row count matched nothing without a word (stack-projections{max_rows=-3} stacked nothing and
+    `graphir check` passed): the pass refuses it, and parsing the pipeline already says so."""
+    with pytest.raises(GraphError, match=re.escape(rule)):
+        parse_pipeline(spec)
+    name, value = spec.rstrip("}").split("{")
+    key, number = value.split("=")
+    with pytest.raises(GraphError, match=re.escape(rule)):
+        PASSES[name].configured(**{key: int(number)})
+
+
+def test_count_options_at_their_bounds_are_taken():
+    for spec in ("stack-projections{max_rows=0}", "gemm-bf16{min_rows=1}", "q16-activations{max_rows=0}",
+                 "attn-bf16{max_decode_queries=0}", "shard-tp{n=1,rank=-1}", "shard-tp{n=2,rank=0}"):
+        assert parse_pipeline(spec)

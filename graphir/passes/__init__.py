@@ -199,6 +199,7 @@ def _typed_options(p: Pass, opts: dict[str, str]) -> dict[str, Any]:
             out[key] = _parse_bool(text) if kind is bool else kind(text)
         except ValueError:
             raise GraphError(f"pass {p.name!r}: option {key}={text!r} is not a {kind.__name__}") from None
+    p.configured(**out)  # the pass's own checks of its values (a negative row count, ...), before anything runs
     return out
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, rewrite
+from graphir.passes.rewrite import Rewriter, check_options, rewrite
 
 
 @register_pass("attn-bf16", "flash_attn of > max_decode_queries queries -> flash_attn_bf16 "
@@ -26,6 +26,9 @@ from graphir.passes.rewrite import Rewriter, rewrite
 @dataclass(frozen=True)
 class AttnBf16:
     max_decode_queries: int = 16  # backends/gpu/attention.py DECODE_MAX_QUERIES
+
+    def __post_init__(self) -> None:
+        check_options("attn-bf16", 0, max_decode_queries=self.max_decode_queries)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "flash_attn":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
+from graphir.passes.rewrite import Rewriter, check_options, is_weight_matrix, rewrite
 
 
 @register_pass("gemm-bf16", "mul_mat of a 2-D weight by >= min_rows rows -> mul_mat_bf16 "
@@ -33,6 +33,9 @@ from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
 @dataclass(frozen=True)
 class GemmBf16:
     min_rows: int = 17
+
+    def __post_init__(self) -> None:
+        check_options("gemm-bf16", 1, min_rows=self.min_rows)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "mul_mat":

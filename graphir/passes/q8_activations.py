@@ -35,7 +35,7 @@ from graphir.builder import contiguous_strides
 from graphir.ir import Graph, Node
 from graphir.ops.fused import Q8X_FORMATS
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
+from graphir.passes.rewrite import Rewriter, check_options, is_weight_matrix, rewrite
 
 
 @register_pass("q8-activations", "mul_mat (and mul_mat_swiglu) of a q4_0/q4_1/q8_0 2-D weight by <= max_rows rows "
@@ -43,9 +43,13 @@ from graphir.passes.rewrite import Rewriter, is_weight_matrix, rewrite
 @dataclass(frozen=True)
 class Q8Activations:
     max_rows: int = 1
-    OP: ClassVar[str] = "mul_mat_q8x"  # what a match becomes; q16-activations subclasses with its own three
+    NAME: ClassVar[str] = "q8-activations"
+    OP: ClassVar[str] = "mul_mat_q8x"  # what a match becomes; q16-activations subclasses with its own four
     FORMATS: ClassVar[tuple[str, ...]] = Q8X_FORMATS
     WHY_NOT: ClassVar[str] = "has no integer-code GEMV"
+
+    def __post_init__(self) -> None:
+        check_options(self.NAME, 0, max_rows=self.max_rows)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op not in ("mul_mat", "mul_mat_swiglu"):

@@ -134,3 +134,10 @@ def is_weight_matrix(w: Node) -> bool:
 def rewrite(graph: Graph, rules: list[Rule]) -> Graph:
     """Apply `rules` once over the graph (one walk, old topological order); see the module doc."""
     return Rewriter(graph, rules).run()
+
+
+def check_options(pass_name: str, minimum: int, **options: int) -> None:
+    """A pass's count options at least `minimum`: a negative row count matched nothing without a word."""
+    for key, value in options.items():
+        if value < minimum:
+            raise GraphError(f"pass {pass_name!r}: option {key}={value} must be >= {minimum}")

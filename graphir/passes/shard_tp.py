@@ -38,6 +38,7 @@ from graphir.ir import Graph, Node
 from graphir.passes import register_pass
 from graphir.passes import shard_tp_rules as R
 from graphir.passes.report import record_match, record_reject
+from graphir.passes.rewrite import check_options
 from graphir.passes.shard_tp_plan import seed_parts
 from graphir.tp import ranges, rank_graph, slice_name, state_name
 
@@ -299,6 +300,10 @@ def _rebuild(graph: Graph, n: int, regions: dict, members: set, gathered: set) -
 class ShardTP:
     n: int = 2  # ranks
     rank: int = -1  # >= 0: only what that rank runs (graphir.tp.rank_graph), e.g. to dump it
+
+    def __post_init__(self) -> None:
+        check_options("shard-tp", 1, n=self.n)
+        check_options("shard-tp", -1, rank=self.rank)  # -1: every rank
 
     def __call__(self, graph: Graph) -> Graph:
         sharded = shard(graph, self.n)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from graphir.builder import g
 from graphir.ir import Graph, Node
 from graphir.passes import register_pass
-from graphir.passes.rewrite import Rewriter, rewrite
+from graphir.passes.rewrite import Rewriter, check_options, rewrite
 
 
 def _projection(n: Node) -> bool:
@@ -123,6 +123,9 @@ def _stack(group: list[Node], rw: Rewriter) -> Node:
 @dataclass(frozen=True)
 class StackProjections:
     max_rows: int = 16  # decode and verify calls: the GPU's mat-vec takes up to 16 rows (its GEMV_MAX_TOKENS)
+
+    def __post_init__(self) -> None:
+        check_options("stack-projections", 0, max_rows=self.max_rows)
 
     def __call__(self, graph: Graph) -> Graph:
         return rewrite(graph, [(lambda mm, rw: _group(mm, rw, self.max_rows), _stack)])
