@@ -200,6 +200,23 @@ def test_the_real_preset_is_what_qwen25_05bs_config_reads_as():
     assert family_of(REAL).config_from_hf(hf, "config.json") == REAL
 
 
+def test_yarn_added_beside_rope_parameters_is_refused(tmp_path):
+    """Qwen2.5's model cards say to add a YaRN `rope_scaling` block to config.json for long texts. In a config.json
+    that transformers 5 saved (rope_parameters, default rope) transformers applies that block; graphir read only
+    rope_parameters and ran plain rope without a word."""
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=72, intermediate_size=200, num_hidden_layers=2,
+                                   num_attention_heads=3, num_key_value_heads=1, head_dim=40,
+                                   architectures=["Qwen2ForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["rope_parameters"]["rope_type"] == "default"
+    hf["rope_scaling"] = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}  # the card's
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_type"] == "yarn"  # what HF runs
+    with pytest.raises(LoadError, match=r"config\.json: rope scaling 'yarn' is not supported"):
+        family_of(REAL).config_from_hf(hf, "config.json")
+
+
 # ---------------------------------------------------------------- the passes on the real graph
 def real_graph(phase: str, n_tokens: int | None = None, **changes):
     c = dataclasses.replace(REAL, ctx=64, **changes)
