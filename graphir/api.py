@@ -452,7 +452,7 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     `tp` > 1: tensor parallel over that many processes, one per GPU (gpu, NCCL) or sharing memory
     (cpu); the result is a graphir.tp_workers.TensorParallelModel with generate, logits and close.
     `kv_slots` N: the KV cache is a pool of N slots addressed through a slot map (graphir/kv_slots.py;
-    families whose config has a kv_slots field: llama, qwen3); a sequence holds at most min(ctx, N) tokens."""
+    the llama family's models: Llama, Mistral, Qwen2, Qwen3); a sequence holds at most min(ctx, N) tokens."""
     t0 = time.perf_counter()
     if threads is not None:
         from graphir.backends.cpu.threads import set_threads
@@ -494,8 +494,8 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
 def _with_kv_slots(config: ModelConfig, n: int, source: str) -> ModelConfig:
     """`config` with a KV slot pool of n slots; an InputError for a family whose graphs have none."""
     if "kv_slots" not in {f.name for f in dataclasses.fields(config)}:  # type: ignore[arg-type]
-        raise InputError(f"kv_slots: {source} ({config.arch}) has no KV slot pool; the families with one build "
-                         f"llama and qwen3 models")
+        raise InputError(f"kv_slots: {source} ({config.arch}) has no KV slot pool; only the llama family's models "
+                         f"have one (Llama, Mistral, Qwen2, Qwen3)")
     return dataclasses.replace(config, kv_slots=n)  # type: ignore[type-var]
 
 

@@ -217,12 +217,19 @@ def check_hf_fields(hf: Mapping[str, Any], label: str) -> None:
 
 def hf_default_rope(hf: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     """An HF config's rope parameters (transformers 5's rope_parameters, older configs' rope_scaling, or
-    none), which must be the default rope: rope scaling is not supported."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise LoadError(f"{label}: rope scaling {kind!r} is not supported")
-    return rope
+    none), which must be the default rope: rope scaling is not supported. Both keys are checked: transformers
+    also applies a legacy rope_scaling found beside rope_parameters (Qwen2.5's cards say to add a YaRN block to
+    config.json, which a transformers 5 save already gives rope_parameters)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, Mapping):
+            raise LoadError(f"{label}: {key} must be an object, got {type(rope).__name__} {rope!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise LoadError(f"{label}: rope scaling {kind!r} is not supported")
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
 
 
 def rename_hf(config: Any, raw: Weights, names: NameMap, skipped: Callable[[str], bool],

@@ -269,9 +269,6 @@ def config_from_hf(hf: Mapping[str, Any], label: str = "config.json") -> LlamaCo
     if hf.get("hidden_act", "silu") not in HF_ACTIVATIONS:
         raise LoadError(f"{label}: hidden_act {hf.get('hidden_act')!r} is not supported ({', '.join(HF_ACTIVATIONS)})")
     rope = hf_default_rope(hf, label)
-    # transformers also applies a legacy rope_scaling found beside rope_parameters (Qwen2.5's cards say to add a
-    # YaRN block to config.json), and hf_default_rope reads only the first of the two
-    hf_default_rope({"rope_scaling": hf.get("rope_scaling")}, label)
     try:
         d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         fields = dict(

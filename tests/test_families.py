@@ -5,6 +5,7 @@ module, no comparison with an architecture string, no use of a family's config c
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +97,25 @@ def test_unknown_architectures_name_the_supported_ones():
         registry.for_gguf({"general.architecture": "mamba"}, "f.gguf")
     with pytest.raises(LoadError, match=r"config\.json: architectures \['BertModel'\] not supported .*Gemma3For"):
         registry.for_hf({"architectures": ["BertModel"]}, "config.json")
+
+
+@pytest.mark.parametrize("hf, rule", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope scaling 'yarn' is not supported"),  # a card's YaRN block added beside a transformers 5 save's parameters
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope scaling 'linear' is not supported"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be an object, got str 'yarn'"),
+])
+def test_hf_rope_scaling_is_refused_under_either_key(hf, rule):
+    from graphir.models.family import hf_default_rope
+
+    with pytest.raises(LoadError, match=re.escape(f"cfg.json: {rule}")):
+        hf_default_rope(hf, "cfg.json")
+
+
+def test_hf_default_rope_parameters_are_read():
+    from graphir.models.family import hf_default_rope
+
+    assert hf_default_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": None},
+                           "cfg.json")["rope_theta"] == 5e5
+    assert hf_default_rope({}, "cfg.json") == {}
