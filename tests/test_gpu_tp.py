@@ -30,7 +30,7 @@ def _gpus() -> int:
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_gpus() < 2, reason="tensor parallel tests need CuPy to see >= 2 GPUs")]
 
-TINY = ["random:llama-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
+TINY = ["random:llama-tiny", "random:qwen2-tiny", "random:qwen3-tiny", "random:qwen35-tiny"]
 PROMPT = [(7 * i + 3) % 256 for i in range(37)]
 REL_F32, REL_BF16 = 1e-4, 1e-2
 DEATH_S = 20.0  # a failure must surface within this (driver teardown of a context blocked in NCCL included)
