@@ -18,7 +18,9 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from graphir import flags
 from graphir.errors import GraphirError
@@ -27,16 +29,31 @@ from graphir.ir import Graph
 _CODE = ("ir.py", "builder.py", "taint.py", "ops", "passes")
 
 
+def files_hash(files: Iterable[Path]) -> str:
+    """A hash of source files' names and bytes: the code part of a disk cache's key (this module's graphs, the cpu
+    backend's kept weights, GGUF headers), so an edited file never serves what its old version made."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def file_identity(path: str | os.PathLike[str]) -> list[Any] | None:
+    """A model file's identity in a disk cache's key (real path, device, inode, size, mtime_ns, ctime_ns): what an
+    edit, a copy or a replacement of the file changes. None where the file cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 @functools.cache
 def code_hash() -> str:
     root = Path(__file__).parent
-    h = hashlib.sha256()
-    for part in _CODE:
-        files = sorted((root / part).glob("*.py")) if (root / part).is_dir() else [root / part]
-        for f in files:
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return files_hash(f for part in _CODE
+                      for f in (sorted((root / part).glob("*.py")) if (root / part).is_dir() else [root / part]))
 
 
 def base_dir() -> Path:
