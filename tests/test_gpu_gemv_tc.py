@@ -456,3 +456,18 @@ def test_geometry_tables_pick_by_row_tiles():
         ["t1w8", "t1w8", "t2w4", "t2w4", "t4w4", "t4w4"]
     assert geometry_for(151936, "auto") == "t4w4" and geometry_for(4096, "auto") == "t1w8"
     assert geometry_for(151936, "t2w16") == "t2w16"
+
+
+def test_geometry_tables_pick_by_input_width_where_an_entry_gives_one():
+    """An entry cfg:tiles:n_in serves only products at least n_in wide; a table that serves nothing, or an
+    entry that is not cfg:tiles[:n_in], is refused with the table named."""
+    from graphir.backends.gpu.gemv_tc import geometry_for
+
+    table = "t4w4:4096/t2w16:0:4096/t1w8:0"
+    assert [geometry_for(4096, table, n_in) for n_in in (1, 1024, 4095, 4096, 12288)] == \
+        ["t1w8", "t1w8", "t1w8", "t2w16", "t2w16"]
+    assert geometry_for(151936, table, 12288) == "t4w4"
+    with pytest.raises(ValueError, match="no entry serves 16 x 100"):
+        geometry_for(16, "t4w4:4096/t2w16:0:4096", 100)
+    with pytest.raises(ValueError, match="'t9w9:0'"):
+        geometry_for(16, "t9w9:0")

@@ -59,23 +59,35 @@ def repack(w: GpuParam) -> tuple[Any, Any]:
     return codes, scales
 
 
-def geometry_for(n_out: int, geometry: str | None = None) -> str:
-    """The geometry of an n_out-row product: a GEOMETRIES name, or the first of a table whose row tiles it has:
-    "auto" (AUTO) or one written as "t4w4:4096/t2w4:512/t1w8:0" (for measurements: profile_gpu_decode.py --gemv1)."""
+def geometry_for(n_out: int, geometry: str | None = None, n_in: int = 0) -> str:
+    """The geometry of an n_out x n_in product: a GEOMETRIES name, or the first entry of a table that has its row
+    tiles (and at least its input width, where the entry gives one): "auto" (AUTO), or a table written as
+    "t4w4:4096/t2w4:512/t2w16:0:12288/t1w8:0" (cfg:tiles[:n_in]; for measurements: profile_gpu_decode.py --gemv1)."""
     cfg = geometry or GEOMETRY
     table = AUTO if cfg == "auto" else None
     if ":" in cfg:
-        table = tuple((c, int(tiles)) for c, tiles in (part.split(":") for part in cfg.split("/")))
+        table = tuple(_table_entry(part, cfg) for part in cfg.split("/"))
     if table:
-        cfg = next(c for c, tiles in table if cdiv(n_out, 16) >= tiles)
+        found = next((e for e in table if cdiv(n_out, 16) >= e[1] and n_in >= (e[2] if len(e) > 2 else 0)), None)
+        if found is None:
+            raise ValueError(f"gemv_tc geometry table {cfg!r}: no entry serves {n_out} x {n_in} (end it with cfg:0)")
+        cfg = found[0]
     return cfg
+
+
+def _table_entry(part: str, table: str) -> tuple:
+    name, *bounds = part.split(":")
+    if name not in GEOMETRIES or not 1 <= len(bounds) <= 2:
+        raise ValueError(f"gemv_tc geometry table {table!r}: {part!r} is not cfg:tiles[:n_in] with cfg one of "
+                         f"{sorted(GEOMETRIES)}")
+    return (name, *map(int, bounds))
 
 
 def steps(w: GpuParam, x2: Any, y2: Any, geometry: str | None = None) -> list:
     """The launch of y2 = x2 @ w^T (x2: [m, n_in] f32, 16-byte aligned: matmul._gemv_steps stages it), a token
     of m in each of m blocks per row block (common.cuh GEMV1_TOKEN_BLOCK): each row is the 1-token kernel's."""
     n_out, m = w.shape[0], x2.shape[0]
-    cfg = geometry_for(n_out, geometry)
+    cfg = geometry_for(n_out, geometry, w.shape[1])
     tiles, warps = GEOMETRIES[cfg]
     return [_launch(f"gemv_tc_q4_0_{cfg}", cdiv(cdiv(n_out, 16), tiles) * m, warps, w, x2, y2, n_out)]
 
@@ -90,7 +102,8 @@ def sw_steps(w: GpuParam, x2: Any, y2: Any) -> list:
     f32 16-byte aligned, y2 [m, half]: the plain product's tiles in gate/up pairs, a token of m in each of m blocks."""
     n_rows, m = w.shape[0], x2.shape[0]
     half = n_rows // 2
-    warps = GEOMETRIES[geometry_for(n_rows)][1] if SW_GEOMETRY == "auto" else int(SW_GEOMETRY.rpartition("w")[2])
+    auto = SW_GEOMETRY == "auto"
+    warps = GEOMETRIES[geometry_for(n_rows, n_in=w.shape[1])][1] if auto else int(SW_GEOMETRY.rpartition("w")[2])
     if warps not in SW_WARPS:
         raise ValueError(f"gemv_tc.SW_GEOMETRY {SW_GEOMETRY!r}: no gemv_tc_sw_q4_0_t2w{warps} (warps {SW_WARPS})")
     return [_launch(f"gemv_tc_sw_q4_0_t2w{warps}", (half // 16) * m, warps, w, x2, y2, half)]
