@@ -395,7 +395,10 @@ class Model:
     # ---- checks and stats ----
 
     def _check_ids(self, token_ids: Iterable[int]) -> np.ndarray:
-        ids = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+        try:
+            ids = np.asarray(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids)
+        except TypeError:  # None or a number: list() said only "'NoneType' object is not iterable"
+            raise InputError(f"token ids must be a non-empty 1-D sequence of integers, got {token_ids!r}") from None
         if ids.ndim != 1 or ids.size == 0:
             raise InputError(f"token ids must be a non-empty 1-D sequence, got shape {list(ids.shape)}")
         if ids.dtype.kind not in "iu":

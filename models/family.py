@@ -146,6 +146,12 @@ def checked_gguf_weights(config: Any, weights: Weights, check: Callable[[Any], N
     return weights
 
 
+def size_rules(config: Any, fields: tuple[str, ...]) -> list[tuple[bool, str]]:
+    """Each of a config's `fields` >= 1: a file whose tensors and metadata agreed on a size of 0 loaded, then
+    divided by zero (1 / sqrt(head_dim) at build, the cpu matmul and norm kernels at the first token)."""
+    return [(getattr(config, f) >= 1, f"{f} {getattr(config, f)} must be >= 1") for f in fields]
+
+
 def check_rules(arch: str, rules: list[tuple[bool, str]]) -> None:
     """A family's config checks: the first (ok, rule) that fails is a GraphError naming it."""
     for ok, rule in rules:
@@ -162,19 +168,35 @@ def checked_config(config: Any, check: Callable[[Any], None], source: str) -> An
     return config
 
 
+# GGUF metadata the families read as real numbers (under the arch prefix); every other number they read is a count
+GGUF_REAL = frozenset({"rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
+                       "attention.layer_norm_rms_epsilon", "attention.scale", "final_logit_softcapping"})
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
 def gguf_key(md: Mapping[str, Any], arch: str, label: str, per_layer: tuple[str, ...] = ()) -> Callable[..., Any]:
     """key(name, default=None): metadata `{arch}.{name}`, a number (or, for the names in `per_layer`, an array
     of them: some files store a count per layer); a missing key without a default names it, and so does a value
-    the family's int()/float() could not take (a string, or an array where it reads one number)."""
+    the family's int()/float() could not take (a string, or an array where it reads one number), a count that is
+    not whole (int() took a block_count of 2.7 as 2) and a real number that is not finite (as config.json's)."""
 
     def key(name: str, default: Any = None) -> Any:
         v = md.get(f"{arch}.{name}", default)
         if v is None:
             raise LoadError(f"{label}: missing metadata key {arch}.{name!r}")
-        number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-        if not number and not (name in per_layer and isinstance(v, (list, tuple, np.ndarray))):
-            shown = v.tolist() if isinstance(v, np.ndarray) else v
-            raise LoadError(f"{label}: metadata key {arch}.{name!r} must be a number, got {shown!r}")
+        items = list(v) if name in per_layer and isinstance(v, (list, tuple, np.ndarray)) else [v]
+        shown = v.tolist() if isinstance(v, np.ndarray) else v
+        where = f"{label}: metadata key {arch}.{name!r}"
+        if not all(_is_number(x) for x in items):
+            raise LoadError(f"{where} must be a number, got {shown!r}")
+        if name in GGUF_REAL:
+            if not all(np.isfinite(x) for x in items):
+                raise LoadError(f"{where} must be a finite number, got {shown!r}")
+        elif not all(float(x).is_integer() for x in items):
+            raise LoadError(f"{where} must be a whole number, got {shown!r}")
         return v
 
     return key
@@ -190,6 +212,9 @@ HF_WHOLE = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_att
 HF_REAL = frozenset({"rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor", "factor",
                      "query_pre_attn_scalar", "final_logit_softcapping"})
 HF_NULLABLE = frozenset({"num_key_value_heads", "head_dim", "sliding_window", "final_logit_softcapping"})
+# flags the families read with bool(): the string "false" read as true (a tied head, its lm_head.weight dropped);
+# null reads as false, as transformers' truth tests read it
+HF_FLAGS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"})
 
 
 def check_hf_fields(hf: Mapping[str, Any], label: str) -> None:
@@ -203,8 +228,10 @@ def check_hf_fields(hf: Mapping[str, Any], label: str) -> None:
         for key, v in d.items():
             if isinstance(v, Mapping):
                 walk(v)
-            elif v is None and key in HF_NULLABLE:
+            elif v is None and key in HF_NULLABLE | HF_FLAGS:
                 continue
+            elif key in HF_FLAGS and not isinstance(v, bool):
+                raise LoadError(f"{label}: {key} must be true or false, got {v!r}")
             elif key in HF_WHOLE and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and float(v).is_integer()):
                 raise LoadError(f"{label}: {key} must be a whole number, got {v!r}")

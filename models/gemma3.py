@@ -43,6 +43,7 @@ from .family import (
     graph_meta,
     no_state_to_reset,
     rename_hf,
+    size_rules,
     step_inputs,
 )
 from .layers import attention, gated_ffn, output_head, rms_norm_mul
@@ -106,6 +107,7 @@ def param_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def check_config(c: Gemma3Config) -> None:
     rules = [
+        *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff")),
         (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
         (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
         (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
@@ -173,7 +175,8 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
         raise LoadError(f"{label}: architecture {md.get('general.architecture')!r} is not {GGUF_ARCH!r}")
     if "token_embd.weight" not in tensors:
         raise LoadError(f"{label}: missing tensor 'token_embd.weight'")
-    if md.get(f"{GGUF_ARCH}.attn_logit_softcapping"):
+    cap = md.get(f"{GGUF_ARCH}.attn_logit_softcapping")
+    if cap is not None and not (isinstance(cap, (int, float)) and cap == 0):  # an array: refused, not a ValueError
         raise LoadError(f"{label}: {GGUF_ARCH}.attn_logit_softcapping is not supported (Gemma 2's attention cap)")
     d_model, n_heads, n_layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
     head_dim = int(key("attention.key_length", d_model // max(n_heads, 1)))  # n_heads 0: check_config names it
@@ -185,9 +188,14 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     scaling = md.get(f"{GGUF_ARCH}.rope.scaling.type", "none")
     if scaling not in ("none", "linear", None):
         raise LoadError(f"{label}: {GGUF_ARCH}.rope.scaling.type {scaling!r} is not supported (none, linear)")
-    factor = float(md.get(f"{GGUF_ARCH}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-    scale = md.get(f"{GGUF_ARCH}.attention.scale")
-    if scale is None:
+    factor = float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    if factor <= 0:  # 0 was a ZeroDivisionError below; a negative factor turned the rotations back
+        raise LoadError(f"{label}: {GGUF_ARCH}.rope.scaling.factor {factor} must be > 0")
+    if f"{GGUF_ARCH}.attention.scale" in md:
+        scale = float(key("attention.scale"))
+        if scale <= 0:  # the config's 0 stands for 1 / sqrt(head_dim); a file's 0 is no scale
+            raise LoadError(f"{label}: {GGUF_ARCH}.attention.scale {scale} must be > 0")
+    else:
         scale = 1.0 / math.sqrt(d_model / max(n_heads, 1) if n_layers == _BIG_27B_LAYERS else head_dim)
     return Gemma3Config(
         n_vocab=int(tensors["token_embd.weight"].shape[0]),
@@ -203,7 +211,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
         rope_theta_local=float(key("rope.freq_base_swa", 10_000.0)),
         rope_freq_scale=1.0 / factor,
         attn_scale=float(scale),
-        final_softcap=float(md.get(f"{GGUF_ARCH}.final_logit_softcapping") or 0.0),
+        final_softcap=float(key("final_logit_softcapping", 0.0)),
         rms_eps=float(key("attention.layer_norm_rms_epsilon")),
         tied_embeddings="output.weight" not in tensors,
         context_length=int(key("context_length")),
@@ -221,6 +229,8 @@ def _gguf_pattern(md: Mapping[str, Any], n_layers: int, label: str) -> tuple[boo
         if v < 1:
             raise LoadError(f"{label}: {name} = {v} must be >= 1")
         return layer_pattern(n_layers, int(v))
+    if not isinstance(v, (list, np.ndarray)):  # a float or bool was a TypeError (not iterable)
+        raise LoadError(f"{label}: {name} = {v!r} must be a period (an int >= 1) or one flag per layer")
     flags = [bool(f) for f in v]
     if len(flags) != n_layers:
         raise LoadError(f"{label}: {name} has {len(flags)} entries for block_count {n_layers}")

@@ -53,6 +53,7 @@ from .family import (
     hf_default_rope,
     no_state_to_reset,
     rename_hf,
+    size_rules,
     step_inputs,
 )
 from .layers import attention, gated_ffn, output_head, rms_norm_mul
@@ -110,6 +111,7 @@ def param_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def check_config(c: LlamaConfig) -> None:
     rules = [
+        *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff")),
         (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
         (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
         (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,

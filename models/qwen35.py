@@ -62,6 +62,7 @@ from .family import (
     graph_meta,
     hf_default_rope,
     rename_hf,
+    size_rules,
     step_inputs,
 )
 from .family import check_weights as check_all_weights
@@ -173,6 +174,7 @@ def reset_recurrent(config: Qwen35Config, state: Mapping[str, np.ndarray]) -> No
 
 def check_config(c: Qwen35Config) -> None:
     rules = [
+        *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff", "ssm_k_dim", "ssm_v_dim")),
         (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
         (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
         (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
@@ -490,7 +492,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     d_model, n_heads = int(key("embedding_length")), scalar(key("attention.head_count"))
     head_dim = int(key("attention.key_length", d_model // max(n_heads, 1)))  # n_heads 0: check_config names it
     hv = int(key("ssm.time_step_rank"))
-    mtp = int(md.get(f"{GGUF_ARCH}.nextn_predict_layers", 0) or 0)  # MTP blocks come after the trunk: unused
+    mtp = int(key("nextn_predict_layers", 0))  # MTP blocks come after the trunk: unused
     fields = dict(
         n_vocab=int(tensors["token_embd.weight"].shape[0]),
         d_model=d_model,

@@ -33,14 +33,17 @@ def family_of(config: ModelConfig) -> Family:
 
 def for_gguf(md: Mapping[str, Any], label: str) -> Family:
     arch = md.get("general.architecture")
-    if arch not in _BY_GGUF:
+    if not isinstance(arch, str) or arch not in _BY_GGUF:  # an array here is unhashable: not a TypeError
         raise LoadError(f"{label}: architecture {arch!r} is not supported (supported: {', '.join(_BY_GGUF)})")
     return _BY_GGUF[arch]
 
 
 def for_hf(hf: Mapping[str, Any], label: str) -> Family:
     archs = hf.get("architectures") or []
-    found = next((_BY_HF[a] for a in archs if a in _BY_HF), None) or _BY_HF_TYPE.get(hf.get("model_type"))
+    model_type = hf.get("model_type")
+    by_type = _BY_HF_TYPE.get(model_type) if isinstance(model_type, str) else None  # a list is unhashable
+    found = next((_BY_HF[a] for a in archs if a in _BY_HF), None) or by_type
     if found is None:
-        raise LoadError(f"{label}: architectures {archs} not supported (supported: {', '.join(_BY_HF)})")
+        also = "" if model_type is None else f"; model_type {model_type!r} names no family either"
+        raise LoadError(f"{label}: architectures {archs} not supported (supported: {', '.join(_BY_HF)}){also}")
     return found
