@@ -207,3 +207,20 @@ def test_prompt_ids_that_are_no_sequence_are_named(ids):
             call()
     assert list(m.generate([1, 2, 3], 4)) == want
 
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_nan_logits_still_sample_an_id(backend):
+    """A file whose head is NaN (a corrupt tensor) gives NaN logits; top-p kept no token and the draw was
+    `IndexError: index -1 is out of bounds` (the host's first draw, and the cpu's in-graph draws). Now top-p keeps
+    the first token of its order at least, as llama.cpp's min_keep does, and the ids stay in the vocabulary."""
+    from graphir.api import Model
+    from graphir.weights import Weight, Weights
+
+    m = graphir.load("random:llama-tiny", backend=backend, ctx=16)
+    weights = Weights(dict(m.weights.items()), source="nan head")
+    head = weights["output.weight"]
+    weights.add("output.weight", Weight(head.dtype, head.shape, np.full(head.shape, np.nan, np.float32)))
+    nan = Model(m.config, weights, m.tokenizer, backend=backend, passes=m.passes, source="nan head")
+    ids = list(nan.generate([1, 2, 3], 4, temperature=0.8, top_k=5, top_p=0.5, seed=1, stop_at_eos=False))
+    assert len(ids) == 4 and all(0 <= i < m.config.n_vocab for i in ids)

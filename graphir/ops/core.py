@@ -266,6 +266,7 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     if top_p < 1.0:
         before = np.cumsum(w) - w
         keep = before < top_p * w.sum()
+        keep[0] = True  # the most likely token, always (llama.cpp's min_keep): NaN logits kept none, an IndexError
         order, w = order[keep], w[keep]
     by_id = np.argsort(order)
     ids, cum = order[by_id], np.cumsum(w[by_id])
