@@ -82,3 +82,66 @@ def test_other_packages_functions_load_as_numba_loads_them(tmp_path):
     cache = str(tmp_path / "cache")
     assert _run(str(script), cache, cwd=str(tmp_path))["compiled"] == 1
     assert _run(str(script), cache, cwd=str(tmp_path)) == {"close": True, "compiled": 0, "refreshed": True}
+
+
+# the symbols each light load adds (from the object's symbol table) against numba's own load (from the bitcode)
+_SYMBOLS = r"""
+import json, sys
+import numpy as np
+from graphir.backends.cpu import elf_symbols, kernels as K
+from numba.core.registry import cpu_target
+if sys.argv[1] == "numba":
+    elf_symbols.defined = lambda obj: None  # every load takes numba's own path
+x = np.random.default_rng(3).standard_normal((4, 40)).astype(np.float32)
+out = np.empty_like(x)
+K.rms_norm(x, 1e-5, out)
+lib = K.rms_norm.overloads[K.rms_norm.signatures[0]].library
+engine = cpu_target.target_context.codegen()._engine
+print(json.dumps({"out": out.tolist(), "light": "_graphir_bitcode" in lib.__dict__,
+                  "symbols": sorted(engine._defined_symbols)}))
+"""
+
+
+def test_a_light_load_defines_the_symbols_numba_reads_from_the_bitcode(tmp_path):
+    script = tmp_path / "symbols.py"
+    script.write_text(_SYMBOLS)
+    cache = str(tmp_path / "cache")
+    _run_args(script, cache, "light")  # compiles
+    light, full = _run_args(script, cache, "light"), _run_args(script, cache, "numba")
+    assert light["light"] and not full["light"]
+    assert light["symbols"] == full["symbols"] and len(full["symbols"]) > 10
+    assert light["out"] == full["out"]
+
+
+# a kernel loaded light, then linked into one compiled in the same process (its bitcode parsed then)
+_LINKED = r"""
+import json, sys
+import numpy as np
+from graphir.backends.cpu import kernels as K
+row = np.ones(40, np.float32)
+K._inv_rms(row, 1e-5)
+lib = K._inv_rms.overloads[K._inv_rms.signatures[0]].library
+light = "_graphir_bitcode" in lib.__dict__
+x = np.random.default_rng(3).standard_normal((4, 40)).astype(np.float32)
+out = np.empty_like(x)
+if sys.argv[1] == "both":
+    K.rms_norm(x, 1e-5, out)  # compiled: links _inv_rms's overload, loaded from the cache
+ref = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + np.float32(1e-5))
+print(json.dumps({"light": light, "close": bool(np.allclose(out, ref, rtol=1e-5)),
+                  "rms_norm_compiled": sum(K.rms_norm.stats.cache_misses.values())}))
+"""
+
+
+def test_a_kernel_loaded_light_links_into_a_kernel_compiled_later(tmp_path):
+    script = tmp_path / "linked.py"
+    script.write_text(_LINKED)
+    cache = str(tmp_path / "cache")
+    assert not _run_args(script, cache, "inv_rms")["light"]  # compiles _inv_rms alone; rms_norm stays uncached
+    assert _run_args(script, cache, "both") == {"light": True, "close": True, "rms_norm_compiled": 1}
+
+
+def _run_args(script, cache_dir: str, arg: str) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "GRAPHIR_NO_PRECOMPILE": "1"}
+    out = subprocess.run([sys.executable, str(script), arg], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
