@@ -63,6 +63,8 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_
     except jinja2.TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}{where}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # Python's, from the template's code
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from None
 
 
 def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -71,6 +73,9 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
             raise InputError(f"messages[{i}] = {m!r} needs a 'role' string and a 'content'")
+        if not isinstance(m["content"], (str, list)):  # a number or None reached the template's '+'
+            raise InputError(f"messages[{i}]['content'] must be a string or a list of content parts, "
+                             f"got {m['content']!r}")
 
 
 def special_tokens(tokenizer: Any) -> dict[str, str]:

@@ -224,3 +224,26 @@ def test_nan_logits_still_sample_an_id(backend):
     nan = Model(m.config, weights, m.tokenizer, backend=backend, passes=m.passes, source="nan head")
     ids = list(nan.generate([1, 2, 3], 4, temperature=0.8, top_k=5, top_p=0.5, seed=1, stop_at_eos=False))
     assert len(ids) == 4 and all(0 <= i < m.config.n_vocab for i in ids)
+
+
+CONCAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}")  # SmolLM2's way: '+' on the content
+
+
+@pytest.mark.parametrize("content", [5, None])
+def test_chat_content_that_is_no_text_is_named(content):
+    """A message's content of 5 or None reached the template's '+' as `TypeError: can only concatenate str (not
+    "int") to str`."""
+    from graphir.chat import render
+
+    with raises(InputError, "messages[0]['content'] must be a string or a list of content parts", repr(content)):
+        render(CONCAT_TEMPLATE, [{"role": "user", "content": content}])
+
+
+def test_a_template_that_fails_on_python_values_is_one_line():
+    """Content parts (a list, which templates of multimodal models take) given to a template that adds strings:
+    the template's TypeError is a ChatTemplateError naming it."""
+    from graphir.chat import ChatTemplateError, render
+
+    with raises(ChatTemplateError, "chat template: TypeError: "):
+        render(CONCAT_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
