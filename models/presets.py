@@ -15,7 +15,7 @@ from graphir.errors import InputError
 from graphir.weights import Weights
 
 from .registry import PRESETS, family_of
-from .tokenizer import TextStream, check_text, id_marker
+from .tokenizer import TextStream, check_text, id_marker, int_ids
 
 __all__ = ["PRESETS", "ByteTokenizer", "random_weights"]
 
@@ -50,7 +50,7 @@ class ByteTokenizer:
         return ([self.BOS] if add_bos else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(self.stream()(ids))
+        return "".join(self.stream()(int_ids(ids, "byte tokenizer")))
 
     def token(self, i: int) -> str:
         if 0 <= i < 256:

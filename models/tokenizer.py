@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import operator
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -248,7 +249,7 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included, so encode(decode(ids)) round-trips (ids past the tokenizer's
         own print as markers, see n_ids)."""
-        ids = [int(i) for i in ids]
+        ids = int_ids(ids, self.source)
         self._check_ids(ids)
         pieces, run = [], []
         for i in ids:
@@ -279,11 +280,21 @@ class Tokenizer:
 def check_text(text: str, source: str) -> None:
     """`text` is UTF-8 encodable: a byte the terminal could not decode reaches argv as a lone surrogate
     ('\udcff'), which the tokenizers library refused as 'TextInputSequence must be str'."""
+    if not isinstance(text, str):  # None or bytes: "'bytes' object has no attribute 'encode'"
+        raise InputError(f"{source}: text must be a str, got {type(text).__name__} {text!r:.60}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InputError(f"{source}: text is not valid UTF-8: {text[e.start]!r} at index {e.start} (a byte that "
                          f"was not decoded as UTF-8)") from None
+
+
+def int_ids(ids: Iterable[int], source: str) -> list[int]:
+    """`ids` as ints: a string or a float was int()'s ValueError, or decoded 1.5 as id 1."""
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        raise InputError(f"{source}: token ids must be integers, got {ids!r:.60}") from None
 
 
 class TextStream:

@@ -247,3 +247,27 @@ def test_a_template_that_fails_on_python_values_is_one_line():
 
     with raises(ChatTemplateError, "chat template: TypeError: "):
         render(CONCAT_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+
+
+def gguf_tokenizer():
+    from _model_helpers import MERGES, byte_level_tokens
+    from graphir.models.tokenizer import Tokenizer
+
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens":
+          byte_level_tokens(272), "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.eos_token_id": 271}
+    return Tokenizer.from_gguf(md, source="m.gguf")
+
+
+@pytest.mark.parametrize("make", [gguf_tokenizer, lambda: graphir.load("random:llama-tiny", backend="reference")
+                                  .tokenizer], ids=["gguf", "bytes"])
+def test_tokenizer_arguments_of_the_wrong_type_are_named(make):
+    """encode(None) and encode(b'ab') were AttributeErrors ('bytes' object has no attribute 'encode'); decode('ab')
+    a ValueError from int('a'), decode([1.5]) decoded id 1."""
+    tok = make()
+    for text in (None, b"ab"):
+        with raises(InputError, "text must be a str", type(text).__name__):
+            tok.encode(text)
+    for ids in ("ab", [1.5]):
+        with raises(InputError, "token ids must be integers"):
+            tok.decode(ids)
+    assert tok.decode(tok.encode("ab")) == "ab"
