@@ -168,7 +168,7 @@ class Tokenizer:
         tk.add_tokens([AddedToken(t, special=False, normalized=not t.strip("▁")) for t in user])
         bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", len(tokens), source)
         eos = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in ("eos", "eot", "eom")]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == SPM_KIND))
+        add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", kind == SPM_KIND, source)
         template = metadata.get("tokenizer.chat_template")
         return cls(
             tk,
@@ -396,11 +396,20 @@ def _spm_spelling(tokens: list[str]) -> tuple[list[str], bool]:
     return ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens], True
 
 
+def _flag(metadata: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    """A GGUF bool; bool() of an array raised numpy's 'truth value ... is ambiguous'."""
+    v = metadata.get(key, default)
+    if not isinstance(v, (bool, np.bool_)):
+        raise LoadError(f"{source}: {key} must be true or false, got {v!r}")
+    return bool(v)
+
+
 def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: np.ndarray, source: str,
               file_order: bool) -> tokenizers.Tokenizer:
-    scores = list(metadata.get("tokenizer.ggml.scores", []))
-    if len(scores) != len(tokens):
-        raise LoadError(f"{source}: a llama tokenizer needs one tokenizer.ggml.scores entry per token")
+    scores = metadata.get("tokenizer.ggml.scores", [])
+    numbers = isinstance(scores, np.ndarray) and scores.dtype.kind in "fiu"  # strings were float()'s ValueError
+    if not numbers or len(scores) != len(tokens):
+        raise LoadError(f"{source}: a llama tokenizer needs one tokenizer.ggml.scores number per token")
     if file_order:
         scores = [-i for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -421,7 +430,7 @@ def _gguf_spm(metadata: dict[str, Any], tokens: list[str], types: np.ndarray, so
         byte_fallback=True,
     )
     tk = tokenizers.Tokenizer(bpe)
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", True, source)
     tk.normalizer = normalizers.Sequence(
         ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
     )

@@ -271,3 +271,23 @@ def test_tokenizer_arguments_of_the_wrong_type_are_named(make):
         with raises(InputError, "token ids must be integers"):
             tok.decode(ids)
     assert tok.decode(tok.encode("ab")) == "ab"
+
+
+@pytest.mark.parametrize("change, rule", [
+    # bool() of an array: "The truth value of an array with more than one element is ambiguous"
+    ({"tokenizer.ggml.add_bos_token": np.array([True, False])}, "tokenizer.ggml.add_bos_token must be true or false"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": np.zeros(272, np.float32),
+      "tokenizer.ggml.add_space_prefix": np.array([1, 0])},
+     "tokenizer.ggml.add_space_prefix must be true or false"),
+    # float('a'): "could not convert string to float"; list(0.5): "'float' object is not iterable"
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": ["a"] * 272}, "tokenizer.ggml.scores"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": 0.5}, "tokenizer.ggml.scores"),
+])
+def test_gguf_tokenizer_metadata_of_the_wrong_kind_is_named(change, rule):
+    from _model_helpers import MERGES, byte_level_tokens
+    from graphir.models.tokenizer import Tokenizer
+
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens":
+          byte_level_tokens(272), "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.eos_token_id": 271, **change}
+    with raises(LoadError, "m.gguf", rule):
+        Tokenizer.from_gguf(md, source="m.gguf")
