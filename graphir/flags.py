@@ -16,6 +16,7 @@
 | GRAPHIR_NO_GRAPH_CACHE=1 | models run their pass pipelines every time instead of reading earlier results from disk |
 | GRAPHIR_NO_WEIGHT_CACHE=1 | cpu backend: stacked and repacked weights derived in memory, never on disk |
 | GRAPHIR_NO_HEADER_CACHE=1 | GGUF headers parsed every time, never read from or written to disk |
+| GRAPHIR_NO_NRT_CACHE=1 | cpu backend: numba's runtime library compiled in every process, never kept on disk |
 | GRAPHIR_DEBUG_THREADS=1 | cpu backend, auto threads: each window's busy, steal, own CPU and count, to stderr |
 
 A flag is on when its variable is set to anything but "" or "0".
@@ -40,6 +41,7 @@ FLAGS: dict[str, str] = {
     "GRAPHIR_NO_GRAPH_CACHE": "run pass pipelines every time; never read or write passed graphs on disk",
     "GRAPHIR_NO_WEIGHT_CACHE": "cpu backend: derive stacked and repacked weights in memory, never on disk",
     "GRAPHIR_NO_HEADER_CACHE": "parse GGUF headers every time; never read or write parsed headers on disk",
+    "GRAPHIR_NO_NRT_CACHE": "cpu backend: compile numba's runtime library in every process; never keep it on disk",
     "GRAPHIR_DEBUG_THREADS": "cpu backend: print each auto-threads window (busy, steal, own CPU, count) to stderr",
 }
 

@@ -17,7 +17,8 @@ if __name__ != "graphir.backends.cpu":
 else:
     # link_private makes each kernel call its own linked-in code, compiled or loaded alike (first: before
     # any kernel compiles); compile_note registers the first-run note before any kernel compiles;
-    # cache_load makes loading them from numba's cache skip numba's compiler start-up; numba and the kernel
+    # cache_load makes loading them from numba's cache skip numba's compiler start-up, nrt_cache numba's runtime
+    # start from its library kept on disk; numba and the kernel
     # modules are imported with the garbage collector paused (graphir/gc_pause.py: they allocate ~200k objects
     # that live as long as the process, and would trigger a full collection)
     from graphir.gc_pause import gc_paused
@@ -29,11 +30,12 @@ else:
         from . import link_private
 
         link_private.install()
-        from . import cache_load, compile_note, kernels, matmul
+        from . import cache_load, compile_note, kernels, matmul, nrt_cache
         from .program import CpuProgram, lower
         from .threads import get_threads, set_threads
 
     compile_note.note_if_cold([kernels, matmul])  # before a command prints anything of its own
     cache_load.install()
+    nrt_cache.install()
 
     __all__ = ["lower", "CpuProgram", "set_threads", "get_threads"]
