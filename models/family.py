@@ -202,6 +202,14 @@ def gguf_key(md: Mapping[str, Any], arch: str, label: str, per_layer: tuple[str,
     return key
 
 
+def gguf_vocab(tensors: Mapping[str, Any], label: str) -> int:
+    """The vocabulary of a GGUF file: token_embd.weight's rows (a 0-d tensor, which GGUF allows, was an IndexError)."""
+    shape = tuple(tensors["token_embd.weight"].shape)
+    if len(shape) != 2:
+        raise LoadError(f"{label}: token_embd.weight has shape {list(shape)}, expected [n_vocab, d_model]")
+    return int(shape[0])
+
+
 # config.json fields the families read as numbers; null stands for "derive it" only in HF_NULLABLE (the families
 # read those with `or`): anywhere else int()/float() of a string or null raised a bare ValueError/TypeError
 HF_WHOLE = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

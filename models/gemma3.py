@@ -40,6 +40,7 @@ from .family import (
     checked_config,
     checked_gguf_weights,
     gguf_key,
+    gguf_vocab,
     graph_meta,
     no_state_to_reset,
     rename_hf,
@@ -198,7 +199,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     else:
         scale = 1.0 / math.sqrt(d_model / max(n_heads, 1) if n_layers == _BIG_27B_LAYERS else head_dim)
     return Gemma3Config(
-        n_vocab=int(tensors["token_embd.weight"].shape[0]),
+        n_vocab=gguf_vocab(tensors, label),
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,

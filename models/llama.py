@@ -49,6 +49,7 @@ from .family import (
     checked_config,
     checked_gguf_weights,
     gguf_key,
+    gguf_vocab,
     graph_meta,
     hf_default_rope,
     no_state_to_reset,
@@ -201,7 +202,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     if int(key("rope.dimension_count", head_dim)) != head_dim:
         raise LoadError(f"{label}: partial rope ({arch}.rope.dimension_count != head_dim {head_dim}) is not supported")
     fields = dict(
-        n_vocab=tensors["token_embd.weight"].shape[0],
+        n_vocab=gguf_vocab(tensors, label),
         d_model=d_model,
         n_layers=int(key("block_count")),
         n_heads=n_heads,

@@ -59,6 +59,7 @@ from .family import (
     check_rules,
     checked_config,
     gguf_key,
+    gguf_vocab,
     graph_meta,
     hf_default_rope,
     rename_hf,
@@ -494,7 +495,7 @@ def config_from_gguf(md: Mapping[str, Any], tensors: Mapping[str, Any], label: s
     hv = int(key("ssm.time_step_rank"))
     mtp = int(key("nextn_predict_layers", 0))  # MTP blocks come after the trunk: unused
     fields = dict(
-        n_vocab=int(tensors["token_embd.weight"].shape[0]),
+        n_vocab=gguf_vocab(tensors, label),
         d_model=d_model,
         n_layers=int(key("block_count")) - mtp,
         n_heads=n_heads,

@@ -291,3 +291,16 @@ def test_gguf_tokenizer_metadata_of_the_wrong_kind_is_named(change, rule):
           byte_level_tokens(272), "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.eos_token_id": 271, **change}
     with raises(LoadError, "m.gguf", rule):
         Tokenizer.from_gguf(md, source="m.gguf")
+
+
+LLAMA_MD = {"general.architecture": "llama", "llama.context_length": 256, "llama.embedding_length": 64,
+            "llama.block_count": 2, "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
+            "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5}
+
+
+@pytest.mark.parametrize("family, md", [(llama, LLAMA_MD), (gemma3, GEMMA_MD), (qwen35, qwen35_md())],
+                         ids=["llama", "gemma3", "qwen35"])
+def test_a_0d_token_embedding_is_named(family, md):
+    """GGUF allows n_dims 0; the vocabulary read from token_embd.weight's shape[0] was an IndexError."""
+    with raises(LoadError, "m.gguf", "token_embd.weight has shape [], expected [n_vocab, d_model]"):
+        family.config_from_gguf(md, {"token_embd.weight": Info(())}, "m.gguf")
