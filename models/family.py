@@ -236,8 +236,10 @@ def check_hf_fields(hf: Mapping[str, Any], label: str) -> None:
         for key, v in d.items():
             if isinstance(v, Mapping):
                 walk(v)
-            elif v is None and key in HF_NULLABLE | HF_FLAGS:
+            elif v is None and key in HF_NULLABLE | HF_FLAGS | {"layer_types"}:
                 continue
+            elif key == "layer_types" and not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
+                raise LoadError(f"{label}: layer_types must be a list of strings, got {v!r}")
             elif key in HF_FLAGS and not isinstance(v, bool):
                 raise LoadError(f"{label}: {key} must be true or false, got {v!r}")
             elif key in HF_WHOLE and not (isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -319,6 +319,9 @@ def _hf_pattern(hf: Mapping[str, Any], n_layers: int, label: str) -> tuple[bool,
 def _hf_rope(hf: Mapping[str, Any], label: str) -> tuple[tuple[float, float], tuple[float, float]]:
     """((theta, freq_scale) of global layers, the same of sliding layers). transformers 5 writes
     rope_parameters per layer kind; older configs rope_theta, rope_local_base_freq and rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):  # dict(5) was a TypeError
+        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+            raise LoadError(f"{label}: {key} must be an object, got {type(hf[key]).__name__} {hf[key]!r}")
     params = hf.get("rope_parameters") or {}
     if "full_attention" not in params:
         legacy = dict(hf.get("rope_scaling") or {})
@@ -327,10 +330,14 @@ def _hf_rope(hf: Mapping[str, Any], label: str) -> tuple[tuple[float, float], tu
     out = []
     for kind, theta in (("full_attention", 1_000_000.0), ("sliding_attention", 10_000.0)):
         p = params.get(kind) or {}
+        if not isinstance(p, Mapping):
+            raise LoadError(f"{label}: rope_parameters of {kind} layers must be an object, got {p!r}")
         rope_type = p.get("rope_type", p.get("type", "default"))
         if rope_type not in ("default", "linear"):
             raise LoadError(f"{label}: rope_type {rope_type!r} of {kind} layers is not supported (default, linear)")
         factor = float(p.get("factor", 1.0)) if rope_type == "linear" else 1.0
+        if not factor > 0:  # 1 / 0 below was a ZeroDivisionError
+            raise LoadError(f"{label}: rope factor {factor} of {kind} layers must be > 0")
         out.append((float(p.get("rope_theta", theta)), 1.0 / factor))
     return out[0], out[1]
 

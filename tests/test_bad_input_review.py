@@ -304,3 +304,24 @@ def test_a_0d_token_embedding_is_named(family, md):
     """GGUF allows n_dims 0; the vocabulary read from token_embd.weight's shape[0] was an IndexError."""
     with raises(LoadError, "m.gguf", "token_embd.weight has shape [], expected [n_vocab, d_model]"):
         family.config_from_gguf(md, {"token_embd.weight": Info(())}, "m.gguf")
+
+
+def test_hf_layer_types_that_are_no_list_are_named(tmp_path):
+    """layer_types 5 was `TypeError: 'int' object is not iterable` in every family."""
+    with raises(LoadError, "config.json", "layer_types must be a list of strings, got 5"):
+        graphir.load(str(hf_dir(tmp_path, layer_types=5)), backend="reference")
+
+
+GEMMA_HF = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 272, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 7, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("change, rule", [
+    ({"rope_scaling": 5}, "rope_scaling must be an object, got int 5"),  # dict(5): a TypeError
+    ({"rope_parameters": {"full_attention": 5}}, "rope_parameters of full_attention layers must be an object"),
+    # 1 / factor: a ZeroDivisionError
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope factor 0.0 of full_attention layers must be > 0"),
+])
+def test_gemma3_hf_rope_of_the_wrong_kind_is_named(change, rule):
+    with raises(LoadError, "config.json", rule):
+        gemma3.config_from_hf({**GEMMA_HF, **change}, "config.json")
