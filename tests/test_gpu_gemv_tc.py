@@ -212,9 +212,10 @@ def test_geometries_mirror_the_kernel_source():
 def test_auto_geometry_covers_every_size():
     from graphir.backends.gpu.gemv_tc import AUTO, GEOMETRIES, geometry_for
 
-    assert all(cfg in GEOMETRIES for cfg, _ in AUTO) and AUTO[-1][1] == 0
+    assert all(entry[0] in GEOMETRIES for entry in AUTO) and AUTO[-1][1:] == (0,)
     for n_out in (1, 16, 4096, 12288, 151936):
-        assert geometry_for(n_out, "auto") in GEOMETRIES
+        for n_in in (1, 32, 4096, 12288):
+            assert geometry_for(n_out, "auto", n_in) in GEOMETRIES
 
 
 # ---------------------------------------------------------------- the kernels on the host (no GPU)
@@ -455,6 +456,7 @@ def test_geometry_tables_pick_by_row_tiles():
     assert [geometry_for(n, table) for n in (1, 16 * 511, 16 * 511 + 1, 16 * 4095, 16 * 4096, 151936)] == \
         ["t1w8", "t1w8", "t2w4", "t2w4", "t4w4", "t4w4"]
     assert geometry_for(151936, "auto") == "t4w4" and geometry_for(4096, "auto") == "t1w8"
+    assert geometry_for(4096, "auto", 12288) == "t2w16" and geometry_for(4096, "auto", 4096) == "t1w8"
     assert geometry_for(151936, "t2w16") == "t2w16"
 
 

@@ -27,7 +27,10 @@ GEOMETRY = "auto"
 # tiles) t4w4 93.6 (66.9); 12288x4096 (768) t2w4 62.5 (51.6); 4096x4096 (256) t2w16 40.5 (35.4); 4096x12288
 # (256) t2w16 63.2 (45.7). Below 512 tiles t1w8: Qwen3-0.6B q4_0's captured step (profile_gpu_decode.py --gemv1,
 # one call) 715.2 us with every GEMV at t1w8, 748.6 at t2w8, 764.7 with the small ones at t2w16 (f32 kernel 749.2).
-AUTO = (("t4w4", 4096), ("t2w4", 512), ("t1w8", 0))
+# Products of 8,192 inputs or more below 512 tiles take t2w16: Qwen3-8B q4_0's captured step (same sweep,
+# 2026-12-04) 2,415 us as above, 2,185 with its down GEMVs (4096x12288) at t2w16, 2,189 with o and q|k|v too
+# (4096 inputs), 2,454 with those at t2w8 and 2,511 at t1w16.
+AUTO = (("t4w4", 4096), ("t2w4", 512), ("t2w16", 0, 8192), ("t1w8", 0))
 # mul_mat_swiglu's fused kernel (gemv_tc_sw_q4_0_t2w<W>, FOR_EACH_GEMV_TC_SW): "auto" takes the W of the plain
 # product's geometry, so the fused rows are that product's then swiglu_halves_f32 bit for bit; "t2w<W>" a given
 # one; None keeps the plain product and the swiglu launch (for measurements).
