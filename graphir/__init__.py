@@ -4,6 +4,7 @@ Pipeline (data flows one way): models build Graphs -> passes rewrite them ->
 a backend lowers them to a Program -> the runtime runs and replays it.
 """
 
+from graphir import cpu_load  # noqa: F401  first: its load watch starts here (the cpu backend's auto threads)
 from graphir.api import load
 from graphir.builder import g
 from graphir.errors import BackendError, GraphError, GraphirError, InputError, LoadError
