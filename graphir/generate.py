@@ -32,8 +32,8 @@ def _number(x: object) -> bool:
 def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None = None) -> None:
     """Each setting of its type and range (a string or a negative seed reached a comparison or numpy's
     SeedSequence and failed there, without naming the setting)."""
-    if not (_number(temperature) and temperature >= 0.0):
-        raise InputError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not (_number(temperature) and 0.0 <= temperature < float("inf")):  # as --temperature (FiniteFloatRange)
+        raise InputError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
         raise InputError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
     if not (_number(top_p) and 0.0 < top_p <= 1.0):

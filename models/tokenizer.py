@@ -170,6 +170,8 @@ class Tokenizer:
         eos = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in ("eos", "eot", "eom")]
         add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", kind == SPM_KIND, source)
         template = metadata.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise LoadError(f"{source}: tokenizer.chat_template must be a string, got {template!r}")
         return cls(
             tk,
             vocab_size=len(tokens),
@@ -210,13 +212,19 @@ class Tokenizer:
             eos.update(v if isinstance(v, list) else [v])
         eos_ids = [e for e in eos if isinstance(e, int) and not isinstance(e, bool)]
         add_bos = tcfg.get("add_bos_token")
-        if not isinstance(add_bos, bool):  # else: does the post-processor put BOS first?
+        if add_bos is not None and not isinstance(add_bos, bool):  # "yes" was ignored without a word
+            raise LoadError(f"{path.parent / 'tokenizer_config.json'}: add_bos_token must be true or false, "
+                            f"got {add_bos!r}")
+        if add_bos is None:  # does the post-processor put BOS first?
             ids = tk.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and len(ids) > 1 and ids[0] == bos
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # named templates, as transformers writes several: it renders "default"
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                             None)
+        if template is not None and not isinstance(template, str):  # 7 read as no template at all
+            raise LoadError(f"{path.parent / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                            f"{{name, template}} objects, got {template!r}")
         jinja = path.parent / "chat_template.jinja"
         if jinja.is_file():
             template = read_text(jinja)

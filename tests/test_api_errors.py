@@ -84,7 +84,9 @@ def test_prompt_plus_new_tokens_exceeding_ctx_fails_at_the_call(model):
                                       (dict(seed=-1), "seed must be None or an int >= 0, got -1"),
                                       (dict(seed=1.5), "seed must be None or an int >= 0, got 1.5"),
                                       (dict(seed="7"), "seed must be None or an int >= 0, got '7'"),
-                                      (dict(temperature="0.8"), "temperature must be a number >= 0, got '0.8'"),
+                                      (dict(temperature="0.8"), "temperature must be a finite number >= 0, got '0.8'"),
+                                      # inf drew uniformly from the vocabulary; --temperature refused it already
+                                      (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
                                       (dict(top_p="0.9"), "top_p must be a number in (0, 1], got '0.9'")])
 def test_bad_generation_options(model, kw, rule):
     args = {"max_new_tokens": 2, **kw}

@@ -325,3 +325,36 @@ GEMMA_HF = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 272, "hidden_s
 def test_gemma3_hf_rope_of_the_wrong_kind_is_named(change, rule):
     with raises(LoadError, "config.json", rule):
         gemma3.config_from_hf({**GEMMA_HF, **change}, "config.json")
+
+
+# ---- tokenizer side files ----
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("chat_template", 7, "chat_template must be a string or a list of {name, template} objects, got 7"),
+    ("add_bos_token", "yes", "add_bos_token must be true or false, got 'yes'"),
+])
+def test_hf_tokenizer_config_values_of_the_wrong_kind_are_named(tmp_path, key, value, rule):
+    """chat_template 7 read as no template at all and add_bos_token "yes" was ignored (BOS then probed from the
+    post-processor), both without a word."""
+    from graphir.models.tokenizer import Tokenizer
+    from test_tokenizer import byte_level_tokenizer_json
+
+    byte_level_tokenizer_json(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({key: value}))
+    with raises(LoadError, "tokenizer_config.json", rule):
+        Tokenizer.from_file(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({key: None}))  # null: as if absent
+    Tokenizer.from_file(tmp_path / "tokenizer.json")
+
+
+def test_gguf_chat_template_that_is_no_string_is_named():
+    """A GGUF tokenizer.chat_template array read as no template at all."""
+    from _model_helpers import MERGES, byte_level_tokens
+    from graphir.models.tokenizer import Tokenizer
+
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens":
+          byte_level_tokens(272), "tokenizer.ggml.merges": MERGES, "tokenizer.chat_template": ["{{ x }}"]}
+    with raises(LoadError, "m.gguf", "tokenizer.chat_template must be a string, got ['{{ x }}']"):
+        Tokenizer.from_gguf(md, source="m.gguf")
+    md["tokenizer.chat_template"] = "{{ x }}"
+    assert Tokenizer.from_gguf(md, source="m.gguf").chat_template == "{{ x }}"
