@@ -152,6 +152,14 @@ def size_rules(config: Any, fields: tuple[str, ...]) -> list[tuple[bool, str]]:
     return [(getattr(config, f) >= 1, f"{f} {getattr(config, f)} must be >= 1") for f in fields]
 
 
+def head_rules(config: Any) -> list[tuple[bool, str]]:
+    """Attention heads: at least one of each, and whole groups of query heads per key/value head (the count of
+    key/value heads checked first: the modulo divides by it)."""
+    q, kv = config.n_heads, config.n_kv_heads
+    return [(q >= 1, f"n_heads {q} must be >= 1"), (kv >= 1, f"n_kv_heads {kv} must be >= 1"),
+            (kv < 1 or q % kv == 0, f"n_heads {q} must be a multiple of n_kv_heads {kv}")]
+
+
 def check_rules(arch: str, rules: list[tuple[bool, str]]) -> None:
     """A family's config checks: the first (ok, rule) that fails is a GraphError naming it."""
     for ok, rule in rules:

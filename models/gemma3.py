@@ -42,6 +42,7 @@ from .family import (
     gguf_key,
     gguf_vocab,
     graph_meta,
+    head_rules,
     no_state_to_reset,
     rename_hf,
     size_rules,
@@ -109,10 +110,7 @@ def param_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
 def check_config(c: Gemma3Config) -> None:
     rules = [
         *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff")),
-        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
-        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
-        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
-         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        *head_rules(c),
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (len(c.sliding) == c.n_layers, f"the layer pattern has {len(c.sliding)} entries for {c.n_layers} layers"),
         (c.sliding_window >= 1, f"sliding_window {c.sliding_window} must be >= 1"),

@@ -51,6 +51,7 @@ from .family import (
     gguf_key,
     gguf_vocab,
     graph_meta,
+    head_rules,
     hf_default_rope,
     no_state_to_reset,
     rename_hf,
@@ -113,10 +114,7 @@ def param_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
 def check_config(c: LlamaConfig) -> None:
     rules = [
         *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff")),
-        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
-        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
-        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
-         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        *head_rules(c),
         (c.head_dim % 2 == 0, f"head_dim {c.head_dim} must be even for rope"),
         (c.rope_mode in ("norm", "neox"), f"rope_mode must be 'norm' or 'neox', got {c.rope_mode!r}"),
         (c.ctx >= 1, f"ctx {c.ctx} must be >= 1"),

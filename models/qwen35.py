@@ -61,6 +61,7 @@ from .family import (
     gguf_key,
     gguf_vocab,
     graph_meta,
+    head_rules,
     hf_default_rope,
     rename_hf,
     size_rules,
@@ -176,10 +177,7 @@ def reset_recurrent(config: Qwen35Config, state: Mapping[str, np.ndarray]) -> No
 def check_config(c: Qwen35Config) -> None:
     rules = [
         *size_rules(c, ("n_vocab", "d_model", "n_layers", "head_dim", "d_ff", "ssm_k_dim", "ssm_v_dim")),
-        (c.n_heads >= 1, f"n_heads {c.n_heads} must be >= 1"),
-        (c.n_kv_heads >= 1, f"n_kv_heads {c.n_kv_heads} must be >= 1"),  # before the modulo below divides by it
-        (c.n_kv_heads < 1 or c.n_heads % c.n_kv_heads == 0,
-         f"n_heads {c.n_heads} must be a multiple of n_kv_heads {c.n_kv_heads}"),
+        *head_rules(c),
         (c.ssm_k_heads >= 1, f"ssm_k_heads {c.ssm_k_heads} must be >= 1"),  # before the modulo below
         (c.ssm_v_heads >= 1, f"ssm_v_heads {c.ssm_v_heads} must be >= 1"),
         (c.ssm_k_heads < 1 or c.ssm_v_heads % c.ssm_k_heads == 0,
