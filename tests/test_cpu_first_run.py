@@ -208,3 +208,86 @@ def test_recorded_kernels_are_the_ones_the_steps_call(monkeypatch):
     ahead = {(name, precompile.one_row_variant(sig)) for name, sig in sigs[0]}
     assert {name for name, _ in new} >= {"rope", "set_rows"}, new
     assert {name for name, _ in new - ahead} <= {"swiglu"}, new - ahead
+
+
+# A cold cache's first process: the helper starts at the backend's import (its start-up overlaps the model's load) and
+# at this process's priority; an integer-x GEMV noted while a Program binds sends it the GEMV's quantizer at once; when
+# this process has its first call's kernels, the helper drops to nice 19. Reports what it saw, and the GEMV's output.
+_PROBE_PART = r"""
+import json, os, time
+import numpy as np
+from graphir.backends.cpu import gemv_q16x, kernels as K, precompile
+from graphir.quant import quantize
+seen = {"started": precompile._proc is not None}
+if seen["started"]:
+    seen["nice_before"] = os.getpriority(os.PRIO_PROCESS, precompile._proc.pid) - os.getpriority(os.PRIO_PROCESS, 0)
+    precompile.noted(("intx", "gemv_q16x"))
+    t0 = time.monotonic()
+    while precompile.state("part:gemv_q16x") != "done" and time.monotonic() - t0 < 300:
+        time.sleep(0.05)
+    seen["part"] = precompile.state("part:gemv_q16x")
+x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+precompile.prepare([("kernel", K.rms_norm, (x, np.float32(1e-6), np.empty_like(x))), ("intx", "gemv_q16x")], "cpu")
+if seen["started"]:
+    seen["nice_after"] = os.getpriority(os.PRIO_PROCESS, precompile._proc.pid)
+    with open(f"/proc/{precompile._proc.pid}/task/{precompile._proc.pid}/children") as f:
+        seen["helper_children"] = f.read().split()
+w = quantize(np.random.default_rng(4).standard_normal((7, 64)).astype(np.float32), "q4_1")
+y = np.zeros((5, 7), np.float32)
+gemv_q16x.prepare(w, "q4_1", x, y)()
+seen["quantizer_compiled_here"] = sum(gemv_q16x.quantize_x.stats.cache_misses.values())
+seen["y"] = y.view(np.uint32).tolist()
+print(json.dumps(seen))
+"""
+
+
+def _probe_part(tmp_path, name: str, **env_extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHIR_NO_PRECOMPILE"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / name), **env_extra)
+    r = subprocess.run([sys.executable, "-c", _PROBE_PART], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_helper_starts_at_import_compiles_the_quantizer_first_and_yields_its_core(tmp_path):
+    from graphir.backends.cpu import gemv_q16x
+
+    if len(os.sched_getaffinity(0)) < 2 or not gemv_q16x.AVX2:
+        pytest.skip("one CPU (no helper by design) or no AVX2 (no quantizer part)")
+    out = _probe_part(tmp_path, "cold")
+    assert out["started"] and out["nice_before"] == 0, out  # started at import, at this process's priority
+    assert out["part"] == "done" and out["quantizer_compiled_here"] == 0, out  # loaded from the helper's cache entry
+    assert out["nice_after"] == 19 and out["helper_children"] == [], out  # never a helper of the helper
+    # the GEMV compiled around the quantizer loaded from the cache computes what one compiled whole does, bit for bit
+    whole = _probe_part(tmp_path, "alone", GRAPHIR_NO_PRECOMPILE="1")
+    assert not whole["started"] and whole["quantizer_compiled_here"] == 1, whole
+    assert out["y"] == whole["y"]
+
+
+_PROBE_STARTED = r"""
+import numba, numpy as np
+from graphir.backends.cpu import kernels, precompile
+print(precompile._proc is not None)
+x = np.zeros((1, 4), np.float32)
+kernels.rms_norm.compile(tuple(numba.typeof(a) for a in (x, np.float32(1), x)))  # the cache no longer empty
+"""
+
+
+def test_a_warm_cache_starts_no_helper(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHIR_NO_PRECOMPILE"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+    started = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _PROBE_STARTED], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        started.append(r.stdout.split()[0])
+    assert started == ["True" if len(os.sched_getaffinity(0)) >= 2 else "False", "False"], started
+
+
+def test_get_rows_kernels_are_serial():
+    # a prompt's embedding rows are microseconds of copying; a parallel get_rows took 0.6-0.9 s longer to compile on
+    # the first run's way to its first token
+    from graphir.backends.cpu.matmul import _KERNELS
+
+    assert not _KERNELS["q8_0", "rows"].targetoptions.get("parallel")
+    assert _KERNELS["q4_1", "tile"].targetoptions.get("parallel")

@@ -34,7 +34,10 @@ else:
         from .program import CpuProgram, lower
         from .threads import get_threads, set_threads
 
-    compile_note.note_if_cold([kernels, matmul])  # before a command prints anything of its own
+    if compile_note.note_if_cold([kernels, matmul]):  # before a command prints anything of its own
+        from . import precompile
+
+        precompile.start()  # the helper's start-up overlaps the model's load (it gets its jobs when a Program binds)
     cache_load.install()
     nrt_cache.install()
 

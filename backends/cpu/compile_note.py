@@ -43,10 +43,13 @@ _LISTENER = _FirstCompileNote()
 event.register("numba:compile", _LISTENER)
 
 
-def note_if_cold(modules: list[Any]) -> None:
-    """Print the note now if numba's cache has no index file for any kernel of `modules` (a cold cache)."""
+def note_if_cold(modules: list[Any]) -> bool:
+    """Print the note now if numba's cache has no index file for any kernel of `modules` (a cold cache); whether
+    it is cold."""
     indexes = [getattr(getattr(getattr(d, "_cache", None), "_cache_file", None), "_index_path", None)
                for m in modules for d in vars(m).values() if isinstance(d, Dispatcher)]
     indexes = [i for i in indexes if i is not None]
-    if indexes and not any(os.path.exists(i) for i in indexes) and not _LISTENER.shown:
+    cold = bool(indexes) and not any(os.path.exists(i) for i in indexes)
+    if cold and not _LISTENER.shown:
         _LISTENER.show()
+    return cold

@@ -39,6 +39,8 @@ RECORD: list | None = None
 def _note(*uses: tuple) -> None:
     if RECORD is not None:
         RECORD.extend(uses)
+        for use in uses:
+            precompile.noted(use)  # a cold cache's helper may start on it before the binding ends
 
 
 # Elementwise kernels go parallel from this many elements: below it a parallel region's ~4 us

@@ -30,8 +30,8 @@ arrays carry no aliasing information). The dequantizers are therefore emitted as
 straight-line "load everything, then store" code, and exec'd with this file as
 their filename so numba's on-disk cache treats them like hand-written functions.
 
-One parallel kernel per (dtype, mode), mode "gemv" (few tokens), "tile" (prefill) or
-"rows" (get_rows), each compiled when a weight first needs it: numba re-optimizes every
+One kernel per (dtype, mode), mode "gemv" (few tokens), "tile" (prefill) or
+"rows" (get_rows, the one serial kernel), each compiled when a weight first needs it: numba re-optimizes every
 callee inside each parallel kernel that calls it, so the one kernel that used to serve
 all 12 dtypes and 3 modes took 14 s to compile on two cores, while SmolLM2's prefill
 needs two of these (q4_1 tile, q8_0 rows) at 1-4 s each. Each has exactly one signature
@@ -394,7 +394,7 @@ def _deq_source(name: str) -> str:
 MODES = ("gemv", "tile", "rows")  # few tokens; the tiled GEMM; get_rows (y[k] = W[ids[k]], x unused)
 
 _KERNEL = """
-@njit(fastmath=True, parallel=True, cache=True)
+@njit(fastmath=True, {parallel}cache=True)
 def _kernel_{name}_{mode}(w, w16, x, y, ids, tab, kv, nth):
     # w / w16: the weight rows as bytes / as uint16 words.
     n_out = {n_out}
@@ -426,13 +426,18 @@ _MODE_PARTS = {  # what differs between the modes: sizes, scratch, the dequantiz
     "rows": dict(n_out="ids.shape[0]", n_in="y.shape[1]", rt="GEMV_ROWS", scratch=_STACK, dst="y[r0:r0 + nr]",
                  then=""),
 }
+# get_rows is serial (prange runs as range): a prompt's embedding rows are a few microseconds of copying, a decode
+# step's one row less without a thread launch, and a parallel kernel took 1.8-1.9 s to compile against 1.0-1.3 s, on the
+# first run's way to its first token (q8_0 rows, SmolLM2's embedding; the same values, one multiply an element)
+_PARALLEL = {"gemv": "parallel=True, ", "tile": "parallel=True, ", "rows": ""}
 
 f32, u8, i8, u32 = np.float32, np.uint8, np.int8, np.uint32  # short names used by the generated source
 
 
 def _dtype_source(name: str) -> str:
     """Source of `_deq_<name>` and its kernels `_kernel_<name>_<mode>` for each of MODES."""
-    return _deq_source(name) + "".join(_KERNEL.format(name=name, mode=m, **_MODE_PARTS[m]) for m in MODES)
+    return _deq_source(name) + "".join(_KERNEL.format(name=name, mode=m, parallel=_PARALLEL[m], **_MODE_PARTS[m])
+                                       for m in MODES)
 
 
 def _kernel_source() -> str:

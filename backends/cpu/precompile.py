@@ -1,5 +1,5 @@
 """On a cold numba cache, a helper process compiles part of a model's kernels while this one compiles
-the rest: on 2 cores SmolLM2's first run after an install reaches its first token in 7.5 s, not 11.5.
+the rest: on 2 cores SmolLM2's first run after an install reaches its first token in 7-8 s, not 11.5-17.
 
 numba compiles under one process-wide lock, so threads cannot share the work; processes can, and
 numba's on-disk cache is where they meet. When a CPU Program binds its steps, lowering_rules records
@@ -7,18 +7,25 @@ the kernels they will call, in step order: matmul kernels ("matmul:q4_1:tile", "
 GEMVs of q8- / q16-activations ("intx:gemv_q16x") and numba kernels with the signature of their bound
 arguments ("kernel:<module>:<name>:<i>"). The one-token products a prefill's weights get in decode are
 the integer-x GEMV where the Program's pipeline runs q8- or q16-activations (the cpu pipeline), else the
-repacked f32 GEMV ("gemv:q4"). If two or more
-have no cache entry, `prepare` starts `python -m graphir.backends.cpu.precompile SIGS JOB...` with
-them in reverse order (then what decode steps call next: the one-token products of the same
-weights, the kernels again on one-row views, which numba types as contiguous), and compiles them itself
-in step order, so the two meet in the middle. The helper prints "running JOB" / "done JOB"; this
-process reads those lines itself when it looks (a reader thread got no time while it compiled).
-A job the helper is running is left for last (then loaded from the cache); a job still queued there
-this process claims on the helper's stdin and compiles (the helper skips it); a done one it loads.
+repacked f32 GEMV ("gemv:q4").
 
-The helper runs at the lowest priority (the parent's parallel kernels must never wait for the core
-it holds) and is killed at exit: numba writes a cache index last, so a killed helper leaves nothing
-half-written to load. GRAPHIR_NO_PRECOMPILE=1 turns it off; on one CPU, or off POSIX, it never starts.
+On an empty cache (an install's first run) the backend's import starts the helper, `python -m
+graphir.backends.cpu.precompile`, so its interpreter and numba's start-up overlap this process's model
+load. While a Program binds, an integer-x GEMV's quantizer goes to it at once ("part:gemv_q16x", a
+callee numba then loads from the cache when it compiles the GEMV). If two or more kernels have no cache
+entry, `prepare` sends it the rest on stdin: the parts, then the jobs in reverse order (then what decode
+steps call next: the one-token products of the same weights, the kernels again on one-row views, which
+numba types as contiguous), and compiles them itself in step order, so the two meet in the middle. The
+helper prints "running JOB" / "done JOB"; this process reads those lines itself when it looks (a reader
+thread got no time while it compiled). A job the helper is running (or a part of it) is left for last
+(then loaded from the cache); a job still queued there this process claims on the helper's stdin and
+compiles (the helper skips it); a done one it loads.
+
+The helper runs at this process's priority until this process has its first call's kernels, then at the
+lowest (the parent's parallel kernels must never wait for the core it holds; at nice 19 from the start it
+got almost no CPU beside any other busy program), and is killed at exit: numba writes a cache index last,
+so a killed helper leaves nothing half-written to load. GRAPHIR_NO_PRECOMPILE=1 turns it off; on one CPU,
+or off POSIX, it never starts.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from graphir import flags
 
 _jobs: dict[str, str] = {}  # job -> "queued", "running", "done" or "gone" (the helper ended first)
 _proc: subprocess.Popen | None = None
+_given = False  # prepare() has run: the helper has its jobs, or was stopped, or never started
+_files: list[str] = []  # the signatures' pickle, removed when the helper is stopped
 _buf = b""  # a progress line the helper has not finished writing
 
 
@@ -158,13 +167,42 @@ def prepare(recorded: list[tuple], pipeline: str | None = None) -> None:
     sharing them with a helper process when numba's cache is cold; otherwise leave them to compile
     (or load from the cache) at their first call, as numba does. `pipeline`: the passes the Program's
     graph came from, which say what its weights' one-token products call in decode."""
-    global _proc
-    if _proc is not None or os.name != "posix" or not sys.executable or _cpus() < 2 \
-            or flags.enabled("GRAPHIR_NO_PRECOMPILE"):
-        return  # (POSIX only: the progress pipe is read with select and non-blocking reads)
+    global _given
+    if _given or not _may_start():
+        return
+    _given = True  # the first Program's kernels decide; later Programs compile theirs at their first call
     names = _Jobs()
-    cold: list[str] = []  # the jobs of kernels with no cache entry yet, in step order
-    # what decode steps call next: the kernels on one-row views (small: first), the one-token products
+    cold, later = _cold_jobs(recorded, pipeline, names)
+    if len(cold) < 2:  # nothing to share: the first cold kernel is this process's own
+        if _proc is not None:
+            _stop(_proc)
+        return
+    parts = {job: _parts(job) for job in cold}
+    # the helper first compiles the parts of this process's jobs (unless noted() sent them), then works from the last
+    # step back, while this process goes from the first step on; they meet midway
+    theirs = [p for job in cold[1:] for p in parts[job] if p not in _jobs] + cold[:0:-1] + later
+    if not _send_jobs(names.sigs, theirs):  # no helper: this process compiles everything, as without one
+        return
+    # jobs the helper was compiling (or a part of) when this process came to them: loaded from the cache last
+    busy = []
+    for job in cold:
+        if state(job) == "running" or any(state(p) == "running" for p in parts[job]):
+            busy.append(job)
+        else:  # queued there: compile it here (its parts with it), telling the helper to skip it; or done: load it
+            for j in (*parts[job], job):
+                _claim(j)
+            _compile(job, names.sigs)
+    for job in busy:
+        for j in (*parts[job], job):
+            wait(j)
+        _compile(job, names.sigs)
+    _lowest_priority(_proc.pid)  # what it compiles now is for later steps, while this process's kernels run
+
+
+def _cold_jobs(recorded: list[tuple], pipeline: str | None, names: _Jobs) -> tuple[list[str], list[str]]:
+    """(the jobs of kernels with no cache entry yet, in step order; what decode steps call next: the kernels on
+    one-row views (small: first), the one-token products)."""
+    cold: list[str] = []
     rows1: list[str] = []
     later: list[str] = []
     int_x = int_x_products(pipeline)
@@ -183,32 +221,101 @@ def prepare(recorded: list[tuple], pipeline: str | None = None) -> None:
             if one_row_variant(sig) != sig:
                 rows1.append(names.kernel(use[1], one_row_variant(sig)))
         cold += [j for j in new if j not in cold]
-    later = [j for j in dict.fromkeys(rows1 + later) if j not in cold]
-    if len(cold) < 2:  # nothing to share: the first cold kernel is this process's own
+    return cold, [j for j in dict.fromkeys(rows1 + later) if j not in cold]
+
+
+def _parts(job: str) -> list[str]:
+    """Callees of `job`'s kernel that the helper may compile as jobs of their own before this process reaches the job:
+    numba then loads the callee from its cache while it compiles the kernel (the callee's module linked in as if
+    compiled in this process: the same machine code). The 16-bit-x GEMV's quantizer ("part:gemv_q16x"): 1.5-1.8 s
+    of its 4.4-5.9 s on 2 cores, the longest job this process has before the first token."""
+    if job != "intx:gemv_q16x":
+        return []
+    from . import gemv_q16x
+
+    return ["part:gemv_q16x"] if gemv_q16x.AVX2 and not _has_index(gemv_q16x.quantize_x) else []
+
+
+def _compile_part(module: str) -> None:
+    """Compile `module`'s quantizer for the arrays its prepare() binds (x, its codes, scales and sums: 2-D C)."""
+    kernels = importlib.import_module(f"{__package__}.{module}")
+    f32 = numba.types.Array(numba.float32, 2, "C")
+    kernels.quantize_x.compile((f32, f32.copy(dtype=numba.int16), f32, f32))
+
+
+def noted(use: tuple) -> None:
+    """A kernel use lowering_rules has just recorded while a Program binds: an integer-x GEMV's part goes to a started
+    helper at once, ~0.5 s before the binding (its weights repacked) ends and prepare() sends the rest."""
+    if _proc is None or _given or use[0] != "intx":
         return
-    # the helper works from the last step back, this process from the first step on; they meet midway
-    theirs = cold[:0:-1] + later
+    for part in _parts(f"intx:{use[1]}"):
+        if part not in _jobs and _send("", [part]):
+            _jobs[part] = "queued"
+
+
+def start() -> None:
+    """Start the helper now, before its jobs are known (the backend's import on a cold cache, the first run after
+    an install): its interpreter, imports and numba's start-up (~0.6 s on 2 cores) then overlap this process's
+    model load instead of delaying the helper's first kernel. prepare() sends the jobs, or stops it."""
+    global _proc
+    if _proc is not None or _given or not _may_start():
+        return
     try:
-        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
-            pickle.dump(names.sigs, f)
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        _proc = subprocess.Popen([sys.executable, "-m", __name__, f.name, *theirs], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    except (OSError, pickle.PicklingError):  # no helper: this process compiles everything, as without one
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", _HELPER_ENV: "1"}
+        _proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, env=env)
+    except OSError:  # no helper: prepare() tries again, and without one this process compiles everything
         return
     os.set_blocking(_proc.stdout.fileno(), False)
-    _jobs.update(dict.fromkeys(theirs, "queued"))
-    atexit.register(_stop, _proc, f.name)
-    busy = []  # jobs the helper was compiling when this process came to them: loaded from the cache last
-    for job in cold:
-        if state(job) == "running":
-            busy.append(job)
-        else:  # queued there: compile it here, telling the helper to skip it; or done there: load it
-            _claim(job)
-            _compile(job, names.sigs)
-    for job in busy:
-        wait(job)
-        _compile(job, names.sigs)
+    atexit.register(_stop, _proc)
+
+
+_HELPER_ENV = "GRAPHIR_PRECOMPILE_HELPER"  # set in the helper, whose import of the backend must not start another
+
+
+def _may_start() -> bool:
+    # POSIX only: the progress pipe is read with select and non-blocking reads
+    return os.name == "posix" and bool(sys.executable) and _cpus() >= 2 and not flags.enabled("GRAPHIR_NO_PRECOMPILE") \
+        and _HELPER_ENV not in os.environ
+
+
+def _send_jobs(sigs: list, jobs: list[str]) -> bool:
+    """Give the helper (started now unless start() did) the rest of its jobs, their signatures in a pickle file."""
+    start()
+    if _proc is None:
+        return False
+    try:
+        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", delete=False) as f:
+            pickle.dump(sigs, f)
+    except (OSError, pickle.PicklingError):
+        _stop(_proc)
+        return False
+    _files.append(f.name)
+    if not _send(f.name, jobs, last=True):
+        return False
+    _jobs.update(dict.fromkeys(jobs, "queued"))
+    return True
+
+
+def _send(sigs_file: str, jobs: list[str], last: bool = False) -> bool:
+    """One line to the helper: "+SIGS_FILE<tab>JOB JOB ..." queues jobs, "end" follows the last (a line without "+"
+    claims a job: _claim)."""
+    try:
+        _proc.stdin.write(f"+{sigs_file}\t{' '.join(jobs)}\n{'end' + chr(10) if last else ''}".encode())
+        _proc.stdin.flush()
+    except OSError:  # the helper has ended
+        return False
+    return True
+
+
+def _lowest_priority(pid: int) -> None:
+    """nice 19 for the helper: this process's parallel kernels must never wait for the core it holds. Until then it
+    runs at this process's priority: at nice 19 beside any other busy program on 2 cores it got almost no CPU, and
+    this process waited for its kernels (2x their compile time at load ~1)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+    except (OSError, AttributeError):
+        pass
 
 
 def _claim(job: str) -> None:
@@ -249,14 +356,15 @@ def _poll(timeout: float = 0.0) -> None:
             _jobs[job] = st
 
 
-def _stop(proc: subprocess.Popen, sigs_file: str) -> None:
+def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    try:
-        os.unlink(sigs_file)
-    except OSError:
-        pass
+    while _files:
+        try:
+            os.unlink(_files.pop())
+        except OSError:
+            pass
 
 
 WAIT_S = 600  # a helper stuck this long on one kernel is ignored: this process compiles it itself
@@ -287,35 +395,48 @@ def _compile(job: str, sigs: list | None = None) -> None:
         compile_gemv(*args)
     elif kind == "intx":
         _compile_int_x(args[0])
+    elif kind == "part":
+        _compile_part(args[0])
     elif kind == "kernel":
         dispatcher, sig = _dispatcher(job, sigs)
         dispatcher.compile(sig)
     else:
         raise ValueError(f"precompile: unknown job {job!r} (matmul:<dtype>:<mode>, gemv:<q4|q8>, "
-                         f"intx:<module> or kernel:...)")
+                         f"intx:<module>, part:<module> or kernel:...)")
 
 
-def _helper(sigs_file: str, jobs: list[str]) -> None:
-    """The helper process: compile `jobs` in order, skipping those the parent has claimed (on stdin),
-    at the lowest priority, so that the parent's kernels never wait for a core this process holds."""
+def _helper() -> None:
+    """The helper process: compile the jobs that come on stdin in order, skipping those the parent has claimed (lines
+    of _send and _claim); end after the last list ("end") or when stdin closes. It runs at the parent's priority
+    until the parent lowers it (_lowest_priority)."""
     if hasattr(os, "sched_setscheduler"):
         try:  # a parent at real-time priority (benchmarks run under chrt) would make this one real-time too
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         except OSError:
             pass
-    os.nice(19)
-    with open(sigs_file, "rb") as f:
-        sigs = pickle.load(f)
-    os.set_blocking(sys.stdin.fileno(), False)
+    from numba.core.registry import cpu_target
+
+    cpu_target.target_context.refresh()  # numba's start-up for a compile (~0.2 s), while the parent still loads
+    cpu_target.typing_context.refresh()
+    queue: list[tuple[str, list]] = []  # (job, the signatures of its list)
     claimed: set[str] = set()
-    pending = b""
-    for job in jobs:
-        try:
-            pending += os.read(sys.stdin.fileno(), 65536)
-        except BlockingIOError:
-            pass
-        *lines, pending = pending.split(b"\n")
-        claimed.update(line.decode() for line in lines)
+    lines = _Lines(sys.stdin.fileno())
+    ended = False
+    while True:
+        for line in lines.read(block=not queue and not ended):
+            if line.startswith("+"):
+                sigs_file, _, names = line[1:].partition("\t")
+                sigs = _load_sigs(sigs_file) if sigs_file else []
+                queue += [(job, sigs) for job in names.split()]
+            elif line == "end":
+                ended = True
+            else:
+                claimed.add(line)
+        if lines.closed and not queue or ended and not queue:
+            return
+        if not queue:
+            continue
+        job, sigs = queue.pop(0)
         if job in claimed:
             continue
         print("running", job, flush=True)
@@ -323,5 +444,35 @@ def _helper(sigs_file: str, jobs: list[str]) -> None:
         print("done", job, flush=True)
 
 
+def _load_sigs(path: str) -> list:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+class _Lines:
+    """Whole lines from a file descriptor: read(block=True) waits for at least one (or the end of the input)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pending, self.closed = fd, b"", False
+        os.set_blocking(fd, False)
+
+    def read(self, block: bool) -> list[str]:
+        while not self.closed:
+            if block and b"\n" not in self.pending:
+                select.select([self.fd], [], [])
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                chunk = None
+            if chunk == b"":
+                self.closed = True
+            elif chunk:
+                self.pending += chunk
+            if not block or b"\n" in self.pending:
+                break
+        *lines, self.pending = self.pending.split(b"\n")
+        return [line.decode() for line in lines]
+
+
 if __name__ == "__main__":
-    _helper(sys.argv[1], sys.argv[2:])
+    _helper()
