@@ -260,10 +260,16 @@ def start() -> None:
     global _proc
     if _proc is not None or _given or not _may_start():
         return
+    # the helper imports this process's graphir: -P keeps the working directory off its path (python -m puts it
+    # first, so a checkout there would give the helper other sources, whose kernels land under other cache keys)
+    import graphir
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(graphir.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     try:
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", _HELPER_ENV: "1"}
-        _proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, env=env)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", _HELPER_ENV: "1", "PYTHONPATH": path}
+        _proc = subprocess.Popen([sys.executable, "-P", "-m", __name__], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     except OSError:  # no helper: prepare() tries again, and without one this process compiles everything
         return
     os.set_blocking(_proc.stdout.fileno(), False)
