@@ -30,7 +30,10 @@ GEOMETRY = "auto"
 # Products of 8,192 inputs or more below 512 tiles take t2w16: Qwen3-8B q4_0's captured step (same sweep,
 # 2026-12-04) 2,415 us as above, 2,185 with its down GEMVs (4096x12288) at t2w16, 2,189 with o and q|k|v too
 # (4096 inputs), 2,454 with those at t2w8 and 2,511 at t1w16.
-AUTO = (("t4w4", 4096), ("t2w4", 512), ("t2w16", 0, 8192), ("t1w8", 0))
+# From 512 tiles t2w8 (t2w4 until then): Qwen3-8B q4_0's fused gate|up + swiglu takes the warps of this entry,
+# and its captured step took 2,144.2-2,156.9 us at t2w8 against 2,172.5-2,174.0 at t2w4, three sweeps each
+# alternated (profile_gpu_decode.py --tc-swiglu "auto+t2w8+...", 2026-12-04).
+AUTO = (("t4w4", 4096), ("t2w8", 512), ("t2w16", 0, 8192), ("t1w8", 0))
 # mul_mat_swiglu's fused kernel (gemv_tc_sw_q4_0_t2w<W>, FOR_EACH_GEMV_TC_SW): "auto" takes the W of the plain
 # product's geometry, so the fused rows are that product's then swiglu_halves_f32 bit for bit; "t2w<W>" a given
 # one; None keeps the plain product and the swiglu launch (for measurements).
