@@ -12,6 +12,30 @@ import os
 import subprocess
 import sys
 
+
+# The probes' case (also tests/test_cpu_nrt_cache.py's): `calls` runs of the parallel attention kernel on a small
+# GQA cache, `out` and its numpy formula `ref` left for the probe's report.
+def attention_case(calls: int = 1) -> str:
+    return f"""
+rng = np.random.default_rng(5)
+n, hq, hk, d, cap, kv = 3, 6, 2, 24, 11, 7
+q = rng.standard_normal((n, hq, d)).astype(np.float32)
+k = rng.standard_normal((cap, hk, d)).astype(np.float32)
+v = rng.standard_normal((cap, hk, d)).astype(np.float32)
+pos = np.array([4, 5, 6], np.int32)
+out = np.full((n, hq, d), np.nan, np.float32)
+for _ in range({calls}):
+    K.attention(q, k, v, pos, np.array([kv], np.int32), np.float32(0.2), 0, out)
+ref = np.empty_like(out)
+for t in range(n):
+    for h in range(hq):
+        keys = slice(0, min(kv, pos[t] + 1))
+        s = 0.2 * (k[keys, h // (hq // hk)] @ q[t, h])
+        p = np.exp(s - s.max())
+        ref[t, h] = (p / p.sum()) @ v[keys, h // (hq // hk)]
+"""
+
+
 _ATTENTION = r"""
 import json, sys
 import numpy as np
@@ -20,21 +44,7 @@ from numba.core import base
 refreshes = []
 _refresh = base.BaseContext.refresh
 base.BaseContext.refresh = lambda self: (refreshes.append(1), _refresh(self))[1]  # numba's full start-up
-rng = np.random.default_rng(5)
-n, hq, hk, d, cap, kv = 3, 6, 2, 24, 11, 7
-q = rng.standard_normal((n, hq, d)).astype(np.float32)
-k = rng.standard_normal((cap, hk, d)).astype(np.float32)
-v = rng.standard_normal((cap, hk, d)).astype(np.float32)
-pos = np.array([4, 5, 6], np.int32)
-out = np.full((n, hq, d), np.nan, np.float32)
-K.attention(q, k, v, pos, np.array([kv], np.int32), np.float32(0.2), 0, out)
-ref = np.empty_like(out)
-for t in range(n):
-    for h in range(hq):
-        keys = slice(0, min(kv, pos[t] + 1))
-        s = 0.2 * (k[keys, h // (hq // hk)] @ q[t, h])
-        p = np.exp(s - s.max())
-        ref[t, h] = (p / p.sum()) @ v[keys, h // (hq // hk)]
+""" + attention_case() + r"""
 print(json.dumps({"close": bool(np.allclose(out, ref, rtol=1e-5, atol=1e-6)),
                   "compiled": sum(K.attention.stats.cache_misses.values()),
                   "refreshed": bool(refreshes), "registries": "numba.np.linalg" in sys.modules}))

@@ -12,6 +12,9 @@ import os
 import subprocess
 import sys
 
+from test_cpu_cache_load import attention_case
+
+# the attention case run three times: each call allocates and frees through the NRT's functions
 _PROBE = r"""
 import json
 import numpy as np
@@ -26,22 +29,7 @@ def write(path, state):
     seen["written"] += 1
     _write(path, state)
 nrt_cache.read, nrt_cache.write = read, write
-rng = np.random.default_rng(5)
-n, hq, hk, d, cap, kv = 3, 6, 2, 24, 11, 7
-q = rng.standard_normal((n, hq, d)).astype(np.float32)
-k = rng.standard_normal((cap, hk, d)).astype(np.float32)
-v = rng.standard_normal((cap, hk, d)).astype(np.float32)
-pos = np.array([4, 5, 6], np.int32)
-out = np.full((n, hq, d), np.nan, np.float32)
-for _ in range(3):  # allocates and frees through the NRT each call
-    K.attention(q, k, v, pos, np.array([kv], np.int32), np.float32(0.2), 0, out)
-ref = np.empty_like(out)
-for t in range(n):
-    for h in range(hq):
-        keys = slice(0, min(kv, pos[t] + 1))
-        s = 0.2 * (k[keys, h // (hq // hk)] @ q[t, h])
-        p = np.exp(s - s.max())
-        ref[t, h] = (p / p.sum()) @ v[keys, h // (hq // hk)]
+""" + attention_case(calls=3) + r"""
 print(json.dumps({**seen, "close": bool(np.allclose(out, ref, rtol=1e-5, atol=1e-6))}))
 """
 
