@@ -1,5 +1,5 @@
 """On a cold numba cache, a helper process compiles part of a model's kernels while this one compiles
-the rest: on 2 cores SmolLM2's first run after an install reaches its first token in 6.8-9.7 s, not 11.5-17.
+the rest: on 2 cores SmolLM2's first run after an install reaches its first token in 6.6-9.7 s, not 11.5-17.
 
 numba compiles under one process-wide lock, so threads cannot share the work; processes can, and
 numba's on-disk cache is where they meet. When a CPU Program binds its steps, lowering_rules records
