@@ -35,7 +35,7 @@ from graphir.errors import GraphError, InputError, LoadError
 from graphir.generate import SAMPLING_INPUT, TOKEN_OUTPUT, Settings, check_max_new_tokens, generate, with_sampler
 from graphir.ir import Graph
 from graphir.models import loader, presets, registry
-from graphir.models.default_model import DEFAULT_MODEL
+from graphir.models.default_model import DEFAULT_MODEL, check_spec
 from graphir.models.family import ModelConfig
 from graphir.models.hf_dir import TOKENIZER_FILE
 from graphir.ops import SAMPLING_FIELDS
@@ -457,6 +457,7 @@ def load(spec: str | os.PathLike[str] = DEFAULT_MODEL, backend: str = "auto", dt
     `kv_slots` N: the KV cache is a pool of N slots addressed through a slot map (graphir/kv_slots.py;
     the llama family's models: Llama, Mistral, Qwen2, Qwen3); a sequence holds at most min(ctx, N) tokens."""
     t0 = time.perf_counter()
+    check_spec(str(spec))
     if threads is not None:
         from graphir.backends.cpu.threads import set_threads
 

@@ -35,7 +35,7 @@ from graphir.backends.registry import AUTO, BACKENDS
 from graphir.dump import FORMATS, diff_graphs, dump, load_json, parse_layers
 from graphir.errors import GraphirError, LoadError
 from graphir.ir import Graph
-from graphir.models.default_model import DEFAULT_MODEL
+from graphir.models.default_model import DEFAULT_MODEL, check_spec
 from graphir.models.hf_dir import TOKENIZER_FILE, read_text
 from graphir.models.loader import DEFAULT_MAX_CTX, check_dtype
 from graphir.passes import AUTO as AUTO_PIPELINE
@@ -501,6 +501,7 @@ def _check_runnable(spec: str) -> None:
     """What `run` can tell before loading: a graph file has no weights, an HF directory needs its tokenizer."""
     if spec.endswith(".json"):
         raise _no_weights(spec)
+    check_spec(spec)
     path = Path(spec)
     # a folder without config.json is no model folder: load() names that, the missing tokenizer would mislead
     if path.is_dir() and (path / "config.json").is_file() and not (path / TOKENIZER_FILE).is_file():

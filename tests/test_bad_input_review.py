@@ -358,3 +358,13 @@ def test_gguf_chat_template_that_is_no_string_is_named():
         Tokenizer.from_gguf(md, source="m.gguf")
     md["tokenizer.chat_template"] = "{{ x }}"
     assert Tokenizer.from_gguf(md, source="m.gguf").chat_template == "{{ x }}"
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_model_spec_is_named(spec, tmp_path, monkeypatch):
+    """"" read as the current folder: 'config.json: file not found', or whatever model sat in the working
+    directory loaded without a word."""
+    monkeypatch.chdir(hf_dir(tmp_path))  # a loadable model where "" would have pointed
+    with raises(InputError, f"the model is {spec!r}", "random:<preset>"):
+        graphir.load(spec, backend="reference")
+    assert "the model is ''" in cli_error("run", "", "-n", "1", "--backend", "reference")
