@@ -14,6 +14,7 @@ skipped: the pipeline runs as if there were none.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -47,6 +48,35 @@ def file_identity(path: str | os.PathLike[str]) -> list[Any] | None:
     except OSError:
         return None
     return [os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+_SEAL = 32  # bytes of blake2b over a sealed entry's payload, stored after its magic
+
+
+def read_sealed(path: Path, magic: bytes) -> bytes | None:
+    """The payload of an entry write_sealed kept at `path`, or None where there is none or its bytes do not match
+    the digest stored before them (a truncated or overwritten entry misses before anything parses it)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(magic) + _SEAL
+    if data[:len(magic)] != magic or hashlib.blake2b(data[head:], digest_size=_SEAL).digest() != data[len(magic):head]:
+        return None
+    return data[head:]
+
+
+def write_sealed(path: Path, magic: bytes, payload: bytes) -> None:
+    """Keep `payload` at `path` behind `magic` and its digest, written whole or not at all (a temporary file
+    replaced into place); nothing where the disk refuses."""
+    tmp = path.with_name(f".{os.getpid()}.{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(magic + hashlib.blake2b(payload, digest_size=_SEAL).digest() + payload)
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a cache folder that cannot exist (a file in its place)
+            tmp.unlink(missing_ok=True)
 
 
 @functools.cache

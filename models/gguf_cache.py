@@ -13,7 +13,6 @@ GRAPHIR_NO_HEADER_CACHE=1: neither read nor written.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -24,7 +23,6 @@ from typing import Any
 from graphir import flags, graph_cache
 
 MAGIC = b"graphir gguf header 1\n"
-_DIGEST = 32  # bytes of blake2b over the pickled entry, stored after MAGIC
 
 
 @functools.cache
@@ -53,13 +51,11 @@ def read(path: str | os.PathLike[str], mm: Any) -> dict[str, Any] | None:
     ident = identity(path)
     if ident is None:
         return None
+    payload = graph_cache.read_sealed(entry_path(ident), MAGIC)
+    if payload is None:
+        return None
     try:
-        data = entry_path(ident).read_bytes()
-        head = len(MAGIC) + _DIGEST
-        if data[:len(MAGIC)] != MAGIC or hashlib.blake2b(data[head:], digest_size=_DIGEST).digest() != \
-                data[len(MAGIC):head]:
-            return None
-        entry = pickle.loads(data[head:])
+        entry = pickle.loads(payload)
         state = entry["state"]
         end = state["data_offset"]
         if entry["key"] != [ident, code_hash()] or not 0 < end <= len(mm) or \
@@ -77,14 +73,9 @@ def write(path: str | os.PathLike[str], mm: Any, state: dict[str, Any]) -> None:
     ident = identity(path)
     if ident is None:
         return
-    target = entry_path(ident)
-    tmp = target.with_name(f".{os.getpid()}.{target.name}.tmp")
     try:
         entry = {"key": [ident, code_hash()], "header": _header_digest(mm, state["data_offset"]), "state": state}
         payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload)
-        tmp.replace(target)
-    except (OSError, pickle.PicklingError):
-        with contextlib.suppress(OSError):  # a cache folder that cannot exist (a file in its place)
-            tmp.unlink(missing_ok=True)
+    except pickle.PicklingError:
+        return
+    graph_cache.write_sealed(entry_path(ident), MAGIC, payload)

@@ -15,9 +15,7 @@ GRAPHIR_NO_NRT_CACHE=1: neither read nor written. Where: $GRAPHIR_CACHE_DIR/nrt 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,6 @@ from typing import Any
 from graphir import flags, graph_cache
 
 MAGIC = b"graphir nrt library 1\n"
-_DIGEST = 32  # bytes of blake2b over the rest, stored after MAGIC
 
 
 def install() -> bool:
@@ -83,16 +80,11 @@ def entry_path(entry_key: str) -> Path:
 
 def read(path: Path) -> tuple[str, str, tuple[bytes, bytes]] | None:
     """numba's serialized state of the kept library, or None where there is none to trust."""
-    try:
-        data = path.read_bytes()
-    except OSError:
+    data = graph_cache.read_sealed(path, MAGIC)
+    if data is None or len(data) < 8:
         return None
-    head = len(MAGIC) + _DIGEST
-    if data[:len(MAGIC)] != MAGIC or hashlib.blake2b(data[head:], digest_size=_DIGEST).digest() != \
-            data[len(MAGIC):head] or len(data) < head + 8:
-        return None
-    n_object, n_bitcode = struct.unpack_from("<II", data, head)
-    body = data[head + 8:]
+    n_object, n_bitcode = struct.unpack_from("<II", data, 0)
+    body = data[8:]
     if n_object + n_bitcode != len(body):
         return None
     return "nrt", "object", (body[:n_object], body[n_object:])
@@ -104,11 +96,4 @@ def write(path: Path, state: tuple[str, str, tuple[bytes, bytes]]) -> None:
     if (name, kind) != ("nrt", "object"):
         return
     payload = struct.pack("<II", len(object_code), len(bitcode)) + object_code + bitcode
-    tmp = path.with_name(f".{os.getpid()}.{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload)
-        tmp.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    graph_cache.write_sealed(path, MAGIC, payload)
