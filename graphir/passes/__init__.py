@@ -47,7 +47,10 @@ class Pass:
         unknown = set(options) - set(self.options)
         if unknown:
             raise GraphError(f"pass {self.name!r}: unknown options {sorted(unknown)}; it takes {sorted(self.options)}")
-        return self.impl(**options)
+        try:
+            return self.impl(**options)
+        except GraphError as e:  # the pass's own checks of its values (rewrite.check_options), named here
+            raise GraphError(f"pass {self.name!r}: {e}") from None
 
     def __call__(self, graph: Graph, **options: Any) -> Graph:
         return self.configured(**options)(graph)

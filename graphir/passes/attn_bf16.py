@@ -28,7 +28,7 @@ class AttnBf16:
     max_decode_queries: int = 16  # backends/gpu/attention.py DECODE_MAX_QUERIES
 
     def __post_init__(self) -> None:
-        check_options("attn-bf16", 0, max_decode_queries=self.max_decode_queries)
+        check_options(0, max_decode_queries=self.max_decode_queries)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "flash_attn":

@@ -35,7 +35,7 @@ class GemmBf16:
     min_rows: int = 17
 
     def __post_init__(self) -> None:
-        check_options("gemm-bf16", 1, min_rows=self.min_rows)
+        check_options(1, min_rows=self.min_rows)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op != "mul_mat":

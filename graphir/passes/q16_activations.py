@@ -29,7 +29,6 @@ from graphir.passes.q8_activations import Q8Activations
                                   "-> mul_mat_q16x (x in 16-bit blocks, integer dot products): decode GEMV, cpu")
 @dataclass(frozen=True)
 class Q16Activations(Q8Activations):
-    NAME: ClassVar[str] = "q16-activations"
     OP: ClassVar[str] = "mul_mat_q16x"
     FORMATS: ClassVar[tuple[str, ...]] = Q16X_FORMATS
     WHY_NOT: ClassVar[str] = "has no 16-bit-activation GEMV"

@@ -43,13 +43,12 @@ from graphir.passes.rewrite import Rewriter, check_options, is_weight_matrix, re
 @dataclass(frozen=True)
 class Q8Activations:
     max_rows: int = 1
-    NAME: ClassVar[str] = "q8-activations"
-    OP: ClassVar[str] = "mul_mat_q8x"  # what a match becomes; q16-activations subclasses with its own four
+    OP: ClassVar[str] = "mul_mat_q8x"  # what a match becomes; q16-activations subclasses with its own three
     FORMATS: ClassVar[tuple[str, ...]] = Q8X_FORMATS
     WHY_NOT: ClassVar[str] = "has no integer-code GEMV"
 
     def __post_init__(self) -> None:
-        check_options(self.NAME, 0, max_rows=self.max_rows)
+        check_options(0, max_rows=self.max_rows)
 
     def _match(self, n: Node, rw: Rewriter) -> Node | None:
         if n.op not in ("mul_mat", "mul_mat_swiglu"):

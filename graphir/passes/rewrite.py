@@ -136,8 +136,9 @@ def rewrite(graph: Graph, rules: list[Rule]) -> Graph:
     return Rewriter(graph, rules).run()
 
 
-def check_options(pass_name: str, minimum: int, **options: int) -> None:
-    """A pass's count options at least `minimum`: a negative row count matched nothing without a word."""
+def check_options(minimum: int, **options: int) -> None:
+    """A pass's count options at least `minimum` (called from its __post_init__; Pass.configured names the pass):
+    a negative row count matched nothing without a word."""
     for key, value in options.items():
         if value < minimum:
-            raise GraphError(f"pass {pass_name!r}: option {key}={value} must be >= {minimum}")
+            raise GraphError(f"option {key}={value} must be >= {minimum}")

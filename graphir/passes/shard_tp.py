@@ -302,8 +302,8 @@ class ShardTP:
     rank: int = -1  # >= 0: only what that rank runs (graphir.tp.rank_graph), e.g. to dump it
 
     def __post_init__(self) -> None:
-        check_options("shard-tp", 1, n=self.n)
-        check_options("shard-tp", -1, rank=self.rank)  # -1: every rank
+        check_options(1, n=self.n)
+        check_options(-1, rank=self.rank)  # -1: every rank
 
     def __call__(self, graph: Graph) -> Graph:
         sharded = shard(graph, self.n)

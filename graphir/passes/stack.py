@@ -125,7 +125,7 @@ class StackProjections:
     max_rows: int = 16  # decode and verify calls: the GPU's mat-vec takes up to 16 rows (its GEMV_MAX_TOKENS)
 
     def __post_init__(self) -> None:
-        check_options("stack-projections", 0, max_rows=self.max_rows)
+        check_options(0, max_rows=self.max_rows)
 
     def __call__(self, graph: Graph) -> Graph:
         return rewrite(graph, [(lambda mm, rw: _group(mm, rw, self.max_rows), _stack)])
