@@ -438,7 +438,7 @@ def _helper() -> None:
                 ended = True
             else:
                 claimed.add(line)
-        if lines.closed and not queue or ended and not queue:
+        if not queue and (lines.closed or ended):
             return
         if not queue:
             continue
