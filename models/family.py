@@ -265,16 +265,22 @@ def hf_default_rope(hf: Mapping[str, Any], label: str) -> Mapping[str, Any]:
     none), which must be the default rope: rope scaling is not supported. Both keys are checked: transformers
     also applies a legacy rope_scaling found beside rope_parameters (Qwen2.5's cards say to add a YaRN block to
     config.json, which a transformers 5 save already gives rope_parameters)."""
+    check_rope_objects(hf, label)
     for key in ("rope_parameters", "rope_scaling"):
-        rope = hf.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, Mapping):
-            raise LoadError(f"{label}: {key} must be an object, got {type(rope).__name__} {rope!r}")
+        rope = hf.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise LoadError(f"{label}: rope scaling {kind!r} is not supported")
     return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def check_rope_objects(hf: Mapping[str, Any], label: str) -> None:
+    """An HF config's rope_parameters and rope_scaling, where present, are objects (5 was a TypeError or an
+    AttributeError wherever a family read them)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if rope is not None and not isinstance(rope, Mapping):
+            raise LoadError(f"{label}: {key} must be an object, got {type(rope).__name__} {rope!r}")
 
 
 def rename_hf(config: Any, raw: Weights, names: NameMap, skipped: Callable[[str], bool],

@@ -35,6 +35,7 @@ from . import random_init
 from .family import (
     Family,
     ParamNodes,
+    check_rope_objects,
     check_rules,
     check_weights,
     checked_config,
@@ -317,9 +318,7 @@ def _hf_pattern(hf: Mapping[str, Any], n_layers: int, label: str) -> tuple[bool,
 def _hf_rope(hf: Mapping[str, Any], label: str) -> tuple[tuple[float, float], tuple[float, float]]:
     """((theta, freq_scale) of global layers, the same of sliding layers). transformers 5 writes
     rope_parameters per layer kind; older configs rope_theta, rope_local_base_freq and rope_scaling."""
-    for key in ("rope_parameters", "rope_scaling"):  # dict(5) was a TypeError
-        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
-            raise LoadError(f"{label}: {key} must be an object, got {type(hf[key]).__name__} {hf[key]!r}")
+    check_rope_objects(hf, label)  # dict(5) below was a TypeError
     params = hf.get("rope_parameters") or {}
     if "full_attention" not in params:
         legacy = dict(hf.get("rope_scaling") or {})
